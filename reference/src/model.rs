@@ -1,0 +1,187 @@
+//! The reference forward pass: one token at a time, f32 everywhere.
+//!
+//! Llama family: embed → for each layer { x += o_proj(attend(rope(q), rope(k), v)) on
+//! rmsnorm(x); x += down(silu(gate(h)) * up(h)) on h = rmsnorm(x) } → rmsnorm → lm_head.
+
+use crate::attention::attend;
+use crate::config::Config;
+use crate::kv_cache::{KvConfig, LayerCache};
+use crate::rope::Rope;
+
+/// One decoder layer's weights, row-major `(out_features, in_features)` as in HF files.
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    /// (hidden)
+    pub attn_norm: Vec<f32>,
+    /// (q_dim, hidden)
+    pub wq: Vec<f32>,
+    /// (kv_dim, hidden)
+    pub wk: Vec<f32>,
+    /// (kv_dim, hidden)
+    pub wv: Vec<f32>,
+    /// (hidden, q_dim)
+    pub wo: Vec<f32>,
+    /// Qwen2-style projection biases: (q_dim), (kv_dim), (kv_dim).
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    /// (hidden)
+    pub ffn_norm: Vec<f32>,
+    /// (intermediate, hidden)
+    pub w_gate: Vec<f32>,
+    /// (intermediate, hidden)
+    pub w_up: Vec<f32>,
+    /// (hidden, intermediate)
+    pub w_down: Vec<f32>,
+}
+
+/// All weights of a model, dequantised to f32.
+#[derive(Debug, Clone)]
+pub struct Weights {
+    /// (vocab, hidden)
+    pub embed: Vec<f32>,
+    pub layers: Vec<LayerWeights>,
+    /// (hidden)
+    pub norm: Vec<f32>,
+    /// (vocab, hidden); `None` when tied to `embed`.
+    pub lm_head: Option<Vec<f32>>,
+}
+
+/// A model ready to run.
+#[derive(Debug, Clone)]
+pub struct Model {
+    pub cfg: Config,
+    pub weights: Weights,
+    pub rope: Rope,
+}
+
+/// Per-sequence decoding state: one cache per layer.
+#[derive(Debug, Clone)]
+pub struct State {
+    pub caches: Vec<LayerCache>,
+    /// When set, the last step's attention weights per layer, `(n_heads, stored)`.
+    pub record_probs: bool,
+    pub probs: Vec<Vec<f32>>,
+}
+
+impl State {
+    pub fn new(cfg: &Config, kv: &KvConfig) -> Self {
+        State {
+            caches: (0..cfg.n_layers)
+                .map(|_| LayerCache::new(kv, cfg.n_kv_heads, cfg.head_dim))
+                .collect(),
+            record_probs: false,
+            probs: vec![Vec::new(); cfg.n_layers],
+        }
+    }
+}
+
+/// `out[r] = Σ_c w[r, c] · x[c]` for a row-major `(rows, x.len())` matrix.
+pub fn matvec(w: &[f32], x: &[f32], out: &mut [f32]) {
+    let cols = x.len();
+    assert_eq!(w.len(), out.len() * cols);
+    for (r, o) in out.iter_mut().enumerate() {
+        let row = &w[r * cols..(r + 1) * cols];
+        let mut acc = 0.0f32;
+        for c in 0..cols {
+            acc += row[c] * x[c];
+        }
+        *o = acc;
+    }
+}
+
+/// RMSNorm: `out = x / sqrt(mean(x²) + eps) · weight`.
+pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let mut ss = 0.0f32;
+    for v in x {
+        ss += v * v;
+    }
+    let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    for i in 0..x.len() {
+        out[i] = weight[i] * (x[i] * inv);
+    }
+}
+
+/// SiLU: `x · sigmoid(x)`.
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+impl Model {
+    pub fn new(cfg: Config, weights: Weights) -> Self {
+        let rope = Rope::new(&cfg);
+        Model { cfg, weights, rope }
+    }
+
+    /// Runs one token at absolute position `pos` and returns the logits over the vocabulary.
+    pub fn forward(&self, state: &mut State, token: u32, pos: usize) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let (hidden, hd) = (cfg.hidden_size, cfg.head_dim);
+        let t = token as usize;
+        assert!(t < cfg.vocab_size, "token id {t} out of range");
+        let mut x = self.weights.embed[t * hidden..(t + 1) * hidden].to_vec();
+        let mut h = vec![0.0f32; hidden];
+        let mut q = vec![0.0f32; cfg.q_dim()];
+        let mut k = vec![0.0f32; cfg.kv_dim()];
+        let mut v = vec![0.0f32; cfg.kv_dim()];
+        let mut att = vec![0.0f32; cfg.q_dim()];
+        let mut proj = vec![0.0f32; hidden];
+        let mut gate = vec![0.0f32; cfg.intermediate_size];
+        let mut up = vec![0.0f32; cfg.intermediate_size];
+        let _ = hd;
+
+        for (l, lw) in self.weights.layers.iter().enumerate() {
+            rmsnorm(&x, &lw.attn_norm, cfg.rms_norm_eps, &mut h);
+            matvec(&lw.wq, &h, &mut q);
+            matvec(&lw.wk, &h, &mut k);
+            matvec(&lw.wv, &h, &mut v);
+            add_bias(&mut q, lw.bq.as_deref());
+            add_bias(&mut k, lw.bk.as_deref());
+            add_bias(&mut v, lw.bv.as_deref());
+            let probs = if state.record_probs {
+                Some(&mut state.probs[l])
+            } else {
+                None
+            };
+            attend(
+                cfg,
+                &self.rope,
+                &mut state.caches[l],
+                &q,
+                &k,
+                &v,
+                pos,
+                &mut att,
+                probs,
+            );
+            matvec(&lw.wo, &att, &mut proj);
+            for i in 0..hidden {
+                x[i] += proj[i];
+            }
+
+            rmsnorm(&x, &lw.ffn_norm, cfg.rms_norm_eps, &mut h);
+            matvec(&lw.w_gate, &h, &mut gate);
+            matvec(&lw.w_up, &h, &mut up);
+            for i in 0..gate.len() {
+                gate[i] = silu(gate[i]) * up[i];
+            }
+            matvec(&lw.w_down, &gate, &mut proj);
+            for i in 0..hidden {
+                x[i] += proj[i];
+            }
+        }
+        rmsnorm(&x, &self.weights.norm, cfg.rms_norm_eps, &mut h);
+        let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
+        let mut logits = vec![0.0f32; cfg.vocab_size];
+        matvec(head, &h, &mut logits);
+        logits
+    }
+}
+
+fn add_bias(x: &mut [f32], b: Option<&[f32]>) {
+    if let Some(b) = b {
+        for (xi, bi) in x.iter_mut().zip(b) {
+            *xi += bi;
+        }
+    }
+}

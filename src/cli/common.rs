@@ -1,0 +1,191 @@
+//! Flags shared by several subcommands: the KV cache settings and the engine choice.
+
+use crate::error::{Error, Result};
+use crate::kv_cache::{KvConfig, PositionsMode, Precision};
+use crate::model::WeightsDType;
+use crate::weights::{Format, ModelFiles};
+use clap::{Args, ValueEnum};
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum KvQuantize {
+    Fp32,
+    Fp16,
+    Bf16,
+    Int8,
+    Int4,
+}
+
+impl From<KvQuantize> for Precision {
+    fn from(k: KvQuantize) -> Precision {
+        match k {
+            KvQuantize::Fp32 => Precision::Fp32,
+            KvQuantize::Fp16 => Precision::Fp16,
+            KvQuantize::Bf16 => Precision::Bf16,
+            KvQuantize::Int8 => Precision::Int8,
+            KvQuantize::Int4 => Precision::Int4,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum Positions {
+    Original,
+    Cache,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum EngineKind {
+    Optimized,
+    Reference,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum WeightsArg {
+    Native,
+    F32,
+    Bf16,
+}
+
+/// KV cache flags (DESIGN.md §4).
+#[derive(Args, Debug, Clone)]
+pub struct CacheArgs {
+    /// StreamingLLM: attention-sink tokens kept forever.
+    #[arg(long = "streaming-llm-sink", value_name = "N")]
+    pub sink: Option<usize>,
+    /// StreamingLLM: most recent tokens kept; enables eviction.
+    #[arg(long = "streaming-llm-window", value_name = "M")]
+    pub window: Option<usize>,
+    /// Where RoPE positions come from under StreamingLLM.
+    #[arg(
+        long = "streaming-llm-positions",
+        value_enum,
+        default_value = "original"
+    )]
+    pub positions: Positions,
+    /// KV cache storage precision.
+    #[arg(long = "kv-quantize", value_enum, default_value = "fp32")]
+    pub kv_quantize: KvQuantize,
+    /// Tokens per K quantisation group (int8/int4).
+    #[arg(long = "kv-group-size", value_name = "G", default_value_t = 32)]
+    pub group_size: usize,
+    /// Allow generating past the model's context length with an unbounded cache.
+    #[arg(long = "allow-past-context")]
+    pub allow_past_context: bool,
+}
+
+impl CacheArgs {
+    /// The cache configuration these flags describe, validated.
+    pub fn kv_config(&self) -> Result<KvConfig> {
+        if self.sink.is_some() && self.window.is_none() {
+            return Err(Error::flag(
+                "--streaming-llm-sink",
+                "needs --streaming-llm-window M (the number of recent tokens to keep)",
+            ));
+        }
+        if self.window == Some(0) && self.sink.unwrap_or(0) == 0 {
+            return Err(Error::flag(
+                "--streaming-llm-window",
+                "must be > 0 when --streaming-llm-sink is 0 (the cache would hold nothing)",
+            ));
+        }
+        if self.group_size == 0 {
+            return Err(Error::flag("--kv-group-size", "must be > 0"));
+        }
+        const MAX: usize = 1 << 28;
+        if self.group_size > 1 << 20 {
+            return Err(Error::flag(
+                "--kv-group-size",
+                format!("{} is absurdly large", self.group_size),
+            ));
+        }
+        for (flag, v) in [
+            ("--streaming-llm-sink", self.sink),
+            ("--streaming-llm-window", self.window),
+        ] {
+            if let Some(v) = v {
+                if v > MAX {
+                    return Err(Error::flag(
+                        flag,
+                        format!("{v} is absurdly large (max {MAX})"),
+                    ));
+                }
+            }
+        }
+        Ok(KvConfig {
+            precision: self.kv_quantize.into(),
+            group_size: self.group_size,
+            sink: self.sink.unwrap_or(0),
+            window: self.window,
+            positions: match self.positions {
+                Positions::Original => PositionsMode::Original,
+                Positions::Cache => PositionsMode::Cache,
+            },
+        })
+    }
+}
+
+/// Engine and weight flags.
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// Which implementation runs the forward pass.
+    #[arg(long, value_enum, default_value = "optimized")]
+    pub engine: EngineKind,
+    /// Weight dtype in memory: as stored (native), or converted at load.
+    #[arg(long = "weights-dtype", value_enum)]
+    pub weights_dtype: Option<WeightsArg>,
+    /// Worker threads (default: all cores).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+}
+
+impl EngineArgs {
+    /// The weight dtype, with the per-format default (native for HF/.tinygpt, bf16 for GGUF).
+    pub fn weights_dtype(&self, format: Format) -> WeightsDType {
+        match self.weights_dtype {
+            Some(WeightsArg::Native) => WeightsDType::Native,
+            Some(WeightsArg::F32) => WeightsDType::F32,
+            Some(WeightsArg::Bf16) => WeightsDType::Bf16,
+            None if format == Format::Gguf => WeightsDType::Bf16,
+            None => WeightsDType::Native,
+        }
+    }
+
+    /// Sets up the global rayon pool.
+    pub fn init_threads(&self) -> Result<()> {
+        if let Some(n) = self.threads {
+            if n == 0 || n > 1024 {
+                return Err(Error::flag(
+                    "--threads",
+                    format!("must be between 1 and 1024, got {n}"),
+                ));
+            }
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build_global()
+                .map_err(|e| Error::flag("--threads", e.to_string()))?;
+        }
+        Ok(())
+    }
+}
+
+/// Opens MODEL (or the bundled model).
+pub fn open_model(model: &Option<PathBuf>) -> Result<ModelFiles> {
+    ModelFiles::open(model.as_deref())
+}
+
+/// Human-readable byte count.
+pub fn human_bytes(n: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < U.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", U[i])
+    }
+}

@@ -1,0 +1,67 @@
+//! `tinygpt-cpu inspect`: what a model file holds.
+
+use super::common::human_bytes;
+use crate::weights::ModelFiles;
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    /// A .tinygpt file, a .gguf file, or a Hugging Face model directory.
+    pub model: Option<PathBuf>,
+}
+
+pub fn run(a: InspectArgs) -> anyhow::Result<()> {
+    let f = ModelFiles::open(a.model.as_deref())?;
+    let c = &f.config;
+    println!("model:       {}", f.path.display());
+    println!("format:      {}", f.format.name());
+    println!(
+        "file size:   {} ({} bytes)",
+        human_bytes(f.file_bytes),
+        f.file_bytes
+    );
+    println!(
+        "parameters:  {} ({:.2}M)",
+        f.parameter_count(),
+        f.parameter_count() as f64 / 1e6
+    );
+    let dt: Vec<String> = f
+        .dtype_summary()
+        .iter()
+        .map(|(k, v)| format!("{k} x{v}"))
+        .collect();
+    println!("dtypes:      {}", dt.join(", "));
+    println!(
+        "vocab:       {} (tokenizer: {})",
+        c.vocab_size,
+        f.tokenizer.vocab_size()
+    );
+    println!("hidden:      {}", c.hidden_size);
+    println!("layers:      {}", c.n_layers);
+    println!(
+        "heads:       {} (kv heads {}, head_dim {})",
+        c.n_heads, c.n_kv_heads, c.head_dim
+    );
+    println!("ffn:         {}", c.intermediate_size);
+    println!("context:     {}", c.max_position_embeddings);
+    println!("rope theta:  {} ({:?})", c.rope_theta, c.rope_scaling);
+    println!("rms eps:     {}", c.rms_norm_eps);
+    println!("tied embed:  {}", c.tie_word_embeddings);
+    if let Some(w) = c.sliding_window {
+        println!("sliding win: {w}");
+    }
+    println!(
+        "bos/eos:     {:?} / {:?}",
+        c.bos_token_id, f.tokenizer.eos_ids
+    );
+    println!(
+        "chat tmpl:   {}",
+        if f.chat_template.is_some() {
+            "yes"
+        } else {
+            "no"
+        }
+    );
+    Ok(())
+}

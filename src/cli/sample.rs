@@ -1,0 +1,222 @@
+//! `tinygpt-cpu sample`: stream a continuation of a prompt.
+
+use super::common::{human_bytes, open_model, CacheArgs, EngineArgs, EngineKind};
+use crate::error::Error;
+use crate::generate::{
+    check_context, generate, Engine, EngineRun, GenerateOptions, GenerateResult, ReferenceRun,
+};
+use crate::kv_cache::KvConfig;
+use crate::model::{reference_model, Model};
+use crate::sampler::SamplerConfig;
+use clap::Args;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Args, Debug)]
+pub struct SampleArgs {
+    /// A .tinygpt file, a .gguf file, or a Hugging Face model directory (default: the bundled model).
+    pub model: Option<PathBuf>,
+    /// The text to continue.
+    #[arg(long)]
+    pub prompt: String,
+    /// Maximum new tokens.
+    #[arg(long, default_value_t = 128)]
+    pub tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long = "top-k", default_value_t = 40)]
+    pub top_k: usize,
+    /// Nucleus sampling: keep the smallest set of tokens with this much probability.
+    #[arg(long = "top-p", default_value_t = 0.95)]
+    pub top_p: f32,
+    /// RNG seed (default: random; the report prints it).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Wrap the prompt in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// Keep generating after the model's end-of-sequence token.
+    #[arg(long = "ignore-eos")]
+    pub ignore_eos: bool,
+    /// Print one JSON object on stdout instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: SampleArgs) -> anyhow::Result<()> {
+    a.engine.init_threads()?;
+    let kv = a.cache.kv_config()?;
+    let t_load = Instant::now();
+    let files = open_model(&a.model)?;
+    crate::kv_cache::validate(&kv, &files.config)?;
+    let seed = a.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
+    });
+    let sampler = SamplerConfig {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed,
+    };
+    sampler.validate()?;
+    let prompt_text = if a.chat {
+        let template = files.chat_template.as_deref().ok_or_else(|| {
+            Error::flag(
+                "--chat",
+                format!("{} has no chat template", files.path.display()),
+            )
+        })?;
+        let tok = &files.tokenizer;
+        let bos = tok
+            .bos_id
+            .and_then(|i| tok.id_to_token(i))
+            .unwrap_or_default();
+        let eos = tok
+            .eos_ids
+            .first()
+            .and_then(|&i| tok.id_to_token(i))
+            .unwrap_or_default();
+        crate::chat::render_chat(template, &a.prompt, &bos, &eos)?
+    } else {
+        a.prompt.clone()
+    };
+    let prompt_ids = if a.chat {
+        // The template already spells out BOS and control tokens.
+        files.tokenizer.encode_with(&prompt_text, false)?
+    } else {
+        files.tokenizer.encode(&prompt_text)?
+    };
+    let opts = GenerateOptions {
+        max_tokens: a.tokens,
+        sampler,
+        ignore_eos: a.ignore_eos,
+        context_length: files.config.max_position_embeddings,
+        allow_past_context: a.cache.allow_past_context,
+        bounded_cache: kv.window.is_some(),
+    };
+    check_context(prompt_ids.len(), &opts)?;
+    let wdtype = a.engine.weights_dtype(files.format);
+
+    let stdout = std::io::stdout();
+    let json = a.json;
+    let mut on_text = |s: &str| {
+        if !json {
+            let mut out = stdout.lock();
+            let _ = out.write_all(s.as_bytes());
+            let _ = out.flush();
+        }
+    };
+    let (res, load_secs, layers_with_kv) = match a.engine.engine {
+        EngineKind::Optimized => {
+            let model = Model::load(&files, wdtype)?;
+            let load_secs = t_load.elapsed().as_secs_f64();
+            let mut run = EngineRun::new(&model, &kv);
+            let lw = run.layers_with_kv();
+            (
+                generate(&mut run, &files.tokenizer, &prompt_ids, &opts, &mut on_text)?,
+                load_secs,
+                lw,
+            )
+        }
+        EngineKind::Reference => {
+            let model = reference_model(&files, wdtype)?;
+            let load_secs = t_load.elapsed().as_secs_f64();
+            let mut run = ReferenceRun::new(model, &kv);
+            let lw = run.layers_with_kv();
+            (
+                generate(&mut run, &files.tokenizer, &prompt_ids, &opts, &mut on_text)?,
+                load_secs,
+                lw,
+            )
+        }
+    };
+    if json {
+        let v = json_report(&res, &kv, layers_with_kv);
+        println!("{}", serde_json::to_string(&v)?);
+    } else {
+        println!();
+    }
+    report(
+        &res,
+        &kv,
+        &files.path.display().to_string(),
+        load_secs,
+        seed,
+        a.temperature,
+    );
+    Ok(())
+}
+
+/// The `--json` object of DESIGN.md §4.
+pub fn json_report(
+    res: &GenerateResult,
+    kv: &KvConfig,
+    layers_with_kv: usize,
+) -> serde_json::Value {
+    serde_json::json!({
+        "prompt_ids": res.prompt_ids,
+        "generated_ids": res.generated_ids,
+        "text": res.text,
+        "kv": {
+            "quantize": kv.precision.name(),
+            "group_size": kv.group_size,
+            "sink": kv.sink,
+            "window": kv.window,
+            "positions": kv.positions.name(),
+            "stored_tokens": res.stored_tokens,
+            "current_length": res.current_length,
+            "bytes": res.kv_bytes,
+            "layers_with_kv": layers_with_kv,
+        },
+        "timing": {
+            "prefill_tok_s": res.prefill_tok_s(),
+            "decode_tok_s": res.decode_tok_s(),
+        }
+    })
+}
+
+fn report(
+    res: &GenerateResult,
+    kv: &KvConfig,
+    model: &str,
+    load_secs: f64,
+    seed: u64,
+    temperature: f32,
+) {
+    let stored = if res.stored_tokens < res.current_length {
+        format!("stored {} (StreamingLLM cap)", res.stored_tokens)
+    } else {
+        format!("stored {}", res.stored_tokens)
+    };
+    let sampling = if temperature == 0.0 {
+        "greedy".to_string()
+    } else {
+        format!("seed {seed}")
+    };
+    eprintln!(
+        "[{model}] load {:.2}s | prompt {} tok, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s{} | {sampling}",
+        load_secs,
+        res.prompt_ids.len(),
+        res.prefill_tok_s(),
+        res.generated_ids.len(),
+        res.decode_tok_s(),
+        if res.stopped_at_eos { " (EOS)" } else { "" },
+    );
+    eprintln!(
+        "[kv] {} | {} | current length {} | {}",
+        kv.precision.name(),
+        human_bytes(res.kv_bytes as u64),
+        res.current_length,
+        stored
+    );
+}

@@ -1,0 +1,240 @@
+//! Model configuration, stage one: [`HfConfig`] mirrors a Hugging Face `config.json`
+//! field for field; `Config::try_from` validates it into the shared
+//! [`tinygpt_reference::Config`] with derived sizes computed once.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+pub use tinygpt_reference::config::{Config, RopeScaling};
+
+/// `eos_token_id` may be one id or a list of ids.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl TokenIds {
+    pub fn to_vec(&self) -> Vec<u32> {
+        match self {
+            TokenIds::One(x) => vec![*x],
+            TokenIds::Many(v) => v.clone(),
+        }
+    }
+}
+
+/// `config.json` of a Llama-family model, as written by transformers.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct HfConfig {
+    #[serde(default)]
+    pub architectures: Option<Vec<String>>,
+    #[serde(default)]
+    pub model_type: Option<String>,
+    pub vocab_size: Option<usize>,
+    pub hidden_size: Option<usize>,
+    pub num_hidden_layers: Option<usize>,
+    pub num_attention_heads: Option<usize>,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    pub intermediate_size: Option<usize>,
+    #[serde(default)]
+    pub rms_norm_eps: Option<f64>,
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    /// transformers >= 4.5x may nest `rope_theta` and scaling here instead.
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    #[serde(default)]
+    pub max_position_embeddings: Option<usize>,
+    #[serde(default)]
+    pub tie_word_embeddings: Option<bool>,
+    #[serde(default)]
+    pub sliding_window: Option<serde_json::Value>,
+    #[serde(default)]
+    pub use_sliding_window: Option<bool>,
+    #[serde(default)]
+    pub attention_bias: Option<bool>,
+    #[serde(default)]
+    pub mlp_bias: Option<bool>,
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+    #[serde(default)]
+    pub bos_token_id: Option<TokenIds>,
+    #[serde(default)]
+    pub eos_token_id: Option<TokenIds>,
+    #[serde(default)]
+    pub torch_dtype: Option<String>,
+    #[serde(default)]
+    pub dtype: Option<String>,
+}
+
+/// Architectures whose forward pass is the Llama one.
+const SUPPORTED_ARCHS: &[&str] = &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+
+impl HfConfig {
+    /// Reads and parses `config.json` (or any JSON text with the same fields).
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::from_json(&text, path)
+    }
+
+    pub fn from_json(text: &str, path: &Path) -> Result<Self> {
+        serde_json::from_str(text).map_err(|e| Error::config(path, format!("not valid JSON: {e}")))
+    }
+
+    /// Validates into a [`Config`]; `path` names the file in errors.
+    pub fn validate(&self, path: &Path) -> Result<Config> {
+        let err = |msg: String| Error::config(path, msg);
+        if let Some(archs) = &self.architectures {
+            if !archs.iter().any(|a| SUPPORTED_ARCHS.contains(&a.as_str())) {
+                return Err(err(format!(
+                    "unsupported architecture {archs:?} (supported: {})",
+                    SUPPORTED_ARCHS.join(", ")
+                )));
+            }
+        } else if let Some(mt) = &self.model_type {
+            if !["llama", "mistral", "qwen2"].contains(&mt.as_str()) {
+                return Err(err(format!("unsupported model_type '{mt}'")));
+            }
+        }
+        if let Some(act) = &self.hidden_act {
+            if act != "silu" && act != "swish" {
+                return Err(err(format!("unsupported hidden_act '{act}' (only silu)")));
+            }
+        }
+        if self.mlp_bias == Some(true) {
+            return Err(err("mlp_bias = true is not supported".into()));
+        }
+        let req = |v: Option<usize>, name: &str| -> Result<usize> {
+            match v {
+                Some(0) => Err(err(format!("'{name}' must be > 0"))),
+                Some(x) => Ok(x),
+                None => Err(err(format!("missing '{name}'"))),
+            }
+        };
+        let vocab_size = req(self.vocab_size, "vocab_size")?;
+        let hidden_size = req(self.hidden_size, "hidden_size")?;
+        let n_layers = req(self.num_hidden_layers, "num_hidden_layers")?;
+        let n_heads = req(self.num_attention_heads, "num_attention_heads")?;
+        let n_kv_heads = req(
+            self.num_key_value_heads.or(Some(n_heads)),
+            "num_key_value_heads",
+        )?;
+        let intermediate_size = req(self.intermediate_size, "intermediate_size")?;
+        if n_heads % n_kv_heads != 0 {
+            return Err(err(format!(
+                "num_attention_heads ({n_heads}) is not a multiple of num_key_value_heads ({n_kv_heads})"
+            )));
+        }
+        let head_dim = match self.head_dim {
+            Some(0) => return Err(err("'head_dim' must be > 0".into())),
+            Some(h) => h,
+            None => {
+                if hidden_size % n_heads != 0 {
+                    return Err(err(format!(
+                        "hidden_size ({hidden_size}) is not a multiple of num_attention_heads ({n_heads})"
+                    )));
+                }
+                hidden_size / n_heads
+            }
+        };
+        if head_dim % 2 != 0 {
+            return Err(err(format!("head_dim ({head_dim}) must be even for RoPE")));
+        }
+        let rope_obj = self.rope_parameters.as_ref().or(self.rope_scaling.as_ref());
+        let rope_theta = self
+            .rope_theta
+            .or_else(|| {
+                rope_obj
+                    .and_then(|o| o.get("rope_theta"))
+                    .and_then(|v| v.as_f64())
+            })
+            .unwrap_or(10000.0);
+        if !(rope_theta.is_finite() && rope_theta > 0.0) {
+            return Err(err(format!(
+                "rope_theta must be positive, got {rope_theta}"
+            )));
+        }
+        let rope_scaling = parse_rope_scaling(rope_obj).map_err(err)?;
+        let rms_norm_eps = self.rms_norm_eps.unwrap_or(1e-6);
+        if !(rms_norm_eps.is_finite() && rms_norm_eps >= 0.0) {
+            return Err(err(format!(
+                "rms_norm_eps must be >= 0, got {rms_norm_eps}"
+            )));
+        }
+        let max_position_embeddings = self.max_position_embeddings.unwrap_or(2048);
+        let sliding_window = match (&self.sliding_window, self.use_sliding_window) {
+            (_, Some(false)) => None,
+            (Some(serde_json::Value::Number(n)), _) => {
+                n.as_u64().map(|x| x as usize).filter(|&x| x > 0)
+            }
+            _ => None,
+        };
+        let eos_token_ids = self
+            .eos_token_id
+            .as_ref()
+            .map(|t| t.to_vec())
+            .unwrap_or_default();
+        let bos_token_id = self
+            .bos_token_id
+            .as_ref()
+            .and_then(|t| t.to_vec().first().copied());
+        let is_qwen2 = self.model_type.as_deref() == Some("qwen2")
+            || self
+                .architectures
+                .as_ref()
+                .is_some_and(|a| a.iter().any(|x| x == "Qwen2ForCausalLM"));
+        Ok(Config {
+            vocab_size,
+            hidden_size,
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            intermediate_size,
+            rms_norm_eps: rms_norm_eps as f32,
+            rope_theta: rope_theta as f32,
+            rope_scaling,
+            max_position_embeddings,
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
+            sliding_window,
+            attention_bias: self.attention_bias.unwrap_or(is_qwen2),
+            bos_token_id,
+            eos_token_ids,
+        })
+    }
+}
+
+fn parse_rope_scaling(v: Option<&serde_json::Value>) -> std::result::Result<RopeScaling, String> {
+    let Some(obj) = v.and_then(|v| v.as_object()) else {
+        return Ok(RopeScaling::None);
+    };
+    let kind = obj
+        .get("rope_type")
+        .or_else(|| obj.get("type"))
+        .and_then(|t| t.as_str())
+        .unwrap_or("default");
+    let num = |k: &str| obj.get(k).and_then(|x| x.as_f64());
+    match kind {
+        "default" => Ok(RopeScaling::None),
+        "linear" => {
+            let factor = num("factor").ok_or("rope_scaling 'linear' needs 'factor'")?;
+            Ok(RopeScaling::Linear {
+                factor: factor as f32,
+            })
+        }
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: num("factor").ok_or("rope_scaling 'llama3' needs 'factor'")? as f32,
+            low_freq_factor: num("low_freq_factor").unwrap_or(1.0) as f32,
+            high_freq_factor: num("high_freq_factor").unwrap_or(4.0) as f32,
+            original_max_position_embeddings: num("original_max_position_embeddings")
+                .unwrap_or(8192.0) as usize,
+        }),
+        other => Err(format!("unsupported rope_scaling type '{other}'")),
+    }
+}

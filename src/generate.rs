@@ -1,0 +1,275 @@
+//! The prefill/decode loop shared by both engines, with timing and cache statistics.
+
+use crate::error::{Error, Result};
+use crate::kv_cache::KvConfig;
+use crate::model::{Model, Session};
+use crate::sampler::{Sampler, SamplerConfig};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+use std::time::Instant;
+
+/// Something that turns (token, position) into logits while keeping a KV cache.
+pub trait Engine {
+    /// Runs one token; returns the logits over the vocabulary.
+    fn forward(&mut self, token: u32, pos: usize) -> Result<&[f32]>;
+    /// Bytes the KV cache holds now, counted from its buffers.
+    fn kv_bytes(&self) -> usize;
+    /// Rows held per layer now.
+    fn stored_tokens(&self) -> usize;
+    /// Layers that hold their own K/V.
+    fn layers_with_kv(&self) -> usize;
+    /// Turns on recording of attention weights (sink report).
+    fn set_record_probs(&mut self, on: bool);
+    /// Last step's attention weights per layer, `(n_heads, stored)`.
+    fn probs(&self) -> &[Vec<f32>];
+    /// Absolute positions of the rows stored in layer `l`, oldest first.
+    fn positions(&self, l: usize) -> Vec<usize>;
+    /// Empties the cache (a new sequence).
+    fn reset(&mut self);
+}
+
+/// The optimised engine with one session.
+pub struct EngineRun<'a> {
+    pub model: &'a Model,
+    pub session: Session,
+    kv: KvConfig,
+}
+
+impl<'a> EngineRun<'a> {
+    pub fn new(model: &'a Model, kv: &KvConfig) -> Self {
+        EngineRun {
+            session: model.session(kv),
+            model,
+            kv: kv.clone(),
+        }
+    }
+}
+
+impl Engine for EngineRun<'_> {
+    fn forward(&mut self, token: u32, pos: usize) -> Result<&[f32]> {
+        self.model.forward(&mut self.session, token, pos)?;
+        Ok(&self.session.logits)
+    }
+    fn kv_bytes(&self) -> usize {
+        self.session.cache.bytes()
+    }
+    fn stored_tokens(&self) -> usize {
+        self.session.cache.stored_tokens()
+    }
+    fn layers_with_kv(&self) -> usize {
+        self.model.cfg.n_layers
+    }
+    fn set_record_probs(&mut self, on: bool) {
+        self.session.record_probs = on;
+    }
+    fn probs(&self) -> &[Vec<f32>] {
+        &self.session.probs
+    }
+    fn positions(&self, l: usize) -> Vec<usize> {
+        self.session.cache.layer(l).positions()
+    }
+    fn reset(&mut self) {
+        self.session = self.model.session(&self.kv);
+    }
+}
+
+/// The scalar reference with one state.
+pub struct ReferenceRun {
+    pub model: tinygpt_reference::Model,
+    pub state: tinygpt_reference::State,
+    logits: Vec<f32>,
+    kv: KvConfig,
+}
+
+impl ReferenceRun {
+    pub fn new(model: tinygpt_reference::Model, kv: &KvConfig) -> Self {
+        let state = tinygpt_reference::State::new(&model.cfg, kv);
+        ReferenceRun {
+            model,
+            state,
+            logits: Vec::new(),
+            kv: kv.clone(),
+        }
+    }
+}
+
+impl Engine for ReferenceRun {
+    fn forward(&mut self, token: u32, pos: usize) -> Result<&[f32]> {
+        if token as usize >= self.model.cfg.vocab_size {
+            return Err(Error::Generate(format!(
+                "token id {token} is outside the model's vocabulary ({})",
+                self.model.cfg.vocab_size
+            )));
+        }
+        self.logits = self.model.forward(&mut self.state, token, pos);
+        Ok(&self.logits)
+    }
+    fn kv_bytes(&self) -> usize {
+        self.state.caches.iter().map(|c| c.bytes()).sum()
+    }
+    fn stored_tokens(&self) -> usize {
+        self.state.caches.first().map_or(0, |c| c.len())
+    }
+    fn layers_with_kv(&self) -> usize {
+        self.model.cfg.n_layers
+    }
+    fn set_record_probs(&mut self, on: bool) {
+        self.state.record_probs = on;
+    }
+    fn probs(&self) -> &[Vec<f32>] {
+        &self.state.probs
+    }
+    fn positions(&self, l: usize) -> Vec<usize> {
+        let c = &self.state.caches[l];
+        (0..c.len()).map(|i| c.position(i)).collect()
+    }
+    fn reset(&mut self) {
+        self.state = tinygpt_reference::State::new(&self.model.cfg, &self.kv);
+    }
+}
+
+/// Settings of one generation.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    /// New tokens to generate at most.
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub ignore_eos: bool,
+    /// The model's context length, enforced unless the cache is bounded or
+    /// `allow_past_context` is set.
+    pub context_length: usize,
+    pub allow_past_context: bool,
+    /// Whether the KV cache is bounded (StreamingLLM).
+    pub bounded_cache: bool,
+}
+
+/// What a generation produced, with its measurements.
+#[derive(Debug, Clone)]
+pub struct GenerateResult {
+    pub prompt_ids: Vec<u32>,
+    pub generated_ids: Vec<u32>,
+    pub text: String,
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+    /// Tokens whose forward pass was timed in the decode phase.
+    pub decode_steps: usize,
+    pub stored_tokens: usize,
+    pub current_length: usize,
+    pub kv_bytes: usize,
+    pub stopped_at_eos: bool,
+}
+
+impl GenerateResult {
+    pub fn prefill_tok_s(&self) -> f64 {
+        rate(self.prompt_ids.len(), self.prefill_secs)
+    }
+    pub fn decode_tok_s(&self) -> f64 {
+        rate(self.decode_steps, self.decode_secs)
+    }
+}
+
+fn rate(n: usize, secs: f64) -> f64 {
+    if n == 0 || secs <= 0.0 {
+        0.0
+    } else {
+        n as f64 / secs
+    }
+}
+
+/// Refuses a run that would pass the context length with an unbounded cache.
+pub fn check_context(prompt_len: usize, opts: &GenerateOptions) -> Result<()> {
+    let total = prompt_len + opts.max_tokens;
+    if !opts.bounded_cache && !opts.allow_past_context && total > opts.context_length {
+        return Err(Error::Generate(format!(
+            "prompt ({prompt_len} tokens) + --tokens {} = {total} tokens exceeds the model's context length ({}); \
+             bound the cache with --streaming-llm-sink N --streaming-llm-window M, \
+             or pass --allow-past-context to run dense attention past it anyway",
+            opts.max_tokens, opts.context_length
+        )));
+    }
+    Ok(())
+}
+
+fn check_finite(logits: &[f32], pos: usize) -> Result<()> {
+    if logits.iter().any(|x| !x.is_finite()) {
+        return Err(Error::Generate(format!(
+            "the model produced non-finite logits at position {pos} (NaN/Inf in the weights or an overflow)"
+        )));
+    }
+    Ok(())
+}
+
+/// Prefills `prompt_ids`, then samples up to `max_tokens` new tokens. `on_text` receives
+/// the decoded text as it is produced.
+pub fn generate(
+    engine: &mut dyn Engine,
+    tok: &Tokenizer,
+    prompt_ids: &[u32],
+    opts: &GenerateOptions,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<GenerateResult> {
+    if prompt_ids.is_empty() {
+        return Err(Error::Generate(
+            "the prompt encodes to zero tokens and the tokenizer adds no BOS: give a non-empty --prompt".into(),
+        ));
+    }
+    opts.sampler.validate()?;
+    check_context(prompt_ids.len(), opts)?;
+    let mut sampler = Sampler::new(opts.sampler.clone());
+
+    let t0 = Instant::now();
+    let mut pos = 0usize;
+    let mut next = 0u32;
+    for &id in prompt_ids {
+        let logits = engine.forward(id, pos)?;
+        pos += 1;
+        if pos == prompt_ids.len() {
+            check_finite(logits, pos - 1)?;
+            next = sampler.sample(logits);
+        }
+    }
+    let prefill_secs = t0.elapsed().as_secs_f64();
+
+    let mut generated = Vec::new();
+    let mut stream = StreamDecoder::new();
+    let mut stopped_at_eos = false;
+    let t1 = Instant::now();
+    let mut decode_steps = 0usize;
+    while generated.len() < opts.max_tokens {
+        generated.push(next);
+        if tok.is_eos(next) && !opts.ignore_eos {
+            stopped_at_eos = true;
+            break;
+        }
+        let delta = stream.push(tok, next)?;
+        if !delta.is_empty() {
+            on_text(&delta);
+        }
+        if generated.len() == opts.max_tokens {
+            break;
+        }
+        let logits = engine.forward(next, pos)?;
+        check_finite(logits, pos)?;
+        pos += 1;
+        decode_steps += 1;
+        next = sampler.sample(logits);
+    }
+    let decode_secs = t1.elapsed().as_secs_f64();
+    let text_ids: Vec<u32> = if stopped_at_eos {
+        generated[..generated.len() - 1].to_vec()
+    } else {
+        generated.clone()
+    };
+    let text = tok.decode(&text_ids)?;
+    Ok(GenerateResult {
+        prompt_ids: prompt_ids.to_vec(),
+        generated_ids: generated,
+        text,
+        prefill_secs,
+        decode_secs,
+        decode_steps,
+        stored_tokens: engine.stored_tokens(),
+        current_length: pos,
+        kv_bytes: engine.kv_bytes(),
+        stopped_at_eos,
+    })
+}

@@ -1,0 +1,358 @@
+//! A `tokenizers::Tokenizer` rebuilt from a GGUF file's `tokenizer.ggml.*` metadata.
+//!
+//! A GGUF carries no `tokenizer.json`, only the pieces llama.cpp needs. This module puts them
+//! back together the way transformers' GGUF conversion does
+//! (`transformers/integrations/gguf/gguf_tokenizer_mapping.py`: `byte_level_tokenizer`,
+//! `add_gguf_special_tokens`, `set_split_regex`), so that both give the same ids:
+//!
+//! - `tokenizer.ggml.model = "gpt2"` → byte-level BPE: `tokens` become the vocabulary (a token
+//!   written with characters outside GPT-2's byte alphabet is respelled byte by byte into it),
+//!   `merges` ("a b" strings) the merge list, no `unk`, no dropout, ByteLevel decoder.
+//! - Pre-tokenizer from `tokenizer.ggml.pre`: kinds with a known split regex
+//!   ([`PRE_TOKENIZER_SPLITS`]: `llama-bpe`/`llama3`, `qwen2`, `tekken`, `gpt-4o`, ...) get
+//!   `Sequence[Split(regex, isolated), ByteLevel(use_regex = false)]`; every other kind,
+//!   including SmolLM2's `smollm`, gets plain `ByteLevel(add_prefix_space = false)`, whose
+//!   built-in regex is GPT-2's. (llama.cpp's `smollm` also isolates every digit first, as the
+//!   original SmolLM2 `tokenizer.json` does; transformers' conversion does not, and we follow
+//!   transformers, which produced the golden ids. The SmolLM2 vocabulary has no merge that joins
+//!   two digits, so the two differ only where a space precedes a digit.)
+//! - Tokens of type 3 (CONTROL, e.g. `<|im_start|>`) become special added tokens (matched whole in
+//!   the text, `normalized = false`); for byte-level vocabularies only when spelled in the byte
+//!   alphabet, as transformers does. Type 4 (USER_DEFINED) become non-special added tokens. The
+//!   bos/eos/unk/padding tokens are added as special tokens too.
+//! - Post-processor: BOS is prepended when `tokenizer.ggml.add_bos_token` is true, EOS appended
+//!   when `tokenizer.ggml.add_eos_token` is true (both default to false for gpt2 files; SmolLM2's
+//!   file says false, so `encode(text, true)` adds nothing).
+//!
+//! SentencePiece (`llama`), `t5` and other kinds are refused with an error naming the kind.
+
+use super::reader::GgufValue;
+use crate::error::{Error, Result};
+use serde_json::{json, Map, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::str::FromStr;
+
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const TEKKEN_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const GPT4O_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// `tokenizer.ggml.pre` kinds with their own split regex (transformers'
+/// `GGUF_PRE_TOKENIZER_SPLITS`). Kinds not listed use GPT-2's regex inside `ByteLevel`.
+pub const PRE_TOKENIZER_SPLITS: &[(&str, &str)] = &[
+    ("llama3", LLAMA3_SPLIT),
+    ("llama-v3", LLAMA3_SPLIT),
+    ("llama-bpe", LLAMA3_SPLIT),
+    ("falcon3", LLAMA3_SPLIT),
+    ("falcon-h1", LLAMA3_SPLIT),
+    ("pixtral", LLAMA3_SPLIT),
+    ("midm-2.0", LLAMA3_SPLIT),
+    ("lfm2", LLAMA3_SPLIT),
+    ("jina-v5-nano", LLAMA3_SPLIT),
+    ("dbrx", LLAMA3_SPLIT),
+    ("smaug-bpe", LLAMA3_SPLIT),
+    ("tekken", TEKKEN_SPLIT),
+    ("qwen2", QWEN2_SPLIT),
+    ("deepseek-r1-qwen", QWEN2_SPLIT),
+    ("kormo", QWEN2_SPLIT),
+    ("f2llmv2", QWEN2_SPLIT),
+    ("megrez", QWEN2_SPLIT),
+    ("qwen35", QWEN35_SPLIT),
+    ("gpt-4o", GPT4O_SPLIT),
+    ("llama4", GPT4O_SPLIT),
+    ("kanana2", GPT4O_SPLIT),
+    ("talkie", GPT4O_SPLIT),
+    ("minimax-m2", GPT4O_SPLIT),
+];
+
+/// llama.cpp token types (`tokenizer.ggml.token_type`).
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+/// GPT-2's byte → printable character table (`bytes_to_unicode`): printable Latin-1 bytes map
+/// to themselves, the other 68 bytes to U+0100.. in byte order.
+pub fn bytes_to_unicode() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut n = 0u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        table[b as usize] = if printable {
+            char::from(b)
+        } else {
+            let c = char::from_u32(256 + n).unwrap_or('\u{FFFD}');
+            n += 1;
+            c
+        };
+    }
+    table
+}
+
+fn strings<'m>(
+    meta: &'m BTreeMap<String, GgufValue>,
+    key: &str,
+    path: &Path,
+) -> Result<Option<&'m [String]>> {
+    match meta.get(key) {
+        None => Ok(None),
+        Some(GgufValue::Array(a)) => a.as_strings().map(Some).ok_or_else(|| {
+            Error::tokenizer(
+                path,
+                format!(
+                    "'{key}' must be an array of strings, got an array of {}",
+                    a.elem_type_name()
+                ),
+            )
+        }),
+        Some(v) => Err(Error::tokenizer(
+            path,
+            format!("'{key}' must be an array, got a {}", v.type_name()),
+        )),
+    }
+}
+
+fn opt_id(
+    meta: &BTreeMap<String, GgufValue>,
+    key: &str,
+    n: usize,
+    path: &Path,
+) -> Result<Option<usize>> {
+    match meta.get(key) {
+        None => Ok(None),
+        Some(v) => match v.as_u64().and_then(|x| usize::try_from(x).ok()) {
+            Some(id) if id < n => Ok(Some(id)),
+            _ => Err(Error::tokenizer(
+                path,
+                format!("'{key}' = {v:?} is not a token id (vocabulary has {n} tokens)"),
+            )),
+        },
+    }
+}
+
+fn opt_bool(meta: &BTreeMap<String, GgufValue>, key: &str, path: &Path) -> Result<Option<bool>> {
+    match meta.get(key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| Error::tokenizer(path, format!("'{key}' must be a bool, got {v:?}"))),
+    }
+}
+
+/// Builds the tokenizer; `path` names the file in errors.
+pub fn build(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<tokenizers::Tokenizer> {
+    let json = tokenizer_json(meta, path)?;
+    tokenizers::Tokenizer::from_str(&json)
+        .map_err(|e| Error::tokenizer(path, format!("building the tokenizer failed: {e}")))
+}
+
+/// The `tokenizer.json` text equivalent to the file's tokenizer metadata (what [`build`]
+/// loads; also what a `.tinygpt` conversion would store).
+pub fn tokenizer_json(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<String> {
+    let err = |msg: String| Error::tokenizer(path, msg);
+    let model = match meta.get("tokenizer.ggml.model") {
+        None => return Err(err("missing metadata 'tokenizer.ggml.model'".into())),
+        Some(v) => v.as_str().ok_or_else(|| {
+            err(format!(
+                "'tokenizer.ggml.model' must be a string, got {v:?}"
+            ))
+        })?,
+    };
+    if model != "gpt2" {
+        return Err(err(format!(
+            "tokenizer.ggml.model '{model}' is not supported (supported: gpt2, i.e. byte-level BPE)"
+        )));
+    }
+    let tokens = strings(meta, "tokenizer.ggml.tokens", path)?
+        .ok_or_else(|| err("missing metadata 'tokenizer.ggml.tokens'".into()))?;
+    let merges = strings(meta, "tokenizer.ggml.merges", path)?.ok_or_else(|| {
+        err("missing metadata 'tokenizer.ggml.merges' (a gpt2 tokenizer needs them)".into())
+    })?;
+    let token_types: Vec<i64> = match meta.get("tokenizer.ggml.token_type") {
+        None => Vec::new(),
+        Some(GgufValue::Array(a)) => {
+            let v = a.to_i64s().ok_or_else(|| {
+                err(format!(
+                    "'tokenizer.ggml.token_type' must be integers, got {}",
+                    a.elem_type_name()
+                ))
+            })?;
+            if v.len() != tokens.len() {
+                return Err(err(format!(
+                    "'tokenizer.ggml.token_type' has {} entries for {} tokens",
+                    v.len(),
+                    tokens.len()
+                )));
+            }
+            v
+        }
+        Some(v) => {
+            return Err(err(format!(
+                "'tokenizer.ggml.token_type' must be an array, got {v:?}"
+            )))
+        }
+    };
+    let n = tokens.len();
+    let pre = match meta.get("tokenizer.ggml.pre") {
+        None => None,
+        Some(v) => Some(
+            v.as_str()
+                .ok_or_else(|| err(format!("'tokenizer.ggml.pre' must be a string, got {v:?}")))?,
+        ),
+    };
+
+    // Vocabulary, respelled into the byte alphabet where needed. A later duplicate spelling
+    // wins, as in transformers' dict comprehension.
+    let table = bytes_to_unicode();
+    let mut in_alphabet = [false; 0x180];
+    for &c in &table {
+        in_alphabet[c as usize] = true;
+    }
+    let spelled = |t: &str| {
+        t.chars()
+            .all(|c| (c as usize) < in_alphabet.len() && in_alphabet[c as usize])
+    };
+    let mut vocab: HashMap<String, u32> = HashMap::with_capacity(n);
+    let mut vocab_json = Map::new();
+    for (id, t) in tokens.iter().enumerate() {
+        let key = if spelled(t) {
+            t.clone()
+        } else {
+            t.bytes().map(|b| table[b as usize]).collect()
+        };
+        vocab.insert(key.clone(), id as u32);
+        vocab_json.insert(key, json!(id));
+    }
+
+    let mut merges_json = Vec::with_capacity(merges.len());
+    for (i, m) in merges.iter().enumerate() {
+        let mut parts = m.split(' ');
+        match (parts.next(), parts.next(), parts.next()) {
+            (Some(a), Some(b), None) if !a.is_empty() && !b.is_empty() => {
+                merges_json.push(json!([a, b]));
+            }
+            _ => {
+                return Err(err(format!(
+                    "merge #{i} {m:?} is not two tokens separated by one space"
+                )))
+            }
+        }
+    }
+
+    // Added tokens: id -> (content, special). Control tokens spelled in the byte alphabet and
+    // user-defined tokens present in the vocabulary, then bos/eos/unk/pad.
+    let mut added: BTreeMap<u32, (String, bool)> = BTreeMap::new();
+    for (t, &ty) in tokens.iter().zip(&token_types) {
+        let special = match ty {
+            TOKEN_TYPE_CONTROL if spelled(t) => true,
+            TOKEN_TYPE_USER_DEFINED if vocab.contains_key(t.as_str()) => false,
+            _ => continue,
+        };
+        if let Some(&id) = vocab.get(t.as_str()) {
+            added.entry(id).or_insert_with(|| (t.clone(), special));
+        }
+    }
+    let bos = opt_id(meta, "tokenizer.ggml.bos_token_id", n, path)?;
+    let eos = opt_id(meta, "tokenizer.ggml.eos_token_id", n, path)?;
+    for key in [
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.unknown_token_id",
+        "tokenizer.ggml.padding_token_id",
+    ] {
+        if let Some(id) = opt_id(meta, key, n, path)? {
+            let t = &tokens[id];
+            if let Some(&vid) = vocab.get(t.as_str()) {
+                added.entry(vid).or_insert_with(|| (t.clone(), true));
+            }
+        }
+    }
+    let added_json: Vec<Value> = added
+        .iter()
+        .map(|(id, (content, special))| {
+            json!({
+                "id": id, "content": content, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": special,
+            })
+        })
+        .collect();
+
+    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+    let pre_tokenizer = match pre.and_then(|p| PRE_TOKENIZER_SPLITS.iter().find(|(k, _)| *k == p)) {
+        Some((_, regex)) => json!({
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+                byte_level(false),
+            ],
+        }),
+        None => byte_level(true),
+    };
+
+    let add_bos = opt_bool(meta, "tokenizer.ggml.add_bos_token", path)?.unwrap_or(false);
+    let add_eos = opt_bool(meta, "tokenizer.ggml.add_eos_token", path)?.unwrap_or(false);
+    let special_of = |id: Option<usize>, what: &str| -> Result<(String, u32)> {
+        let id = id.ok_or_else(|| {
+            err(format!(
+                "tokenizer.ggml.add_{what}_token is true but there is no {what} token id"
+            ))
+        })?;
+        Ok((tokens[id].clone(), id as u32))
+    };
+    let mut single = Vec::new();
+    let mut pair = Vec::new();
+    let mut specials = Map::new();
+    let bos_t = if add_bos {
+        Some(special_of(bos, "bos")?)
+    } else {
+        None
+    };
+    let eos_t = if add_eos {
+        Some(special_of(eos, "eos")?)
+    } else {
+        None
+    };
+    for (seq, type_id, out) in [("A", 0, &mut single), ("B", 1, &mut pair)] {
+        if let Some((t, _)) = &bos_t {
+            out.push(json!({"SpecialToken": {"id": t, "type_id": type_id}}));
+        }
+        out.push(json!({"Sequence": {"id": seq, "type_id": type_id}}));
+        if let Some((t, _)) = &eos_t {
+            out.push(json!({"SpecialToken": {"id": t, "type_id": type_id}}));
+        }
+    }
+    let pair: Vec<Value> = single.iter().cloned().chain(pair).collect();
+    for (t, id) in bos_t.iter().chain(eos_t.iter()) {
+        specials.insert(t.clone(), json!({"id": t, "ids": [id], "tokens": [t]}));
+    }
+
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added_json,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": single,
+            "pair": pair,
+            "special_tokens": specials,
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {
+            "type": "BPE",
+            "dropout": null,
+            "unk_token": null,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": false,
+            "byte_fallback": false,
+            "ignore_merges": false,
+            "vocab": vocab_json,
+            "merges": merges_json,
+        },
+    });
+    Ok(tokenizer.to_string())
+}

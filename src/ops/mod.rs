@@ -1,0 +1,46 @@
+//! Compute kernels: SIMD through `wide` (NEON on aarch64, SSE/AVX on x86_64) with scalar
+//! tails, parallel across independent outputs with rayon (never across a float
+//! reduction, so results do not depend on the thread count).
+
+pub mod matvec;
+pub mod simd;
+
+pub use matvec::{matvec, Matrix};
+
+/// RMSNorm: `out = weight · x / sqrt(mean(x²) + eps)`.
+pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    debug_assert_eq!(x.len(), weight.len());
+    debug_assert_eq!(x.len(), out.len());
+    let ss = simd::dot(x, x);
+    let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    for ((o, &xi), &w) in out.iter_mut().zip(x).zip(weight) {
+        *o = w * (xi * inv);
+    }
+}
+
+/// SwiGLU in place: `gate[i] = silu(gate[i]) · up[i]`.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// `x += y`.
+pub fn add_assign(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// Index of the largest value; the first one on ties (as `torch.argmax`). NaN never wins.
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &v) in x.iter().enumerate() {
+        if v > best_v {
+            best_v = v;
+            best = i;
+        }
+    }
+    best
+}

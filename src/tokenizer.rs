@@ -1,0 +1,144 @@
+//! Text ↔ token ids, through the `tokenizers` crate, plus streaming detokenisation.
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use std::path::{Path, PathBuf};
+
+/// A model's tokenizer with its special ids resolved.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+    /// Ids that end generation (config's `eos_token_id`, else the tokenizer's EOS-like token).
+    pub eos_ids: Vec<u32>,
+    pub bos_id: Option<u32>,
+}
+
+impl Tokenizer {
+    /// Parses a tokenizer.json text; `path` names it in errors.
+    pub fn from_json(json: &str, path: &Path, cfg: &Config) -> Result<Self> {
+        let inner: tokenizers::Tokenizer = json
+            .parse()
+            .map_err(|e| Error::tokenizer(path, format!("cannot parse tokenizer.json: {e}")))?;
+        Self::new(inner, path, cfg)
+    }
+
+    /// Wraps a built tokenizer and checks it fits the model's vocabulary.
+    pub fn new(inner: tokenizers::Tokenizer, path: &Path, cfg: &Config) -> Result<Self> {
+        let n = inner.get_vocab_size(true);
+        // The embedding may be padded past the tokenizer's vocabulary, never the reverse.
+        let max_id = inner.get_vocab(true).values().copied().max().unwrap_or(0) as usize;
+        if max_id >= cfg.vocab_size {
+            return Err(Error::tokenizer(
+                path,
+                format!(
+                    "vocabulary does not match the model: tokenizer has ids up to {max_id} ({n} tokens) but the model's vocab_size is {}",
+                    cfg.vocab_size
+                ),
+            ));
+        }
+        let mut eos_ids = cfg.eos_token_ids.clone();
+        if eos_ids.is_empty() {
+            for t in ["</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>"] {
+                if let Some(id) = inner.token_to_id(t) {
+                    eos_ids.push(id);
+                    break;
+                }
+            }
+        }
+        Ok(Tokenizer {
+            bos_id: cfg.bos_token_id,
+            inner,
+            path: path.to_path_buf(),
+            eos_ids,
+        })
+    }
+
+    /// The tokenizer's default encoding (special tokens added as the tokenizer adds them,
+    /// e.g. a BOS for Llama-style post-processors), as transformers' `tokenizer(text)`.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, true)
+    }
+
+    pub fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| Error::tokenizer(&self.path, format!("cannot encode: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Decodes ids to text, skipping special tokens.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| Error::tokenizer(&self.path, format!("cannot decode: {e}")))
+    }
+
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos_ids.contains(&id)
+    }
+
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+    pub fn token_to_id(&self, tok: &str) -> Option<u32> {
+        self.inner.token_to_id(tok)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
+
+/// Turns a growing id sequence into text deltas without re-decoding everything.
+///
+/// Keeps a two-point window `[prev, cur)` as candle's `TokenOutputStream` does: the new
+/// text is `decode(ids[prev..]) − decode(ids[prev..cur])`, emitted only once it does not
+/// end in an incomplete UTF-8 sequence. Decoding both sides from the same first token keeps
+/// decoders that strip a leading space (SentencePiece) consistent.
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    prev: usize,
+    cur: usize,
+}
+
+impl Default for StreamDecoder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StreamDecoder {
+    pub fn new() -> Self {
+        StreamDecoder {
+            ids: Vec::new(),
+            prev: 0,
+            cur: 0,
+        }
+    }
+
+    /// Adds one id; returns the new text it completes (possibly empty).
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let prev_text = if self.cur > self.prev {
+            tok.decode(&self.ids[self.prev..self.cur])?
+        } else {
+            String::new()
+        };
+        let text = tok.decode(&self.ids[self.prev..])?;
+        if text.len() > prev_text.len() && !text.ends_with('\u{FFFD}') {
+            if let Some(delta) = text.get(prev_text.len()..) {
+                let delta = delta.to_string();
+                self.prev = self.cur;
+                self.cur = self.ids.len();
+                return Ok(delta);
+            }
+        }
+        Ok(String::new())
+    }
+}

@@ -1,0 +1,477 @@
+//! Model files → named tensors, memory-mapped where possible.
+//!
+//! A [`ModelFiles`] is what opening `MODEL` yields, whatever its format (DESIGN.md §5):
+//! the validated config, every tensor under its Hugging Face name with its file dtype and
+//! row-major shape, the tokenizer, and the chat template if the model has one. Tensor
+//! bytes point into a shared backing buffer — an mmap of the file, the bundled model
+//! compiled into the binary, or an owned buffer for tensors that had to be rewritten
+//! (dtype conversion, GGUF row un-permutation) — so f32 weights are never copied at load.
+
+use crate::config::{Config, HfConfig};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tokenizer::Tokenizer;
+use half::{bf16, f16};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Metadata key of a `.tinygpt` file holding the config.json text.
+pub const META_CONFIG: &str = "tinygpt.config";
+/// Metadata key of a `.tinygpt` file holding the tokenizer.json text.
+pub const META_TOKENIZER: &str = "tinygpt.tokenizer";
+/// Optional metadata key holding a Jinja chat template.
+pub const META_CHAT_TEMPLATE: &str = "tinygpt.chat_template";
+
+/// The bytes behind tensors.
+pub enum Backing {
+    /// A memory-mapped file.
+    Mmap(memmap2::Mmap),
+    /// Bytes compiled into the binary (the bundled default model).
+    Static(&'static [u8]),
+    /// An owned buffer; `u64` words keep it 8-byte aligned. `.1` is the byte length.
+    Owned(Vec<u64>, usize),
+}
+
+impl Backing {
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            Backing::Mmap(m) => m,
+            Backing::Static(s) => s,
+            Backing::Owned(v, n) => &bytemuck::cast_slice(v.as_slice())[..*n],
+        }
+    }
+
+    /// Copies `bytes` into an 8-byte-aligned owned buffer.
+    pub fn owned(bytes: &[u8]) -> Backing {
+        let mut words = vec![0u64; bytes.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+        Backing::Owned(words, bytes.len())
+    }
+
+    /// Memory-maps `path` read-only.
+    pub fn mmap(path: &Path) -> Result<Backing> {
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: the map is read-only and private to this process. Another process
+        // truncating or rewriting the model file while we run is outside our control
+        // (as for every mmap-based loader: llama.cpp, candle, safetensors); we never
+        // write through it.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        Ok(Backing::Mmap(map))
+    }
+}
+
+/// A byte range of a shared [`Backing`].
+#[derive(Clone)]
+pub struct TensorBytes {
+    backing: Arc<Backing>,
+    start: usize,
+    len: usize,
+}
+
+impl TensorBytes {
+    pub fn new(backing: Arc<Backing>, start: usize, len: usize) -> Self {
+        debug_assert!(start + len <= backing.bytes().len());
+        TensorBytes {
+            backing,
+            start,
+            len,
+        }
+    }
+    pub fn owned(bytes: &[u8]) -> Self {
+        let len = bytes.len();
+        TensorBytes::new(Arc::new(Backing::owned(bytes)), 0, len)
+    }
+    pub fn bytes(&self) -> &[u8] {
+        &self.backing.bytes()[self.start..self.start + self.len]
+    }
+    /// True when the bytes live in an mmap or in the binary (not copied at load).
+    pub fn is_mapped(&self) -> bool {
+        !matches!(*self.backing, Backing::Owned(..))
+    }
+}
+
+/// One named tensor as stored in the model file.
+#[derive(Clone)]
+pub struct Tensor {
+    pub name: String,
+    pub dtype: DType,
+    /// Row-major shape, Hugging Face order (`(out_features, in_features)` for matrices).
+    pub shape: Vec<usize>,
+    pub data: TensorBytes,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor({} {} {:?})", self.name, self.dtype, self.shape)
+    }
+}
+
+impl Tensor {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Dequantises/converts the whole tensor to f32 (scalar; used at load and by the reference).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.numel()];
+        dequantize_into(self.dtype, self.data.bytes(), &mut out);
+        out
+    }
+
+    /// This tensor converted to `dtype` (F32 or BF16), in an owned buffer.
+    pub fn converted(&self, dtype: DType) -> Tensor {
+        if dtype == self.dtype {
+            return self.clone();
+        }
+        let f = self.to_f32();
+        let bytes: Vec<u8> = match dtype {
+            DType::F32 => bytemuck::cast_slice(&f).to_vec(),
+            DType::BF16 => {
+                let v: Vec<bf16> = f.iter().map(|&x| bf16::from_f32(x)).collect();
+                bytemuck::cast_slice(&v).to_vec()
+            }
+            DType::F16 => {
+                let v: Vec<f16> = f.iter().map(|&x| f16::from_f32(x)).collect();
+                bytemuck::cast_slice(&v).to_vec()
+            }
+            other => unreachable!("conversion to {other} is not offered"),
+        };
+        Tensor {
+            name: self.name.clone(),
+            dtype,
+            shape: self.shape.clone(),
+            data: TensorBytes::owned(&bytes),
+        }
+    }
+}
+
+/// Converts `bytes` of `dtype` into f32 values (`out.len()` values).
+pub fn dequantize_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        DType::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+            let _ = (bytes, out);
+            todo!("GGML dequantisation")
+        }
+    }
+}
+
+/// Which kind of file `MODEL` was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    HfDir,
+    Tinygpt,
+    Gguf,
+    Bundled,
+}
+
+impl Format {
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::HfDir => "Hugging Face directory",
+            Format::Tinygpt => ".tinygpt",
+            Format::Gguf => "GGUF",
+            Format::Bundled => "bundled .tinygpt",
+        }
+    }
+}
+
+/// Everything read from a model file or directory.
+pub struct ModelFiles {
+    /// The path given by the user (or `<bundled>`), for messages.
+    pub path: PathBuf,
+    pub format: Format,
+    pub config: Config,
+    /// The config.json text (HF/.tinygpt); `None` for GGUF.
+    pub config_json: Option<String>,
+    pub tensors: BTreeMap<String, Tensor>,
+    pub tokenizer: Tokenizer,
+    /// The tokenizer.json text, when the model has one (HF/.tinygpt).
+    pub tokenizer_json: Option<String>,
+    pub chat_template: Option<String>,
+    /// Bytes of the model file(s) on disk.
+    pub file_bytes: u64,
+}
+
+impl std::fmt::Debug for ModelFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelFiles")
+            .field("path", &self.path)
+            .field("format", &self.format)
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+/// The bundled default model: a `.tinygpt` compiled into the binary (8-byte aligned).
+#[repr(C, align(8))]
+struct Aligned<T: ?Sized>(T);
+static BUNDLED: &Aligned<[u8]> = &Aligned(*include_bytes!("../fixtures/tiny.tinygpt"));
+
+/// Path shown for the bundled model.
+pub const BUNDLED_NAME: &str = "<bundled tiny model>";
+
+impl ModelFiles {
+    /// Opens `MODEL`: a Hugging Face directory, a `.gguf`, a `.tinygpt`, or (None) the
+    /// bundled default model.
+    pub fn open(path: Option<&Path>) -> Result<ModelFiles> {
+        let Some(path) = path else {
+            return Self::from_tinygpt_backing(
+                Arc::new(Backing::Static(&BUNDLED.0)),
+                Path::new(BUNDLED_NAME),
+                Format::Bundled,
+            );
+        };
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+        if meta.is_dir() {
+            return Self::open_hf_dir(path);
+        }
+        let mut magic = [0u8; 4];
+        {
+            use std::io::Read;
+            let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+            let n = f.read(&mut magic).map_err(|e| Error::io(path, e))?;
+            if n < 4 && meta.len() >= 4 {
+                return Err(Error::format(path, "could not read the file header"));
+            }
+        }
+        if &magic == b"GGUF" {
+            return Self::open_gguf(path);
+        }
+        let backing = Arc::new(Backing::mmap(path)?);
+        Self::from_tinygpt_backing(backing, path, Format::Tinygpt)
+    }
+
+    fn from_tinygpt_backing(
+        backing: Arc<Backing>,
+        path: &Path,
+        format: Format,
+    ) -> Result<ModelFiles> {
+        let bytes = backing.bytes();
+        let (_, st_meta) = safetensors::SafeTensors::read_metadata(bytes)
+            .map_err(|e| Error::format(path, format!("not a .tinygpt/safetensors file: {e}")))?;
+        let md = st_meta.metadata().clone().unwrap_or_default();
+        let config_json = md.get(META_CONFIG).ok_or_else(|| {
+            Error::format(
+                path,
+                format!("safetensors file has no '{META_CONFIG}' metadata: not a .tinygpt file (to load a Hugging Face model, pass its directory)"),
+            )
+        })?;
+        let tok_json = md
+            .get(META_TOKENIZER)
+            .ok_or_else(|| Error::format(path, format!("missing '{META_TOKENIZER}' metadata")))?;
+        let config = HfConfig::from_json(config_json, path)?.validate(path)?;
+        let tensors = read_safetensors(&backing, path)?;
+        let tokenizer = Tokenizer::from_json(tok_json, path, &config)?;
+        let file_bytes = bytes.len() as u64;
+        Ok(ModelFiles {
+            path: path.to_path_buf(),
+            format,
+            config,
+            config_json: Some(config_json.clone()),
+            tensors,
+            tokenizer,
+            tokenizer_json: Some(tok_json.clone()),
+            chat_template: md.get(META_CHAT_TEMPLATE).cloned(),
+            file_bytes,
+        })
+    }
+
+    fn open_hf_dir(dir: &Path) -> Result<ModelFiles> {
+        let config_path = dir.join("config.json");
+        if !config_path.is_file() {
+            return Err(Error::format(
+                dir,
+                "directory has no config.json (expected a Hugging Face model directory)",
+            ));
+        }
+        let config_json =
+            std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+        let config = HfConfig::from_json(&config_json, &config_path)?.validate(&config_path)?;
+
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        let mut files: Vec<PathBuf> = Vec::new();
+        if single.is_file() {
+            files.push(single);
+        } else if index.is_file() {
+            let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::format(&index, format!("not valid JSON: {e}")))?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| Error::format(&index, "no 'weight_map' object"))?;
+            let mut shards: Vec<String> = map
+                .values()
+                .filter_map(|s| s.as_str().map(String::from))
+                .collect();
+            shards.sort();
+            shards.dedup();
+            for s in shards {
+                if s.contains('/') || s.contains('\\') || s.contains("..") {
+                    return Err(Error::format(
+                        &index,
+                        format!("shard name '{s}' is not a plain file name"),
+                    ));
+                }
+                files.push(dir.join(s));
+            }
+        } else {
+            return Err(Error::format(
+                dir,
+                "no model.safetensors or model.safetensors.index.json (only safetensors weights are supported)",
+            ));
+        }
+        let mut tensors = BTreeMap::new();
+        let mut file_bytes = 0u64;
+        for f in &files {
+            let backing = Arc::new(Backing::mmap(f)?);
+            file_bytes += backing.bytes().len() as u64;
+            for (name, t) in read_safetensors(&backing, f)? {
+                if tensors.insert(name.clone(), t).is_some() {
+                    return Err(Error::tensor(f, name, "appears in more than one shard"));
+                }
+            }
+        }
+        let tok_path = dir.join("tokenizer.json");
+        if !tok_path.is_file() {
+            return Err(Error::format(dir, "directory has no tokenizer.json"));
+        }
+        let tok_json = std::fs::read_to_string(&tok_path).map_err(|e| Error::io(&tok_path, e))?;
+        let tokenizer = Tokenizer::from_json(&tok_json, &tok_path, &config)?;
+        let chat_template = read_chat_template(dir);
+        Ok(ModelFiles {
+            path: dir.to_path_buf(),
+            format: Format::HfDir,
+            config,
+            config_json: Some(config_json),
+            tensors,
+            tokenizer,
+            tokenizer_json: Some(tok_json),
+            chat_template,
+            file_bytes,
+        })
+    }
+
+    fn open_gguf(path: &Path) -> Result<ModelFiles> {
+        Err(Error::format(path, "GGUF support is not built yet"))
+    }
+
+    /// Total parameters (elements of every tensor).
+    pub fn parameter_count(&self) -> usize {
+        self.tensors.values().map(|t| t.numel()).sum()
+    }
+
+    /// Dtypes present, with the number of tensors of each.
+    pub fn dtype_summary(&self) -> BTreeMap<String, usize> {
+        let mut m = BTreeMap::new();
+        for t in self.tensors.values() {
+            *m.entry(t.dtype.name().to_string()).or_insert(0) += 1;
+        }
+        m
+    }
+
+    /// Looks up a tensor and checks its shape.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<&Tensor> {
+        let t = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::tensor(&self.path, name, "missing from the model file"))?;
+        if t.shape != shape {
+            return Err(Error::tensor(
+                &self.path,
+                name,
+                format!(
+                    "has shape {:?}, expected {:?} from the config",
+                    t.shape, shape
+                ),
+            ));
+        }
+        Ok(t)
+    }
+
+    /// Same as [`get`](Self::get) for optional tensors (biases).
+    pub fn get_opt(&self, name: &str, shape: &[usize]) -> Result<Option<&Tensor>> {
+        if self.tensors.contains_key(name) {
+            self.get(name, shape).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+/// Chat template from tokenizer_config.json (a string, or a list of named templates).
+fn read_chat_template(dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join("tokenizer_config.json")).ok();
+    let from_cfg = text.and_then(|t| {
+        let v: serde_json::Value = serde_json::from_str(&t).ok()?;
+        match v.get("chat_template")? {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Array(a) => a.iter().find_map(|e| {
+                (e.get("name")?.as_str()? == "default")
+                    .then(|| e.get("template")?.as_str().map(String::from))
+                    .flatten()
+            }),
+            _ => None,
+        }
+    });
+    from_cfg.or_else(|| std::fs::read_to_string(dir.join("chat_template.jinja")).ok())
+}
+
+/// Reads every tensor of a safetensors buffer, keeping views into `backing`.
+fn read_safetensors(backing: &Arc<Backing>, path: &Path) -> Result<BTreeMap<String, Tensor>> {
+    let bytes = backing.bytes();
+    let st = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| Error::format(path, format!("invalid safetensors file: {e}")))?;
+    let base = bytes.as_ptr() as usize;
+    let mut out = BTreeMap::new();
+    for (name, view) in st.tensors() {
+        let dtype = match view.dtype() {
+            safetensors::Dtype::F32 => DType::F32,
+            safetensors::Dtype::F16 => DType::F16,
+            safetensors::Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(Error::tensor(
+                    path,
+                    name,
+                    format!("has dtype {other:?}; supported: F32, F16, BF16"),
+                ))
+            }
+        };
+        let data = view.data();
+        let start = data.as_ptr() as usize - base;
+        let elem = dtype.block_bytes();
+        let tb = if start % elem == 0 {
+            TensorBytes::new(backing.clone(), start, data.len())
+        } else {
+            // Misaligned for its element type: copy once into an aligned buffer.
+            TensorBytes::owned(data)
+        };
+        out.insert(
+            name.clone(),
+            Tensor {
+                name,
+                dtype,
+                shape: view.shape().to_vec(),
+                data: tb,
+            },
+        );
+    }
+    Ok(out)
+}

@@ -1,0 +1,232 @@
+//! The built binary, run as a user would.
+
+mod common;
+use common::*;
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tinygpt-cpu"))
+}
+
+fn run(args: &[&str]) -> Output {
+    bin().args(args).output().expect("binary runs")
+}
+
+fn json_of(out: &Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not one JSON object ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+#[test]
+fn sample_default_model_streams_text() {
+    let out = run(&[
+        "sample",
+        "--prompt",
+        "Once upon a time",
+        "--tokens",
+        "40",
+        "--seed",
+        "1",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.trim().len() > 20, "too little text: {text:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("decode") && err.contains("tok/s"),
+        "report missing: {err}"
+    );
+    assert!(
+        err.contains("fp32"),
+        "kv precision missing from report: {err}"
+    );
+}
+
+#[test]
+fn json_has_the_design_fields() {
+    let out = run(&[
+        "sample",
+        "--prompt",
+        "The function",
+        "--tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
+    ]);
+    let v = json_of(&out);
+    for k in ["prompt_ids", "generated_ids", "text", "kv", "timing"] {
+        assert!(v.get(k).is_some(), "missing {k}: {v}");
+    }
+    for k in [
+        "quantize",
+        "group_size",
+        "sink",
+        "window",
+        "positions",
+        "stored_tokens",
+        "current_length",
+        "bytes",
+        "layers_with_kv",
+    ] {
+        assert!(v["kv"].get(k).is_some(), "missing kv.{k}: {v}");
+    }
+    for k in ["prefill_tok_s", "decode_tok_s"] {
+        assert!(v["timing"][k].as_f64().is_some(), "missing timing.{k}");
+    }
+    assert_eq!(v["generated_ids"].as_array().unwrap().len(), 12);
+    assert_eq!(v["kv"]["quantize"], "fp32");
+    let prompt_len = v["prompt_ids"].as_array().unwrap().len() as u64;
+    // 12 generated: the last one is not fed back, so 11 went through the cache.
+    assert_eq!(v["kv"]["current_length"].as_u64().unwrap(), prompt_len + 11);
+    assert_eq!(v["kv"]["stored_tokens"], v["kv"]["current_length"]);
+    // fp32 K and V rows: layers × tokens × kv_dim × 2 × 4 bytes (6 layers, kv_dim 64)
+    assert_eq!(
+        v["kv"]["bytes"].as_u64().unwrap(),
+        6 * (prompt_len + 11) * 64 * 2 * 4
+    );
+}
+
+#[test]
+fn greedy_json_matches_transformers_golden() {
+    let g = golden("tiny.json");
+    let p = &g["prompts"][1];
+    let want = ids(&p["greedy_ids"]);
+    let model = fixtures().join("tiny");
+    let out = run(&[
+        "sample",
+        model.to_str().unwrap(),
+        "--prompt",
+        p["prompt"].as_str().unwrap(),
+        "--temperature",
+        "0",
+        "--tokens",
+        &want.len().to_string(),
+        "--ignore-eos",
+        "--json",
+    ]);
+    let v = json_of(&out);
+    assert_eq!(ids(&v["prompt_ids"]), ids(&p["prompt_ids"]));
+    assert_eq!(ids(&v["generated_ids"]), want);
+}
+
+#[test]
+fn same_seed_same_text_different_seed_different_text() {
+    let go = |seed: &str| {
+        let out = run(&[
+            "sample",
+            "--prompt",
+            "In Python",
+            "--tokens",
+            "40",
+            "--seed",
+            seed,
+            "--temperature",
+            "1.0",
+            "--ignore-eos",
+            "--json",
+        ]);
+        json_of(&out)["generated_ids"].clone()
+    };
+    let (a, b, c) = (go("7"), go("7"), go("8"));
+    assert_eq!(a, b);
+    assert_ne!(a, c, "different seeds gave the same 40 sampled tokens");
+}
+
+#[test]
+fn reference_engine_gives_same_greedy_ids() {
+    let go = |engine: &str| {
+        let out = run(&[
+            "sample",
+            "--prompt",
+            "import os",
+            "--tokens",
+            "20",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+            "--engine",
+            engine,
+        ]);
+        json_of(&out)["generated_ids"].clone()
+    };
+    assert_eq!(go("optimized"), go("reference"));
+}
+
+#[test]
+fn inspect_and_convert_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_path = dir.path().join("t.tinygpt");
+    let tiny = fixtures().join("tiny");
+    let out = run(&[
+        "convert",
+        tiny.to_str().unwrap(),
+        out_path.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(&["inspect", out_path.to_str().unwrap()]);
+    assert!(out.status.success());
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        s.contains("layers:      6") && s.contains("kv heads 2"),
+        "{s}"
+    );
+    // the converted file samples exactly like the directory
+    let go = |m: &str| {
+        json_of(&run(&[
+            "sample",
+            m,
+            "--prompt",
+            "The",
+            "--tokens",
+            "10",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ]))["generated_ids"]
+            .clone()
+    };
+    assert_eq!(go(out_path.to_str().unwrap()), go(tiny.to_str().unwrap()));
+}
+
+#[test]
+fn past_context_is_refused_with_the_flags_named() {
+    let out = run(&[
+        "sample",
+        "--prompt",
+        "a",
+        "--tokens",
+        "400",
+        "--temperature",
+        "0",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("context length")
+            && err.contains("--streaming-llm-window")
+            && err.contains("--allow-past-context"),
+        "{err}"
+    );
+}

@@ -1,0 +1,87 @@
+//! Shared helpers for the integration tests: fixture paths, golden files, greedy runs.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use tinygpt_cpu::generate::Engine;
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn fixtures() -> PathBuf {
+    root().join("fixtures")
+}
+
+pub fn golden(name: &str) -> serde_json::Value {
+    let p = fixtures().join("golden").join(name);
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array of ids")
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+pub fn floats(v: &serde_json::Value) -> Vec<f32> {
+    v.as_array()
+        .expect("array of floats")
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+pub fn argmax(x: &[f32]) -> u32 {
+    tinygpt_cpu::ops::argmax(x) as u32
+}
+
+/// Top-1 minus top-2 of `x`.
+pub fn margin(x: &[f32]) -> f32 {
+    let mut v = x.to_vec();
+    v.sort_by(|a, b| b.total_cmp(a));
+    v[0] - v[1]
+}
+
+/// A greedy run: the prompt's last logits, then `n` tokens with the logits that chose each.
+pub struct Greedy {
+    pub ids: Vec<u32>,
+    /// logits[i] chose ids[i]
+    pub logits: Vec<Vec<f32>>,
+}
+
+pub fn greedy(e: &mut dyn Engine, prompt: &[u32], n: usize) -> Greedy {
+    let mut pos = 0;
+    let mut last = Vec::new();
+    for &t in prompt {
+        last = e.forward(t, pos).unwrap().to_vec();
+        pos += 1;
+    }
+    let mut ids = Vec::new();
+    let mut logits = Vec::new();
+    for i in 0..n {
+        let next = argmax(&last);
+        ids.push(next);
+        logits.push(last.clone());
+        if i + 1 < n {
+            last = e.forward(next, pos).unwrap().to_vec();
+            pos += 1;
+        }
+    }
+    Greedy { ids, logits }
+}
+
+/// Steps until two id sequences differ (their common prefix length).
+pub fn prefix_match(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
