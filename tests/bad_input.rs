@@ -22,7 +22,7 @@ fn fails_with(args: &[&str], needles: &[&str]) {
         );
     }
     assert!(
-        err.trim_end().lines().count() <= 3,
+        err.trim_end().lines().count() <= 8,
         "error is not short: {err}"
     );
 }
