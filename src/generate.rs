@@ -25,6 +25,16 @@ pub trait Engine {
     fn positions(&self, l: usize) -> Vec<usize>;
     /// Empties the cache (a new sequence).
     fn reset(&mut self);
+    /// Runs a run of prompt tokens starting at `start`; returns the last token's logits.
+    /// Engines with a batched path override this; the result must equal stepping
+    /// through [`forward`](Self::forward).
+    fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<&[f32]> {
+        debug_assert!(!tokens.is_empty());
+        for (i, &t) in tokens[..tokens.len() - 1].iter().enumerate() {
+            self.forward(t, start + i)?;
+        }
+        self.forward(tokens[tokens.len() - 1], start + tokens.len() - 1)
+    }
 }
 
 /// The optimised engine with one session.
@@ -69,6 +79,15 @@ impl Engine for EngineRun<'_> {
     }
     fn reset(&mut self) {
         self.session = self.model.session(&self.kv);
+    }
+    fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<&[f32]> {
+        // Bounded batches keep the activation buffers small for long prompts.
+        const BATCH: usize = 256;
+        for (i, chunk) in tokens.chunks(BATCH).enumerate() {
+            self.model
+                .forward_batch(&mut self.session, chunk, start + i * BATCH, None)?;
+        }
+        Ok(&self.session.logits)
     }
 }
 
@@ -217,16 +236,10 @@ pub fn generate(
     let mut sampler = Sampler::new(opts.sampler.clone());
 
     let t0 = Instant::now();
-    let mut pos = 0usize;
-    let mut next = 0u32;
-    for &id in prompt_ids {
-        let logits = engine.forward(id, pos)?;
-        pos += 1;
-        if pos == prompt_ids.len() {
-            check_finite(logits, pos - 1)?;
-            next = sampler.sample(logits);
-        }
-    }
+    let mut pos = prompt_ids.len();
+    let logits = engine.prefill(prompt_ids, 0)?;
+    check_finite(logits, pos - 1)?;
+    let mut next = sampler.sample(logits);
     let prefill_secs = t0.elapsed().as_secs_f64();
 
     let mut generated = Vec::new();

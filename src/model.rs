@@ -9,7 +9,7 @@ use crate::config::Config;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvConfig};
-use crate::ops::{self, matvec, Matrix};
+use crate::ops::{self, matmul, matvec, matvec_many, Matrix};
 use crate::weights::{ModelFiles, Tensor};
 
 /// Weight dtype the engine computes with (`--weights-dtype`).
@@ -285,9 +285,11 @@ impl Model {
         self.embed.row_f32(token as usize, &mut s.x);
         for (l, lw) in self.layers.iter().enumerate() {
             ops::rmsnorm(&s.x, &lw.attn_norm, c.rms_norm_eps, &mut s.h);
-            matvec(&lw.wq, &s.h, &mut s.q);
-            matvec(&lw.wk, &s.h, &mut s.k);
-            matvec(&lw.wv, &s.h, &mut s.v);
+            matvec_many(
+                &[&lw.wq, &lw.wk, &lw.wv],
+                &s.h,
+                &mut [&mut s.q, &mut s.k, &mut s.v],
+            );
             if let Some(b) = &lw.bq {
                 ops::add_assign(&mut s.q, b);
             }
@@ -318,14 +320,122 @@ impl Model {
             ops::add_assign(&mut s.x, &s.proj);
 
             ops::rmsnorm(&s.x, &lw.ffn_norm, c.rms_norm_eps, &mut s.h);
-            matvec(&lw.w_gate, &s.h, &mut s.gate);
-            matvec(&lw.w_up, &s.h, &mut s.up);
+            matvec_many(&[&lw.w_gate, &lw.w_up], &s.h, &mut [&mut s.gate, &mut s.up]);
             ops::swiglu(&mut s.gate, &s.up);
             matvec(&lw.w_down, &s.gate, &mut s.proj);
             ops::add_assign(&mut s.x, &s.proj);
         }
         ops::rmsnorm(&s.x, &self.norm, c.rms_norm_eps, &mut s.h);
         matvec(&self.lm_head, &s.h, &mut s.logits);
+        Ok(())
+    }
+
+    /// Prefill: runs `tokens` at positions `start..start + tokens.len()` with batched
+    /// matrix products (each weight row read once per tile of tokens) and per-token
+    /// attention in order, so the cache ends exactly as after token-by-token decoding.
+    /// `s.logits` receives the last token's logits; `all_logits`, if given, receives
+    /// `(tokens, vocab)`. Every value equals the token-by-token forward's bit for bit.
+    pub fn forward_batch(
+        &self,
+        s: &mut Session,
+        tokens: &[u32],
+        start: usize,
+        all_logits: Option<&mut Vec<f32>>,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let n = tokens.len();
+        if n == 0 {
+            return Ok(());
+        }
+        if s.record_probs {
+            // Attention weights are recorded per step: run the steps one by one.
+            let mut all = all_logits;
+            for (i, &t) in tokens.iter().enumerate() {
+                self.forward(s, t, start + i)?;
+                if let Some(a) = all.as_deref_mut() {
+                    if i == 0 {
+                        a.clear();
+                    }
+                    a.extend_from_slice(&s.logits);
+                }
+            }
+            return Ok(());
+        }
+        let (hd, qd, kvd, ff) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let mut x = vec![0.0f32; n * hd];
+        for (i, &t) in tokens.iter().enumerate() {
+            if t as usize >= c.vocab_size {
+                return Err(Error::Generate(format!(
+                    "token id {t} is outside the model's vocabulary ({})",
+                    c.vocab_size
+                )));
+            }
+            self.embed.row_f32(t as usize, &mut x[i * hd..(i + 1) * hd]);
+        }
+        let mut h = vec![0.0f32; n * hd];
+        let mut q = vec![0.0f32; n * qd];
+        let mut k = vec![0.0f32; n * kvd];
+        let mut v = vec![0.0f32; n * kvd];
+        let mut att = vec![0.0f32; n * qd];
+        let mut proj = vec![0.0f32; n * hd];
+        let mut gate = vec![0.0f32; n * ff];
+        let mut up = vec![0.0f32; n * ff];
+        let norm_rows = |x: &[f32], w: &[f32], h: &mut [f32]| {
+            for (xr, hr) in x.chunks_exact(hd).zip(h.chunks_exact_mut(hd)) {
+                ops::rmsnorm(xr, w, c.rms_norm_eps, hr);
+            }
+        };
+        for (l, lw) in self.layers.iter().enumerate() {
+            norm_rows(&x, &lw.attn_norm, &mut h);
+            matmul(&lw.wq, &h, n, &mut q);
+            matmul(&lw.wk, &h, n, &mut k);
+            matmul(&lw.wv, &h, n, &mut v);
+            for (b, buf, d) in [
+                (&lw.bq, &mut q, qd),
+                (&lw.bk, &mut k, kvd),
+                (&lw.bv, &mut v, kvd),
+            ] {
+                if let Some(b) = b {
+                    buf.chunks_exact_mut(d).for_each(|r| ops::add_assign(r, b));
+                }
+            }
+            for i in 0..n {
+                attend(
+                    c,
+                    &self.rope,
+                    s.cache.layer_mut(l),
+                    &q[i * qd..(i + 1) * qd],
+                    &k[i * kvd..(i + 1) * kvd],
+                    &v[i * kvd..(i + 1) * kvd],
+                    start + i,
+                    &mut att[i * qd..(i + 1) * qd],
+                    &mut s.scratch,
+                    None,
+                );
+            }
+            matmul(&lw.wo, &att, n, &mut proj);
+            ops::add_assign(&mut x, &proj);
+            norm_rows(&x, &lw.ffn_norm, &mut h);
+            matmul(&lw.w_gate, &h, n, &mut gate);
+            matmul(&lw.w_up, &h, n, &mut up);
+            ops::swiglu(&mut gate, &up);
+            matmul(&lw.w_down, &gate, n, &mut proj);
+            ops::add_assign(&mut x, &proj);
+        }
+        match all_logits {
+            Some(all) => {
+                norm_rows(&x, &self.norm, &mut h);
+                all.resize(n * c.vocab_size, 0.0);
+                matmul(&self.lm_head, &h, n, all);
+                s.logits
+                    .copy_from_slice(&all[(n - 1) * c.vocab_size..n * c.vocab_size]);
+            }
+            None => {
+                let last = &x[(n - 1) * hd..n * hd];
+                ops::rmsnorm(last, &self.norm, c.rms_norm_eps, &mut s.h);
+                matvec(&self.lm_head, &s.h, &mut s.logits);
+            }
+        }
         Ok(())
     }
 }

@@ -137,3 +137,35 @@ fn hf_dir_and_tinygpt_give_identical_logits() {
         b.tokenizer.encode(text).unwrap()
     );
 }
+
+#[test]
+fn batched_prefill_is_bit_identical_to_token_by_token() {
+    use tinygpt_cpu::generate::Engine;
+    let g = golden("tiny.json");
+    let prompt = ids(&g["long_prompt_ids"]);
+    let files = hf_dir();
+    for w in [WeightsDType::Native, WeightsDType::Bf16] {
+        let model = Model::load(&files, w).unwrap();
+        for kv in [
+            KvConfig::default(),
+            KvConfig {
+                sink: 4,
+                window: Some(60),
+                ..KvConfig::default()
+            },
+        ] {
+            let mut a = EngineRun::new(&model, &kv);
+            let mut b = EngineRun::new(&model, &kv);
+            let batched = a.prefill(&prompt, 0).unwrap().to_vec();
+            let mut stepped = Vec::new();
+            for (i, &t) in prompt.iter().enumerate() {
+                stepped = b.forward(t, i).unwrap().to_vec();
+            }
+            assert_eq!(batched, stepped, "{w:?} {kv:?}");
+            assert_eq!(a.positions(0), b.positions(0));
+            // and the caches continue identically
+            let n = prompt.len();
+            assert_eq!(a.forward(5, n).unwrap(), b.forward(5, n).unwrap());
+        }
+    }
+}

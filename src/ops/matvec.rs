@@ -62,6 +62,38 @@ impl Matrix {
         dequantize_into(self.dtype, b, out);
     }
 
+    /// Length of the partial sums a row's dot product is split into: f32 rows are one
+    /// run, f16/bf16 rows are widened 64 values at a time, GGML blocks are 32 values.
+    /// `matvec` and `matmul` use the same split, so a token gets bit-identical results
+    /// whether it is processed alone (decode) or in a batch (prefill).
+    fn dot_chunk(&self) -> usize {
+        match self.dtype {
+            DType::F32 => usize::MAX,
+            DType::F16 | DType::BF16 => CHUNK,
+            _ => self.dtype.block_len(),
+        }
+    }
+
+    /// Row `r` widened/dequantised to f32 into `buf` (`cols` values).
+    fn widen_row(&self, r: usize, buf: &mut [f32]) {
+        let c = self.cols;
+        match self.dtype {
+            DType::F32 => {
+                let w: &[f32] = bytemuck::cast_slice(self.bytes());
+                buf.copy_from_slice(&w[r * c..(r + 1) * c]);
+            }
+            DType::F16 => {
+                let w: &[f16] = bytemuck::cast_slice(self.bytes());
+                widen_f16(&w[r * c..(r + 1) * c], buf);
+            }
+            DType::BF16 => {
+                let w: &[bf16] = bytemuck::cast_slice(self.bytes());
+                widen_bf16(&w[r * c..(r + 1) * c], buf);
+            }
+            _ => self.row_f32(r, buf),
+        }
+    }
+
     /// Dot product of row `r` with `x`.
     #[inline]
     pub fn row_dot(&self, r: usize, x: &[f32]) -> f32 {
@@ -73,19 +105,11 @@ impl Matrix {
             }
             DType::F16 => {
                 let w: &[f16] = bytemuck::cast_slice(self.bytes());
-                dot_widen(&w[r * c..(r + 1) * c], x, |src, dst| {
-                    for (d, s) in dst.iter_mut().zip(src) {
-                        *d = s.to_f32();
-                    }
-                })
+                dot_widen(&w[r * c..(r + 1) * c], x, widen_f16)
             }
             DType::BF16 => {
                 let w: &[bf16] = bytemuck::cast_slice(self.bytes());
-                dot_widen(&w[r * c..(r + 1) * c], x, |src, dst| {
-                    for (d, s) in dst.iter_mut().zip(src) {
-                        *d = f32::from_bits((s.to_bits() as u32) << 16);
-                    }
-                })
+                dot_widen(&w[r * c..(r + 1) * c], x, widen_bf16)
             }
             DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
                 let row_bytes = self.dtype.bytes_for(c).expect("validated at load");
@@ -103,8 +127,33 @@ impl Matrix {
     }
 }
 
+fn widen_f16(src: &[f16], dst: &mut [f32]) {
+    use half::slice::HalfFloatSliceExt;
+    src.convert_to_f32_slice(dst);
+}
+
+fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = f32::from_bits((s.to_bits() as u32) << 16);
+    }
+}
+
+/// `Σ_chunks dot(w_chunk, x_chunk)` over an already-widened row: the same partial sums
+/// as [`Matrix::row_dot`] for that dtype.
 #[inline]
-fn dot_widen<T: Copy>(w: &[T], x: &[f32], widen: impl Fn(&[T], &mut [f32])) -> f32 {
+fn dot_chunked(w: &[f32], x: &[f32], chunk: usize) -> f32 {
+    if chunk >= w.len() {
+        return simd::dot(w, x);
+    }
+    let mut acc = 0.0f32;
+    for (wc, xc) in w.chunks(chunk).zip(x.chunks(chunk)) {
+        acc += simd::dot(wc, xc);
+    }
+    acc
+}
+
+#[inline]
+fn dot_widen<T: Copy>(w: &[T], x: &[f32], widen: fn(&[T], &mut [f32])) -> f32 {
     let mut buf = [0.0f32; CHUNK];
     let mut acc = 0.0f32;
     for (wc, xc) in w.chunks(CHUNK).zip(x.chunks(CHUNK)) {
@@ -115,8 +164,9 @@ fn dot_widen<T: Copy>(w: &[T], x: &[f32], widen: impl Fn(&[T], &mut [f32])) -> f
     acc
 }
 
-/// Below this many weights a matvec runs on the calling thread (rayon overhead dominates).
-const PAR_MIN_WORK: usize = 1 << 15;
+/// Below this many multiply-adds a product runs on the calling thread (rayon's wake-up
+/// costs more than the work).
+const PAR_MIN_WORK: usize = 1 << 16;
 
 /// `out[r] = Σ_c w[r, c] · x[c]`.
 pub fn matvec(w: &Matrix, x: &[f32], out: &mut [f32]) {
@@ -135,4 +185,80 @@ pub fn matvec(w: &Matrix, x: &[f32], out: &mut [f32]) {
             *o = w.row_dot(base + j, x);
         }
     });
+}
+
+/// Several matrices applied to the same input in one parallel region
+/// (`q/k/v`, `gate/up`): `outs[i] = mats[i] · x`.
+pub fn matvec_many(mats: &[&Matrix], x: &[f32], outs: &mut [&mut [f32]]) {
+    debug_assert_eq!(mats.len(), outs.len());
+    let work: usize = mats.iter().map(|m| m.rows * m.cols).sum();
+    if work < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
+        for (m, o) in mats.iter().zip(outs.iter_mut()) {
+            for (r, v) in o.iter_mut().enumerate() {
+                *v = m.row_dot(r, x);
+            }
+        }
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    let mut tasks: Vec<(&Matrix, usize, &mut [f32])> = Vec::new();
+    for (m, o) in mats.iter().zip(outs.iter_mut()) {
+        let chunk = (m.rows / (threads * 4)).clamp(4, 256);
+        for (ci, oc) in o.chunks_mut(chunk).enumerate() {
+            tasks.push((m, ci * chunk, oc));
+        }
+    }
+    tasks.into_par_iter().for_each(|(m, base, oc)| {
+        for (j, v) in oc.iter_mut().enumerate() {
+            *v = m.row_dot(base + j, x);
+        }
+    });
+}
+
+/// Tokens per tile in [`matmul`]: a widened weight row is reused across this many
+/// activations while it is in L1.
+const TOKEN_TILE: usize = 64;
+
+/// Batched product for prefill: `out[t, r] = Σ_c w[r, c] · xs[t, c]` for `t < n_tokens`,
+/// with `xs` `(n_tokens, cols)` and `out` `(n_tokens, rows)`. Each weight row is read
+/// (and widened) once per tile of tokens; every `(t, r)` value equals what [`matvec`]
+/// gives for token `t` alone.
+pub fn matmul(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    debug_assert_eq!(xs.len(), n_tokens * cols);
+    debug_assert_eq!(out.len(), n_tokens * rows);
+    if n_tokens == 1 {
+        return matvec(w, xs, out);
+    }
+    let chunk = w.dot_chunk();
+    // (rows, n_tokens): each task owns whole rows, so writes stay disjoint.
+    let mut tr = vec![0.0f32; rows * n_tokens];
+    let row_block = 16usize;
+    let body = |(bi, block): (usize, &mut [f32])| {
+        let mut buf = vec![0.0f32; cols];
+        let r0 = bi * row_block;
+        for (j, orow) in block.chunks_mut(n_tokens).enumerate() {
+            w.widen_row(r0 + j, &mut buf);
+            for t0 in (0..n_tokens).step_by(TOKEN_TILE) {
+                let t1 = (t0 + TOKEN_TILE).min(n_tokens);
+                for t in t0..t1 {
+                    orow[t] = dot_chunked(&buf, &xs[t * cols..(t + 1) * cols], chunk);
+                }
+            }
+        }
+    };
+    if rows * cols * n_tokens < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
+        tr.chunks_mut(row_block * n_tokens)
+            .enumerate()
+            .for_each(body);
+    } else {
+        tr.par_chunks_mut(row_block * n_tokens)
+            .enumerate()
+            .for_each(body);
+    }
+    for r in 0..rows {
+        for t in 0..n_tokens {
+            out[t * rows + r] = tr[r * n_tokens + t];
+        }
+    }
 }

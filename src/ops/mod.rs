@@ -5,7 +5,7 @@
 pub mod matvec;
 pub mod simd;
 
-pub use matvec::{matvec, Matrix};
+pub use matvec::{matmul, matvec, matvec_many, Matrix};
 
 /// RMSNorm: `out = weight · x / sqrt(mean(x²) + eps)`.
 pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
