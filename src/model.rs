@@ -446,12 +446,29 @@ pub fn reference_model(
     files: &ModelFiles,
     wdtype: WeightsDType,
 ) -> Result<tinygpt_reference::Model> {
-    use tinygpt_reference::model::{LayerWeights, Weights};
+    use tinygpt_reference::ggml::GgmlType;
+    use tinygpt_reference::model::{LayerWeights, Linear, Weights};
     let t = ModelTensors::collect(files)?;
-    let m = |t: &Tensor| match wdtype {
-        WeightsDType::Native => t.to_f32(),
-        WeightsDType::F32 => t.to_f32(),
-        WeightsDType::Bf16 => t.converted(DType::BF16).to_f32(),
+    let m = |t: &Tensor| -> Linear {
+        let ggml = match t.dtype {
+            DType::Q8_0 => Some(GgmlType::Q8_0),
+            DType::Q4_0 => Some(GgmlType::Q4_0),
+            DType::Q4_1 => Some(GgmlType::Q4_1),
+            _ => None,
+        };
+        match (wdtype, ggml) {
+            (WeightsDType::Native, Some(ty)) => Linear::Ggml {
+                ty,
+                cols: t.shape[1],
+                bytes: t.data.bytes().to_vec(),
+            },
+            (WeightsDType::Bf16, _) => Linear::F32(t.converted(DType::BF16).to_f32()),
+            _ => Linear::F32(t.to_f32()),
+        }
+    };
+    let embed_f32 = match wdtype {
+        WeightsDType::Bf16 => t.embed.converted(DType::BF16).to_f32(),
+        _ => t.embed.to_f32(),
     };
     let layers = t
         .layers
@@ -472,7 +489,13 @@ pub fn reference_model(
         })
         .collect();
     let weights = Weights {
-        embed: m(t.embed),
+        tied_head: match t.lm_head {
+            None if t.embed.dtype.is_quantized() && wdtype == WeightsDType::Native => {
+                Some(m(t.embed))
+            }
+            _ => None,
+        },
+        embed: embed_f32,
         layers,
         norm: t.norm.to_f32(),
         lm_head: t.lm_head.map(m),

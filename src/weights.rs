@@ -31,6 +31,8 @@ pub enum Backing {
     Static(&'static [u8]),
     /// An owned buffer; `u64` words keep it 8-byte aligned. `.1` is the byte length.
     Owned(Vec<u64>, usize),
+    /// A GGUF file (itself an mmap), shared by the tensors that borrow from it.
+    Gguf(Arc<crate::gguf::GgufFile>),
 }
 
 impl Backing {
@@ -39,6 +41,7 @@ impl Backing {
             Backing::Mmap(m) => m,
             Backing::Static(s) => s,
             Backing::Owned(v, n) => &bytemuck::cast_slice(v.as_slice())[..*n],
+            Backing::Gguf(g) => g.bytes(),
         }
     }
 
@@ -148,6 +151,7 @@ impl Tensor {
 
 /// Converts `bytes` of `dtype` into f32 values (`out.len()` values).
 pub fn dequantize_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    use tinygpt_reference::ggml;
     match dtype {
         DType::F32 => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
@@ -164,10 +168,9 @@ pub fn dequantize_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
             }
         }
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
-            let _ = (bytes, out);
-            todo!("GGML dequantisation")
-        }
+        DType::Q8_0 => ggml::dequantize_q8_0(bytes, out),
+        DType::Q4_0 => ggml::dequantize_q4_0(bytes, out),
+        DType::Q4_1 => ggml::dequantize_q4_1(bytes, out),
     }
 }
 
@@ -370,7 +373,47 @@ impl ModelFiles {
     }
 
     fn open_gguf(path: &Path) -> Result<ModelFiles> {
-        Err(Error::format(path, "GGUF support is not built yet"))
+        let gguf = crate::gguf::GgufFile::open(path)?;
+        let config = gguf.config()?;
+        let tok = gguf.tokenizer()?;
+        let tokenizer = Tokenizer::new(tok, path, &config)?;
+        let chat_template = gguf.chat_template().map(String::from);
+        let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+        let gguf = Arc::new(gguf);
+        let base = gguf.bytes().as_ptr() as usize;
+        let file_len = gguf.bytes().len();
+        let mut tensors = BTreeMap::new();
+        let shared = Arc::new(Backing::Gguf(gguf.clone()));
+        for t in gguf.hf_tensors()? {
+            let data = match &t.data {
+                std::borrow::Cow::Borrowed(b) => {
+                    let start = b.as_ptr() as usize - base;
+                    debug_assert!(start + b.len() <= file_len);
+                    TensorBytes::new(shared.clone(), start, b.len())
+                }
+                std::borrow::Cow::Owned(v) => TensorBytes::owned(v),
+            };
+            tensors.insert(
+                t.name.clone(),
+                Tensor {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    data,
+                },
+            );
+        }
+        Ok(ModelFiles {
+            path: path.to_path_buf(),
+            format: Format::Gguf,
+            config,
+            config_json: None,
+            tensors,
+            tokenizer,
+            tokenizer_json: None,
+            chat_template,
+            file_bytes,
+        })
     }
 
     /// Total parameters (elements of every tensor).

@@ -11,6 +11,7 @@
 pub mod attention;
 pub mod config;
 pub mod ggml;
+pub mod ggml_dot;
 pub mod kv_cache;
 pub mod model;
 pub mod quant;

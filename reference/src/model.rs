@@ -5,8 +5,47 @@
 
 use crate::attention::attend;
 use crate::config::Config;
+use crate::ggml::GgmlType;
+use crate::ggml_dot;
 use crate::kv_cache::{KvConfig, LayerCache};
 use crate::rope::Rope;
+
+/// A weight matrix, row-major `(rows, cols)`.
+#[derive(Debug, Clone)]
+pub enum Linear {
+    /// Plain f32 values.
+    F32(Vec<f32>),
+    /// GGML blocks kept as stored (Q8_0, Q4_0, Q4_1): multiplied through
+    /// [`ggml_dot`] with 8-bit activations, as the engine's native path does.
+    Ggml {
+        ty: GgmlType,
+        cols: usize,
+        bytes: Vec<u8>,
+    },
+}
+
+impl Linear {
+    /// `out = self · x`.
+    pub fn matvec(&self, x: &[f32], out: &mut [f32]) {
+        match self {
+            Linear::F32(w) => matvec(w, x, out),
+            Linear::Ggml { ty, cols, bytes } => {
+                assert_eq!(x.len(), *cols);
+                let row_bytes = cols / ty.block_len() * ty.block_bytes();
+                let acts = ggml_dot::quantize_acts(x);
+                for (r, o) in out.iter_mut().enumerate() {
+                    let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
+                    *o = match ty {
+                        GgmlType::Q8_0 => ggml_dot::dot_q8_0(row, &acts),
+                        GgmlType::Q4_0 => ggml_dot::dot_q4_0(row, &acts),
+                        GgmlType::Q4_1 => ggml_dot::dot_q4_1(row, &acts),
+                        other => panic!("{other:?} is not a block type"),
+                    };
+                }
+            }
+        }
+    }
+}
 
 /// One decoder layer's weights, row-major `(out_features, in_features)` as in HF files.
 #[derive(Debug, Clone)]
@@ -14,13 +53,13 @@ pub struct LayerWeights {
     /// (hidden)
     pub attn_norm: Vec<f32>,
     /// (q_dim, hidden)
-    pub wq: Vec<f32>,
+    pub wq: Linear,
     /// (kv_dim, hidden)
-    pub wk: Vec<f32>,
+    pub wk: Linear,
     /// (kv_dim, hidden)
-    pub wv: Vec<f32>,
+    pub wv: Linear,
     /// (hidden, q_dim)
-    pub wo: Vec<f32>,
+    pub wo: Linear,
     /// Qwen2-style projection biases: (q_dim), (kv_dim), (kv_dim).
     pub bq: Option<Vec<f32>>,
     pub bk: Option<Vec<f32>>,
@@ -28,11 +67,11 @@ pub struct LayerWeights {
     /// (hidden)
     pub ffn_norm: Vec<f32>,
     /// (intermediate, hidden)
-    pub w_gate: Vec<f32>,
+    pub w_gate: Linear,
     /// (intermediate, hidden)
-    pub w_up: Vec<f32>,
+    pub w_up: Linear,
     /// (hidden, intermediate)
-    pub w_down: Vec<f32>,
+    pub w_down: Linear,
 }
 
 /// All weights of a model, dequantised to f32.
@@ -44,7 +83,10 @@ pub struct Weights {
     /// (hidden)
     pub norm: Vec<f32>,
     /// (vocab, hidden); `None` when tied to `embed`.
-    pub lm_head: Option<Vec<f32>>,
+    pub lm_head: Option<Linear>,
+    /// The embedding as a matrix for the tied LM head (the file's own blocks when
+    /// quantised), `None` to use `embed` as f32.
+    pub tied_head: Option<Linear>,
 }
 
 /// A model ready to run.
@@ -132,9 +174,9 @@ impl Model {
 
         for (l, lw) in self.weights.layers.iter().enumerate() {
             rmsnorm(&x, &lw.attn_norm, cfg.rms_norm_eps, &mut h);
-            matvec(&lw.wq, &h, &mut q);
-            matvec(&lw.wk, &h, &mut k);
-            matvec(&lw.wv, &h, &mut v);
+            lw.wq.matvec(&h, &mut q);
+            lw.wk.matvec(&h, &mut k);
+            lw.wv.matvec(&h, &mut v);
             add_bias(&mut q, lw.bq.as_deref());
             add_bias(&mut k, lw.bk.as_deref());
             add_bias(&mut v, lw.bv.as_deref());
@@ -154,26 +196,28 @@ impl Model {
                 &mut att,
                 probs,
             );
-            matvec(&lw.wo, &att, &mut proj);
+            lw.wo.matvec(&att, &mut proj);
             for i in 0..hidden {
                 x[i] += proj[i];
             }
 
             rmsnorm(&x, &lw.ffn_norm, cfg.rms_norm_eps, &mut h);
-            matvec(&lw.w_gate, &h, &mut gate);
-            matvec(&lw.w_up, &h, &mut up);
+            lw.w_gate.matvec(&h, &mut gate);
+            lw.w_up.matvec(&h, &mut up);
             for i in 0..gate.len() {
                 gate[i] = silu(gate[i]) * up[i];
             }
-            matvec(&lw.w_down, &gate, &mut proj);
+            lw.w_down.matvec(&gate, &mut proj);
             for i in 0..hidden {
                 x[i] += proj[i];
             }
         }
         rmsnorm(&x, &self.weights.norm, cfg.rms_norm_eps, &mut h);
-        let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
         let mut logits = vec![0.0f32; cfg.vocab_size];
-        matvec(head, &h, &mut logits);
+        match (&self.weights.lm_head, &self.weights.tied_head) {
+            (Some(head), _) | (None, Some(head)) => head.matvec(&h, &mut logits),
+            (None, None) => matvec(&self.weights.embed, &h, &mut logits),
+        }
         logits
     }
 }

@@ -140,14 +140,13 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
-    /// The weight dtype, with the per-format default (native for HF/.tinygpt, bf16 for GGUF).
-    pub fn weights_dtype(&self, format: Format) -> WeightsDType {
+    /// The weight dtype; the default is `native` for every format (GGUF blocks stay
+    /// blocks, f16/bf16 stay half width).
+    pub fn weights_dtype(&self, _format: Format) -> WeightsDType {
         match self.weights_dtype {
-            Some(WeightsArg::Native) => WeightsDType::Native,
+            Some(WeightsArg::Native) | None => WeightsDType::Native,
             Some(WeightsArg::F32) => WeightsDType::F32,
             Some(WeightsArg::Bf16) => WeightsDType::Bf16,
-            None if format == Format::Gguf => WeightsDType::Bf16,
-            None => WeightsDType::Native,
         }
     }
 

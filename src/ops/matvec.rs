@@ -5,6 +5,7 @@
 //! their stored width. Rows are split across rayon tasks; each row's dot product is
 //! sequential in a fixed order, so the result does not depend on the thread count.
 
+use super::qdot::{self, QuantizedActs};
 use super::simd;
 use crate::dtype::DType;
 use crate::weights::{dequantize_into, Tensor, TensorBytes};
@@ -127,6 +128,46 @@ impl Matrix {
     }
 }
 
+impl Matrix {
+    /// Dot product of quantised row `r` with activations quantised by
+    /// [`QuantizedActs::quantize`] (GGML block types only).
+    #[inline]
+    pub fn row_dot_q(&self, r: usize, a: &QuantizedActs) -> f32 {
+        let row_bytes = self.dtype.bytes_for(self.cols).expect("validated at load");
+        let b = &self.bytes()[r * row_bytes..(r + 1) * row_bytes];
+        match self.dtype {
+            DType::Q8_0 => qdot::dot_q8_0(b, a),
+            DType::Q4_0 => qdot::dot_q4_0(b, a),
+            DType::Q4_1 => qdot::dot_q4_1(b, a),
+            other => unreachable!("row_dot_q on {other}"),
+        }
+    }
+}
+
+/// One matrix input: f32 activations, plus their 8-bit quantisation when a GGML-block
+/// matrix consumes them.
+struct Input<'a> {
+    x: &'a [f32],
+    q: Option<QuantizedActs>,
+}
+
+impl<'a> Input<'a> {
+    fn new(x: &'a [f32], mats: &[&Matrix]) -> Self {
+        let q = mats
+            .iter()
+            .any(|m| m.dtype.is_quantized())
+            .then(|| QuantizedActs::from_f32(x));
+        Input { x, q }
+    }
+    #[inline]
+    fn dot(&self, m: &Matrix, r: usize) -> f32 {
+        match &self.q {
+            Some(q) if m.dtype.is_quantized() => m.row_dot_q(r, q),
+            _ => m.row_dot(r, self.x),
+        }
+    }
+}
+
 fn widen_f16(src: &[f16], dst: &mut [f32]) {
     use half::slice::HalfFloatSliceExt;
     src.convert_to_f32_slice(dst);
@@ -172,30 +213,19 @@ const PAR_MIN_WORK: usize = 1 << 16;
 pub fn matvec(w: &Matrix, x: &[f32], out: &mut [f32]) {
     debug_assert_eq!(x.len(), w.cols);
     debug_assert_eq!(out.len(), w.rows);
-    if w.rows * w.cols < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
-        for (r, o) in out.iter_mut().enumerate() {
-            *o = w.row_dot(r, x);
-        }
-        return;
-    }
-    let chunk = (w.rows / (rayon::current_num_threads() * 8)).clamp(4, 256);
-    out.par_chunks_mut(chunk).enumerate().for_each(|(ci, oc)| {
-        let base = ci * chunk;
-        for (j, o) in oc.iter_mut().enumerate() {
-            *o = w.row_dot(base + j, x);
-        }
-    });
+    matvec_many(&[w], x, &mut [out]);
 }
 
 /// Several matrices applied to the same input in one parallel region
 /// (`q/k/v`, `gate/up`): `outs[i] = mats[i] · x`.
 pub fn matvec_many(mats: &[&Matrix], x: &[f32], outs: &mut [&mut [f32]]) {
     debug_assert_eq!(mats.len(), outs.len());
+    let input = Input::new(x, mats);
     let work: usize = mats.iter().map(|m| m.rows * m.cols).sum();
     if work < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
         for (m, o) in mats.iter().zip(outs.iter_mut()) {
             for (r, v) in o.iter_mut().enumerate() {
-                *v = m.row_dot(r, x);
+                *v = input.dot(m, r);
             }
         }
         return;
@@ -210,7 +240,7 @@ pub fn matvec_many(mats: &[&Matrix], x: &[f32], outs: &mut [&mut [f32]]) {
     }
     tasks.into_par_iter().for_each(|(m, base, oc)| {
         for (j, v) in oc.iter_mut().enumerate() {
-            *v = m.row_dot(base + j, x);
+            *v = input.dot(m, base + j);
         }
     });
 }
@@ -230,6 +260,9 @@ pub fn matmul(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
     if n_tokens == 1 {
         return matvec(w, xs, out);
     }
+    if w.dtype.is_quantized() {
+        return matmul_quantized(w, xs, n_tokens, out);
+    }
     let chunk = w.dot_chunk();
     // (rows, n_tokens): each task owns whole rows, so writes stay disjoint.
     let mut tr = vec![0.0f32; rows * n_tokens];
@@ -244,6 +277,37 @@ pub fn matmul(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
                 for t in t0..t1 {
                     orow[t] = dot_chunked(&buf, &xs[t * cols..(t + 1) * cols], chunk);
                 }
+            }
+        }
+    };
+    if rows * cols * n_tokens < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
+        tr.chunks_mut(row_block * n_tokens)
+            .enumerate()
+            .for_each(body);
+    } else {
+        tr.par_chunks_mut(row_block * n_tokens)
+            .enumerate()
+            .for_each(body);
+    }
+    for r in 0..rows {
+        for t in 0..n_tokens {
+            out[t * rows + r] = tr[r * n_tokens + t];
+        }
+    }
+}
+
+/// [`matmul`] for GGML-block weights: each token's activations are quantised once, then
+/// every row meets every token (values equal [`matvec`]'s).
+fn matmul_quantized(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    let acts: Vec<QuantizedActs> = xs.chunks_exact(cols).map(QuantizedActs::from_f32).collect();
+    let mut tr = vec![0.0f32; rows * n_tokens];
+    let row_block = 16usize;
+    let body = |(bi, block): (usize, &mut [f32])| {
+        let r0 = bi * row_block;
+        for (j, orow) in block.chunks_mut(n_tokens).enumerate() {
+            for (t, o) in orow.iter_mut().enumerate() {
+                *o = w.row_dot_q(r0 + j, &acts[t]);
             }
         }
     };

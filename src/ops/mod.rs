@@ -3,6 +3,7 @@
 //! reduction, so results do not depend on the thread count).
 
 pub mod matvec;
+pub mod qdot;
 pub mod simd;
 
 pub use matvec::{matmul, matvec, matvec_many, Matrix};
