@@ -229,3 +229,97 @@ fn add_bias(x: &mut [f32], b: Option<&[f32]>) {
         }
     }
 }
+
+impl Model {
+    /// Full-sequence causal forward without any KV cache: every layer computes K and V
+    /// for all positions, then each position attends to positions `≤` itself. Returns the
+    /// logits at every position, `(tokens, vocab)`. An independent check of the cached
+    /// path (no eviction, no quantisation, RoPE at absolute positions).
+    pub fn forward_sequence(&self, tokens: &[u32]) -> Vec<Vec<f32>> {
+        let cfg = &self.cfg;
+        let (hidden, hd, n) = (cfg.hidden_size, cfg.head_dim, tokens.len());
+        let mut xs: Vec<Vec<f32>> = tokens
+            .iter()
+            .map(|&t| self.weights.embed[t as usize * hidden..(t as usize + 1) * hidden].to_vec())
+            .collect();
+        let mut h = vec![0.0f32; hidden];
+        for lw in &self.weights.layers {
+            let mut qs = Vec::with_capacity(n);
+            let mut ks = Vec::with_capacity(n);
+            let mut vs = Vec::with_capacity(n);
+            for (pos, x) in xs.iter().enumerate() {
+                rmsnorm(x, &lw.attn_norm, cfg.rms_norm_eps, &mut h);
+                let mut q = vec![0.0f32; cfg.q_dim()];
+                let mut k = vec![0.0f32; cfg.kv_dim()];
+                let mut v = vec![0.0f32; cfg.kv_dim()];
+                lw.wq.matvec(&h, &mut q);
+                lw.wk.matvec(&h, &mut k);
+                lw.wv.matvec(&h, &mut v);
+                add_bias(&mut q, lw.bq.as_deref());
+                add_bias(&mut k, lw.bk.as_deref());
+                add_bias(&mut v, lw.bv.as_deref());
+                self.rope.rotate_heads(&mut q, pos);
+                self.rope.rotate_heads(&mut k, pos);
+                qs.push(q);
+                ks.push(k);
+                vs.push(v);
+            }
+            for (pos, x) in xs.iter_mut().enumerate() {
+                let mut att = vec![0.0f32; cfg.q_dim()];
+                for head in 0..cfg.n_heads {
+                    let kvh = head / cfg.group();
+                    let q = &qs[pos][head * hd..(head + 1) * hd];
+                    let mut scores: Vec<f32> = (0..=pos)
+                        .map(|j| {
+                            let visible = cfg.sliding_window.is_none_or(|w| pos - j < w);
+                            if !visible {
+                                return f32::NEG_INFINITY;
+                            }
+                            let k = &ks[j][kvh * hd..(kvh + 1) * hd];
+                            let mut d = 0.0f32;
+                            for i in 0..hd {
+                                d += q[i] * k[i];
+                            }
+                            d / (hd as f32).sqrt()
+                        })
+                        .collect();
+                    crate::attention::softmax(&mut scores);
+                    for (j, p) in scores.iter().enumerate() {
+                        let v = &vs[j][kvh * hd..(kvh + 1) * hd];
+                        for i in 0..hd {
+                            att[head * hd + i] += p * v[i];
+                        }
+                    }
+                }
+                let mut proj = vec![0.0f32; hidden];
+                lw.wo.matvec(&att, &mut proj);
+                for i in 0..hidden {
+                    x[i] += proj[i];
+                }
+                rmsnorm(x, &lw.ffn_norm, cfg.rms_norm_eps, &mut h);
+                let mut gate = vec![0.0f32; cfg.intermediate_size];
+                let mut up = vec![0.0f32; cfg.intermediate_size];
+                lw.w_gate.matvec(&h, &mut gate);
+                lw.w_up.matvec(&h, &mut up);
+                for i in 0..gate.len() {
+                    gate[i] = silu(gate[i]) * up[i];
+                }
+                lw.w_down.matvec(&gate, &mut proj);
+                for i in 0..hidden {
+                    x[i] += proj[i];
+                }
+            }
+        }
+        xs.iter()
+            .map(|x| {
+                rmsnorm(x, &self.weights.norm, cfg.rms_norm_eps, &mut h);
+                let mut logits = vec![0.0f32; cfg.vocab_size];
+                match (&self.weights.lm_head, &self.weights.tied_head) {
+                    (Some(head), _) | (None, Some(head)) => head.matvec(&h, &mut logits),
+                    (None, None) => matvec(&self.weights.embed, &h, &mut logits),
+                }
+                logits
+            })
+            .collect()
+    }
+}

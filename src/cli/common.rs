@@ -188,3 +188,44 @@ pub fn human_bytes(n: u64) -> String {
         format!("{v:.2} {}", U[i])
     }
 }
+
+/// A model loaded for either engine.
+pub enum Loaded {
+    Optimized(crate::model::Model),
+    Reference(tinygpt_reference::Model),
+}
+
+impl Loaded {
+    pub fn load(files: &ModelFiles, engine: &EngineArgs) -> Result<Loaded> {
+        let w = engine.weights_dtype(files.format);
+        Ok(match engine.engine {
+            EngineKind::Optimized => Loaded::Optimized(crate::model::Model::load(files, w)?),
+            EngineKind::Reference => Loaded::Reference(crate::model::reference_model(files, w)?),
+        })
+    }
+
+    /// A fresh run (empty cache) with `kv`.
+    pub fn run(&self, kv: &KvConfig) -> Box<dyn crate::generate::Engine + '_> {
+        match self {
+            Loaded::Optimized(m) => Box::new(crate::generate::EngineRun::new(m, kv)),
+            Loaded::Reference(m) => Box::new(crate::generate::ReferenceRun::new(m.clone(), kv)),
+        }
+    }
+}
+
+/// A progress bar on stderr, hidden when `quiet` or stderr is not a terminal.
+pub fn progress(len: u64, quiet: bool, label: &str) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if quiet || !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::new(len);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:30}] {pos}/{len} tok  {per_sec}  ETA {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    pb.set_message(label.to_string());
+    pb
+}

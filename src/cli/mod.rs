@@ -1,8 +1,11 @@
 //! The command-line surface (DESIGN.md §4): one file per subcommand.
 
+pub mod cache_table;
 pub mod common;
+pub mod compare;
 pub mod convert;
 pub mod inspect;
+pub mod perplexity;
 pub mod sample;
 
 use clap::{Parser, Subcommand};
@@ -22,6 +25,12 @@ pub struct Cli {
 pub enum Command {
     /// Generate text from a prompt.
     Sample(sample::SampleArgs),
+    /// Teacher-forced perplexity of a text through the cached decode path.
+    Perplexity(perplexity::PerplexityArgs),
+    /// Greedy agreement of KV precisions with the fp32 cache.
+    Compare(compare::CompareArgs),
+    /// Bytes a filled KV cache holds, per precision.
+    CacheTable(cache_table::CacheTableArgs),
     /// Write a Hugging Face model directory as one .tinygpt file.
     Convert(convert::ConvertArgs),
     /// Print a model's config, parameter count, dtypes and file size.
@@ -32,6 +41,9 @@ pub enum Command {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Sample(a) => sample::run(a),
+        Command::Perplexity(a) => perplexity::run(a),
+        Command::Compare(a) => compare::run(a),
+        Command::CacheTable(a) => cache_table::run(a),
         Command::Convert(a) => convert::run(a),
         Command::Inspect(a) => inspect::run(a),
     }

@@ -1,0 +1,158 @@
+//! `tinygpt-cpu cache-table`: bytes a real cache holds after T tokens, per precision.
+
+use super::common::{human_bytes, open_model};
+use crate::error::Error;
+use crate::kv_cache::{KvCache, KvConfig, PositionsMode, Precision};
+use crate::plot::{line_chart, Series};
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct CacheTableArgs {
+    /// A .tinygpt file, a .gguf file, or a Hugging Face model directory (default: the bundled model).
+    pub model: Option<PathBuf>,
+    /// Token counts to measure, comma-separated.
+    #[arg(long, default_value = "128,256,384,500")]
+    pub lengths: String,
+    /// Tokens per K quantisation group.
+    #[arg(long = "kv-group-size", default_value_t = 32)]
+    pub group_size: usize,
+    /// StreamingLLM sink for the bounded rows (with --streaming-llm-window).
+    #[arg(long = "streaming-llm-sink", default_value_t = 4)]
+    pub sink: usize,
+    /// StreamingLLM window for the bounded rows.
+    #[arg(long = "streaming-llm-window", default_value_t = 252)]
+    pub window: usize,
+    /// Draw bytes vs tokens for each precision, with and without StreamingLLM.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+    /// Print one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Fills a real cache with `t` tokens of deterministic pseudo-random K/V rows and returns
+/// the bytes its buffers hold.
+pub fn measure(cfg: &crate::config::Config, kv: &KvConfig, t: usize) -> usize {
+    let mut cache = KvCache::new(cfg, kv);
+    let d = cfg.kv_dim();
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    let mut k = vec![0.0f32; d];
+    let mut v = vec![0.0f32; d];
+    for pos in 0..t {
+        for x in k.iter_mut().chain(v.iter_mut()) {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            *x = ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0;
+        }
+        for l in 0..cfg.n_layers {
+            cache.layer_mut(l).append(&k, &v, pos);
+        }
+    }
+    cache.bytes()
+}
+
+pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
+    let lengths: Vec<usize> = a
+        .lengths
+        .split(',')
+        .map(|s| s.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .map_err(|_| {
+            Error::flag(
+                "--lengths",
+                format!(
+                    "'{}' is not a comma-separated list of token counts",
+                    a.lengths
+                ),
+            )
+        })?;
+    if lengths.is_empty() || lengths.iter().any(|&t| t == 0 || t > 1 << 22) {
+        return Err(Error::flag("--lengths", "each length must be between 1 and 4194304").into());
+    }
+    if a.group_size == 0 {
+        return Err(Error::flag("--kv-group-size", "must be > 0").into());
+    }
+    if a.window == 0 && a.sink == 0 {
+        return Err(Error::flag("--streaming-llm-window", "must be > 0 when the sink is 0").into());
+    }
+    let files = open_model(&a.model)?;
+    let cfg = &files.config;
+    let mut rows = Vec::new();
+    let mut series = Vec::new();
+    for streaming in [false, true] {
+        for p in Precision::ALL {
+            let kv = KvConfig {
+                precision: p,
+                group_size: a.group_size,
+                sink: if streaming { a.sink } else { 0 },
+                window: streaming.then_some(a.window),
+                positions: PositionsMode::Original,
+            };
+            crate::kv_cache::validate(&kv, cfg)?;
+            let mode = if streaming {
+                format!("{},sink={},window={}", p.name(), a.sink, a.window)
+            } else {
+                p.name().to_string()
+            };
+            let mut pts = Vec::new();
+            for &t in &lengths {
+                let bytes = measure(cfg, &kv, t);
+                pts.push((t as f64, bytes as f64 / 1024.0));
+                rows.push((mode.clone(), p, streaming, t, bytes));
+            }
+            series.push(Series {
+                name: mode,
+                points: pts,
+            });
+        }
+    }
+    if let Some(path) = &a.plot {
+        line_chart(
+            path,
+            "KV cache bytes vs tokens",
+            "tokens",
+            "KiB held by the cache",
+            &series,
+        )?;
+    }
+    if a.json {
+        let v: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|(m, _, _, t, b)| serde_json::json!({"mode": m, "tokens": t, "bytes": b}))
+            .collect();
+        println!("{}", serde_json::json!({ "rows": v }));
+        return Ok(());
+    }
+    println!(
+        "KV cache of {} ({} layers x {} KV heads x head_dim {}), group {}; bytes measured from filled caches",
+        files.path.display(),
+        cfg.n_layers,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        a.group_size
+    );
+    println!(
+        "{:<28} {:>8} {:>14} {:>12} {:>9} {:>9}",
+        "mode", "tokens", "bytes", "", "vs fp32", "vs bf16"
+    );
+    for (m, _, streaming, t, b) in &rows {
+        let find = |p: Precision| {
+            rows.iter()
+                .find(|r| r.1 == p && r.2 == *streaming && r.3 == *t)
+                .map(|r| r.4)
+                .unwrap_or(1)
+        };
+        println!(
+            "{:<28} {:>8} {:>14} {:>12} {:>9.3} {:>9.3}",
+            m,
+            t,
+            b,
+            human_bytes(*b as u64),
+            *b as f64 / find(Precision::Fp32) as f64,
+            *b as f64 / find(Precision::Bf16) as f64
+        );
+    }
+    Ok(())
+}

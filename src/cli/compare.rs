@@ -1,0 +1,137 @@
+//! `tinygpt-cpu compare`: greedy agreement of KV precisions with the fp32 baseline.
+
+use super::common::{open_model, CacheArgs, EngineArgs, Loaded};
+use super::perplexity::mode_name;
+use crate::error::Error;
+use crate::eval::parse_modes;
+use crate::generate::{generate, GenerateOptions};
+use crate::kv_cache::Precision;
+use crate::sampler::SamplerConfig;
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct CompareArgs {
+    /// A .tinygpt file, a .gguf file, or a Hugging Face model directory (default: the bundled model).
+    pub model: Option<PathBuf>,
+    /// A text file with one prompt per line.
+    #[arg(long)]
+    pub prompts: PathBuf,
+    /// Greedy tokens per prompt.
+    #[arg(long, default_value_t = 60)]
+    pub tokens: usize,
+    /// KV precisions to compare (the first is the baseline unless fp32 is listed), or
+    /// full mode specs separated by ';' as in `perplexity --compare-modes`.
+    #[arg(long, default_value = "fp32,bf16,int8,int4")]
+    pub modes: String,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Print one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: CompareArgs) -> anyhow::Result<()> {
+    a.engine.init_threads()?;
+    let base = a.cache.kv_config()?;
+    let text = crate::eval::read_text(&a.prompts)?;
+    let prompts: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    let mut modes = Vec::new();
+    if a.modes.contains(';') || a.modes.contains('=') {
+        modes = parse_modes(&a.modes, &base)?;
+    } else {
+        for m in a.modes.split(',').map(str::trim).filter(|m| !m.is_empty()) {
+            let p = Precision::parse(m).ok_or_else(|| {
+                Error::flag(
+                    "--modes",
+                    format!("'{m}' is not one of fp32, fp16, bf16, int8, int4"),
+                )
+            })?;
+            let mut kv = base.clone();
+            kv.precision = p;
+            modes.push((m.to_string(), kv));
+        }
+    }
+    if modes.is_empty() {
+        return Err(Error::flag("--modes", "no modes given").into());
+    }
+    // The baseline: full-precision cache with the same eviction.
+    let mut baseline = base.clone();
+    baseline.precision = Precision::Fp32;
+    let files = open_model(&a.model)?;
+    for (_, kv) in &modes {
+        crate::kv_cache::validate(kv, &files.config)?;
+    }
+    let loaded = Loaded::load(&files, &a.engine)?;
+    let mut rows = Vec::new();
+    for prompt in &prompts {
+        let ids = files.tokenizer.encode(prompt)?;
+        let greedy = |kv: &crate::kv_cache::KvConfig| -> anyhow::Result<Vec<u32>> {
+            let opts = GenerateOptions {
+                max_tokens: a.tokens,
+                sampler: SamplerConfig::greedy(),
+                ignore_eos: true,
+                context_length: files.config.max_position_embeddings,
+                allow_past_context: a.cache.allow_past_context,
+                bounded_cache: kv.window.is_some(),
+            };
+            let mut run = loaded.run(kv);
+            Ok(generate(run.as_mut(), &files.tokenizer, &ids, &opts, &mut |_| {})?.generated_ids)
+        };
+        let base_ids = greedy(&baseline)?;
+        for (name, kv) in &modes {
+            let got = if *kv == baseline {
+                base_ids.clone()
+            } else {
+                greedy(kv)?
+            };
+            let m = got
+                .iter()
+                .zip(&base_ids)
+                .take_while(|(x, y)| x == y)
+                .count();
+            rows.push(serde_json::json!({
+                "mode": name, "prompt": prompt, "prefix_match": m, "tokens": got.len(),
+            }));
+        }
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({ "baseline": mode_name(&baseline), "rows": rows })
+        );
+        return Ok(());
+    }
+    println!("{:<10} {:>6} {:>8}  prompt", "mode", "match", "tokens");
+    for r in &rows {
+        let p = r["prompt"].as_str().unwrap_or("");
+        let short: String = p.chars().take(50).collect();
+        println!(
+            "{:<10} {:>6} {:>8}  {short}",
+            r["mode"].as_str().unwrap_or(""),
+            r["prefix_match"],
+            r["tokens"]
+        );
+    }
+    println!();
+    println!("{:<10} {:>18}", "mode", "mean prefix match");
+    for (name, _) in &modes {
+        let ms: Vec<f64> = rows
+            .iter()
+            .filter(|r| r["mode"] == name.as_str())
+            .map(|r| {
+                r["prefix_match"].as_f64().unwrap_or(0.0)
+                    / r["tokens"].as_f64().unwrap_or(1.0).max(1.0)
+            })
+            .collect();
+        let mean = ms.iter().sum::<f64>() / ms.len().max(1) as f64;
+        println!("{:<10} {:>17.1}%", name, mean * 100.0);
+    }
+    Ok(())
+}

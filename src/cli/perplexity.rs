@@ -1,0 +1,225 @@
+//! `tinygpt-cpu perplexity`: teacher-forced quality through the cached decode path.
+
+use super::common::{open_model, progress, CacheArgs, EngineArgs, Loaded};
+use crate::error::Error;
+use crate::eval::{parse_modes, perplexity, read_text, PplResult, SinkReport, SINK_POSITIONS};
+use crate::generate::{check_context, GenerateOptions};
+use crate::plot::{line_chart, Series};
+use crate::sampler::SamplerConfig;
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct PerplexityArgs {
+    /// A .tinygpt file, a .gguf file, or a Hugging Face model directory (default: the bundled model).
+    pub model: Option<PathBuf>,
+    /// UTF-8 text to evaluate.
+    #[arg(long)]
+    pub text: PathBuf,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Evaluate at most this many tokens of the text.
+    #[arg(long = "max-tokens", value_name = "N")]
+    pub max_tokens: Option<usize>,
+    /// Tokens per reported chunk.
+    #[arg(long, default_value_t = 1024)]
+    pub chunk: usize,
+    /// Several cache configurations on the same text, e.g.
+    /// "dense;sink=0,window=256;sink=4,window=252;sink=4,window=252,kv=int4"
+    /// (keys: sink, window, kv, group, positions; each mode starts from the cache flags).
+    #[arg(long = "compare-modes", value_name = "SPEC")]
+    pub compare_modes: Option<String>,
+    /// Report the attention mass on the first 8 positions (attention sinks).
+    #[arg(long = "sink-report")]
+    pub sink_report: bool,
+    /// Draw NLL vs token position (smoothed per chunk) to FILE.png or FILE.svg.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+    /// Print one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
+    a.engine.init_threads()?;
+    let base = a.cache.kv_config()?;
+    if a.chunk == 0 {
+        return Err(Error::flag("--chunk", "must be > 0").into());
+    }
+    if a.max_tokens == Some(0) {
+        return Err(Error::flag("--max-tokens", "must be > 0").into());
+    }
+    if let Some(p) = &a.plot {
+        let ext = p.extension().and_then(|e| e.to_str()).unwrap_or("");
+        if !ext.eq_ignore_ascii_case("png") && !ext.eq_ignore_ascii_case("svg") {
+            return Err(Error::flag(
+                "--plot",
+                format!("{}: expected a .png or .svg file name", p.display()),
+            )
+            .into());
+        }
+    }
+    let text = read_text(&a.text)?;
+    let files = open_model(&a.model)?;
+    let mut tokens = files.tokenizer.encode(&text)?;
+    if let Some(n) = a.max_tokens {
+        tokens.truncate(n);
+    }
+    if tokens.len() < 2 {
+        return Err(Error::format(
+            &a.text,
+            format!(
+                "encodes to {} token(s); perplexity needs at least 2",
+                tokens.len()
+            ),
+        )
+        .into());
+    }
+    let modes = match &a.compare_modes {
+        Some(spec) => parse_modes(spec, &base)?,
+        None => vec![(mode_name(&base), base.clone())],
+    };
+    for (_, kv) in &modes {
+        crate::kv_cache::validate(kv, &files.config)?;
+        let opts = GenerateOptions {
+            max_tokens: 0,
+            sampler: SamplerConfig::greedy(),
+            ignore_eos: true,
+            context_length: files.config.max_position_embeddings,
+            allow_past_context: a.cache.allow_past_context,
+            bounded_cache: kv.window.is_some(),
+        };
+        check_context(tokens.len(), &opts)?;
+    }
+    let loaded = Loaded::load(&files, &a.engine)?;
+    let mut results: Vec<(String, PplResult, Option<SinkReport>)> = Vec::new();
+    for (name, kv) in &modes {
+        let pb = progress((tokens.len() - 1) as u64, a.json, name);
+        let mut run = loaded.run(kv);
+        let (r, s) = perplexity(run.as_mut(), &tokens, a.chunk, a.sink_report, &mut |i| {
+            if i % 16 == 0 {
+                pb.set_position(i as u64)
+            }
+        })?;
+        pb.finish_and_clear();
+        results.push((name.clone(), r, s));
+    }
+
+    if let Some(p) = &a.plot {
+        let series: Vec<Series> = results
+            .iter()
+            .map(|(name, r, _)| Series {
+                name: name.clone(),
+                points: smooth_nll(&r.nll, a.chunk.min(r.nll.len()).max(1)),
+            })
+            .collect();
+        line_chart(
+            p,
+            &format!("NLL vs position ({} tokens)", tokens.len()),
+            "token position",
+            &format!("NLL (mean over {} tokens)", a.chunk),
+            &series,
+        )?;
+    }
+
+    if a.json {
+        let first = &results[0];
+        let mut v = serde_json::json!({
+            "tokens": first.1.tokens,
+            "ppl": first.1.ppl,
+            "nll_mean": first.1.nll_mean,
+            "chunks": first.1.chunks,
+        });
+        if a.compare_modes.is_some() {
+            v["modes"] = serde_json::Value::Array(
+                results
+                    .iter()
+                    .map(|(name, r, s)| {
+                        let mut m = serde_json::json!({"mode": name, "tokens": r.tokens, "ppl": r.ppl, "nll_mean": r.nll_mean, "chunks": r.chunks});
+                        if let Some(s) = s {
+                            m["sink_report"] = serde_json::to_value(s).unwrap_or_default();
+                        }
+                        m
+                    })
+                    .collect(),
+            );
+        }
+        if let Some(s) = &first.2 {
+            v["sink_report"] = serde_json::to_value(s)?;
+        }
+        println!("{}", serde_json::to_string(&v)?);
+        return Ok(());
+    }
+    for (name, r, s) in &results {
+        println!(
+            "{name}: perplexity {:.4} (nll {:.4}) over {} tokens",
+            r.ppl, r.nll_mean, r.tokens
+        );
+        for c in &r.chunks {
+            println!("  tokens [{:>6}, {:>6})  ppl {:.4}", c.start, c.end, c.ppl);
+        }
+        if let Some(s) = s {
+            print_sinks(s);
+        }
+    }
+    if results.len() > 1 {
+        println!();
+        println!("{:<40} {:>12} {:>10}", "mode", "perplexity", "vs first");
+        for (name, r, _) in &results {
+            println!(
+                "{:<40} {:>12.4} {:>+9.2}%",
+                name,
+                r.ppl,
+                (r.ppl / results[0].1.ppl - 1.0) * 100.0
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A short name for one cache configuration.
+pub fn mode_name(kv: &crate::kv_cache::KvConfig) -> String {
+    let mut s = kv.precision.name().to_string();
+    if let Some(w) = kv.window {
+        s += &format!(",sink={},window={w}", kv.sink);
+        if kv.positions == crate::kv_cache::PositionsMode::Cache {
+            s += ",positions=cache";
+        }
+    }
+    s
+}
+
+/// Mean NLL over consecutive windows of `w` predictions, plotted at the window's end.
+fn smooth_nll(nll: &[f64], w: usize) -> Vec<(f64, f64)> {
+    let w = w.clamp(1, 256).min(nll.len().max(1));
+    nll.chunks(w)
+        .enumerate()
+        .map(|(i, c)| {
+            (
+                ((i * w) + c.len()) as f64,
+                c.iter().sum::<f64>() / c.len() as f64,
+            )
+        })
+        .collect()
+}
+
+fn print_sinks(s: &SinkReport) {
+    println!(
+        "  attention mass on the first {SINK_POSITIONS} positions (mean over {} queries and heads; uniform = {:.4}):",
+        s.queries, s.uniform
+    );
+    let head: Vec<String> = (0..SINK_POSITIONS).map(|p| format!("{p:>7}")).collect();
+    println!("  {:<8}{}", "layer", head.join(""));
+    for (l, m) in s.per_layer.iter().enumerate() {
+        let row: Vec<String> = m.iter().map(|v| format!("{v:>7.3}")).collect();
+        println!("  {:<8}{}", l, row.join(""));
+    }
+    let row: Vec<String> = s.overall.iter().map(|v| format!("{v:>7.3}")).collect();
+    println!("  {:<8}{}", "all", row.join(""));
+    println!(
+        "  position 0 gets {:.1}x the uniform share",
+        s.overall[0] / s.uniform.max(1e-12)
+    );
+}

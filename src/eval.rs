@@ -1,0 +1,288 @@
+//! Quality through the cache: teacher-forced perplexity along the exact decode path of
+//! `sample`, and the attention-sink report.
+//!
+//! `ppl = exp(mean_{i≥1} −log p(t_i | t_<i))` where each `p` comes from the logits of
+//! [`Engine::forward`] one token at a time — with whatever eviction and KV precision the
+//! engine's cache applies (DESIGN.md §4).
+
+use crate::error::{Error, Result};
+use crate::generate::Engine;
+
+/// Perplexity over one chunk of predictions.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ChunkPpl {
+    /// First predicted token index (inclusive).
+    pub start: usize,
+    /// Last predicted token index (exclusive).
+    pub end: usize,
+    pub ppl: f64,
+}
+
+/// The result of a teacher-forced run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PplResult {
+    /// Tokens of text evaluated (the first is context only).
+    pub tokens: usize,
+    pub ppl: f64,
+    pub nll_mean: f64,
+    pub chunks: Vec<ChunkPpl>,
+    /// `nll[i]` = −log p(t_{i+1} | t_≤i).
+    #[serde(skip)]
+    pub nll: Vec<f64>,
+}
+
+/// Negative log-probability of `target` under `logits` (log-softmax in f64).
+pub fn nll_of(logits: &[f32], target: u32) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+    let lse = max + sum.ln();
+    lse - logits[target as usize] as f64
+}
+
+/// Attention mass that queries put on the first [`SINK_POSITIONS`] absolute positions.
+pub const SINK_POSITIONS: usize = 8;
+
+/// Accumulated attention-sink statistics.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SinkReport {
+    /// `mass[l][p]`: mean over queries and heads of the weight on position `p`, layer `l`.
+    pub per_layer: Vec<[f64; SINK_POSITIONS]>,
+    /// Mean over layers.
+    pub overall: [f64; SINK_POSITIONS],
+    /// Mean of `1 / stored` over the same queries: what a uniform attention would give.
+    pub uniform: f64,
+    /// Queries counted (per layer).
+    pub queries: usize,
+}
+
+struct SinkAcc {
+    mass: Vec<[f64; SINK_POSITIONS]>,
+    uniform: f64,
+    queries: usize,
+}
+
+impl SinkAcc {
+    fn new(layers: usize) -> Self {
+        SinkAcc {
+            mass: vec![[0.0; SINK_POSITIONS]; layers],
+            uniform: 0.0,
+            queries: 0,
+        }
+    }
+
+    /// Adds the last step's attention weights (only once the query can see all 8 positions).
+    fn add(&mut self, engine: &dyn Engine, pos: usize) {
+        if pos < SINK_POSITIONS {
+            return;
+        }
+        let probs = engine.probs();
+        let mut counted = false;
+        for (l, p) in probs.iter().enumerate() {
+            let positions = engine.positions(l);
+            let n = positions.len();
+            if n == 0 || p.len() % n != 0 {
+                continue;
+            }
+            let heads = p.len() / n;
+            for (slot, &ap) in positions.iter().enumerate() {
+                if ap < SINK_POSITIONS {
+                    let mut m = 0.0f64;
+                    for h in 0..heads {
+                        m += p[h * n + slot] as f64;
+                    }
+                    self.mass[l][ap] += m / heads as f64;
+                }
+            }
+            if l == 0 {
+                self.uniform += 1.0 / n as f64;
+                counted = true;
+            }
+        }
+        if counted {
+            self.queries += 1;
+        }
+    }
+
+    fn finish(self) -> SinkReport {
+        let q = self.queries.max(1) as f64;
+        let per_layer: Vec<[f64; SINK_POSITIONS]> = self
+            .mass
+            .iter()
+            .map(|m| {
+                let mut o = [0.0; SINK_POSITIONS];
+                for p in 0..SINK_POSITIONS {
+                    o[p] = m[p] / q;
+                }
+                o
+            })
+            .collect();
+        let mut overall = [0.0; SINK_POSITIONS];
+        for m in &per_layer {
+            for p in 0..SINK_POSITIONS {
+                overall[p] += m[p] / per_layer.len().max(1) as f64;
+            }
+        }
+        SinkReport {
+            per_layer,
+            overall,
+            uniform: self.uniform / q,
+            queries: self.queries,
+        }
+    }
+}
+
+/// Teacher-forced perplexity of `tokens` through `engine` (fresh cache), one token at a
+/// time. `on_step(i)` is called after each prediction (progress bars).
+pub fn perplexity(
+    engine: &mut dyn Engine,
+    tokens: &[u32],
+    chunk: usize,
+    sink_report: bool,
+    on_step: &mut dyn FnMut(usize),
+) -> Result<(PplResult, Option<SinkReport>)> {
+    if tokens.len() < 2 {
+        return Err(Error::Generate(format!(
+            "perplexity needs at least 2 tokens of text, got {}",
+            tokens.len()
+        )));
+    }
+    if chunk == 0 {
+        return Err(Error::flag("--chunk", "must be > 0"));
+    }
+    engine.reset();
+    engine.set_record_probs(sink_report);
+    let mut sinks = sink_report.then(|| SinkAcc::new(engine.layers_with_kv()));
+    let mut nll = Vec::with_capacity(tokens.len() - 1);
+    for i in 0..tokens.len() - 1 {
+        let logits = engine.forward(tokens[i], i)?;
+        if logits.iter().any(|x| !x.is_finite()) {
+            return Err(Error::Generate(format!(
+                "non-finite logits at position {i}"
+            )));
+        }
+        nll.push(nll_of(logits, tokens[i + 1]));
+        if let Some(s) = sinks.as_mut() {
+            s.add(engine, i);
+        }
+        on_step(i + 1);
+    }
+    engine.set_record_probs(false);
+    let nll_mean = nll.iter().sum::<f64>() / nll.len() as f64;
+    // Chunk c holds the predictions of tokens [c·chunk, (c+1)·chunk) (token 0 is never
+    // predicted, so the first chunk starts at 1).
+    let mut chunks = Vec::new();
+    let mut start = 1;
+    while start < tokens.len() {
+        let end = ((start / chunk + 1) * chunk).min(tokens.len());
+        let seg = &nll[start - 1..end - 1];
+        let m = seg.iter().sum::<f64>() / seg.len() as f64;
+        chunks.push(ChunkPpl {
+            start,
+            end,
+            ppl: m.exp(),
+        });
+        start = end;
+    }
+    Ok((
+        PplResult {
+            tokens: tokens.len(),
+            ppl: nll_mean.exp(),
+            nll_mean,
+            chunks,
+            nll,
+        },
+        sinks.map(SinkAcc::finish),
+    ))
+}
+
+/// Reads an evaluation text: a clear error for a missing, binary or empty file.
+pub fn read_text(path: &std::path::Path) -> Result<String> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    if bytes.contains(&0) {
+        return Err(Error::format(
+            path,
+            "looks binary (contains NUL bytes); --text takes a UTF-8 text file",
+        ));
+    }
+    let text = String::from_utf8(bytes)
+        .map_err(|e| Error::format(path, format!("is not UTF-8 text ({e})")))?;
+    if text.trim().is_empty() {
+        return Err(Error::format(path, "is empty"));
+    }
+    Ok(text)
+}
+
+/// Parses `--compare-modes`: `;`-separated modes, each `dense` or `key=value` pairs
+/// separated by `,` with keys `sink`, `window`, `kv`, `group`, `positions`. Every mode
+/// starts from `base` (the cache flags); `dense` and a mode without `window` keep no window.
+pub fn parse_modes(
+    spec: &str,
+    base: &crate::kv_cache::KvConfig,
+) -> Result<Vec<(String, crate::kv_cache::KvConfig)>> {
+    use crate::kv_cache::{PositionsMode, Precision};
+    let bad = |m: String| Error::flag("--compare-modes", m);
+    let mut out = Vec::new();
+    for mode in spec.split(';').map(str::trim).filter(|m| !m.is_empty()) {
+        let mut kv = base.clone();
+        kv.window = None;
+        kv.sink = 0;
+        if mode != "dense" {
+            for kvp in mode.split(',').map(str::trim) {
+                let (k, v) = kvp.split_once('=').ok_or_else(|| {
+                    bad(format!(
+                        "'{kvp}' in mode '{mode}' is not key=value (or 'dense')"
+                    ))
+                })?;
+                let num = || -> Result<usize> {
+                    v.parse::<usize>().map_err(|_| {
+                        bad(format!(
+                            "'{k}={v}' in mode '{mode}': not a non-negative integer"
+                        ))
+                    })
+                };
+                match k {
+                    "sink" => kv.sink = num()?,
+                    "window" => kv.window = Some(num()?),
+                    "group" => kv.group_size = num()?,
+                    "kv" => {
+                        kv.precision = Precision::parse(v).ok_or_else(|| {
+                            bad(format!("kv={v}: expected fp32, fp16, bf16, int8 or int4"))
+                        })?
+                    }
+                    "positions" => {
+                        kv.positions = match v {
+                            "original" => PositionsMode::Original,
+                            "cache" => PositionsMode::Cache,
+                            _ => {
+                                return Err(bad(format!(
+                                    "positions={v}: expected original or cache"
+                                )))
+                            }
+                        }
+                    }
+                    _ => {
+                        return Err(bad(format!(
+                        "unknown key '{k}' in mode '{mode}' (sink, window, kv, group, positions)"
+                    )))
+                    }
+                }
+            }
+            if kv.sink > 0 && kv.window.is_none() {
+                return Err(bad(format!("mode '{mode}': sink needs a window")));
+            }
+            if kv.window == Some(0) && kv.sink == 0 {
+                return Err(bad(format!(
+                    "mode '{mode}': window 0 with sink 0 keeps nothing"
+                )));
+            }
+            if kv.group_size == 0 {
+                return Err(bad(format!("mode '{mode}': group must be > 0")));
+            }
+        }
+        out.push((mode.to_string(), kv));
+    }
+    if out.is_empty() {
+        return Err(bad("no modes given".into()));
+    }
+    Ok(out)
+}
