@@ -159,6 +159,8 @@ struct HeadScratch {
     values: Vec<f32>,
     /// (group, stored) softmax weights of this KV head's query heads
     probs: Vec<f32>,
+    /// (2, head_dim) a K group's f32 scale and zero
+    params: Vec<f32>,
 }
 
 /// Reusable buffers for [`attend`]; one per sequence (or per thread driving one).
@@ -192,11 +194,7 @@ impl AttnScratch {
     /// Makes the per-slot cos/sin table cover slots `[0, n)`.
     fn ensure_slots(&mut self, rope: &RopeTable, n: usize) {
         let half = rope.half();
-        let have = if half == 0 {
-            n
-        } else {
-            self.slot_cos.len() / half
-        };
+        let have = self.slot_cos.len().checked_div(half).unwrap_or(n);
         if have >= n {
             return;
         }
@@ -235,21 +233,54 @@ pub fn attend(
     scratch: &mut AttnScratch,
     probs_out: Option<&mut Vec<f32>>,
 ) {
-    let hd = cfg.head_dim;
-    let group = cfg.group();
-    debug_assert_eq!(q.len(), cfg.q_dim());
+    append_kv(cfg, rope, layer, k, v, pos, scratch);
+    attend_stored(cfg, rope, layer, q, pos, out, scratch, probs_out);
+}
+
+/// The first half of [`attend`]: rotates `k` (`original` positions mode) and appends
+/// this token's K/V, evicting per the policy.
+pub fn append_kv(
+    cfg: &Config,
+    rope: &RopeTable,
+    layer: &mut LayerKv,
+    k: &[f32],
+    v: &[f32],
+    pos: usize,
+    scratch: &mut AttnScratch,
+) {
     debug_assert_eq!(k.len(), cfg.kv_dim());
     debug_assert_eq!(v.len(), cfg.kv_dim());
-    debug_assert_eq!(out.len(), cfg.q_dim());
     debug_assert_eq!(layer.kv_heads(), cfg.n_kv_heads);
-    debug_assert_eq!(layer.head_dim(), hd);
-    let mode = layer.config().positions;
-
+    debug_assert_eq!(layer.head_dim(), cfg.head_dim);
     scratch.k.copy_from_slice(k);
-    if mode == PositionsMode::Original {
+    if layer.config().positions == PositionsMode::Original {
         rope.rotate_heads(&mut scratch.k, pos);
     }
     layer.append(&scratch.k, v, pos);
+}
+
+/// The second half of [`attend`]: the query of the token at absolute position `pos`
+/// (already appended) attends over the stored rows without changing the cache. Layers
+/// that read another layer's K/V (YOCO-style cross-decoders) call this alone.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_stored(
+    cfg: &Config,
+    rope: &RopeTable,
+    layer: &LayerKv,
+    q: &[f32],
+    pos: usize,
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+    probs_out: Option<&mut Vec<f32>>,
+) {
+    let hd = cfg.head_dim;
+    let group = cfg.group();
+    debug_assert_eq!(q.len(), cfg.q_dim());
+    debug_assert_eq!(out.len(), cfg.q_dim());
+    debug_assert_eq!(layer.kv_heads(), cfg.n_kv_heads);
+    debug_assert_eq!(layer.head_dim(), hd);
+    debug_assert!(!layer.is_empty(), "attend_stored on an empty cache");
+    let mode = layer.config().positions;
 
     let n = layer.len();
     scratch.q.copy_from_slice(q);
@@ -269,7 +300,6 @@ pub fn attend(
             None => true,
         }));
 
-    let layer: &LayerKv = layer;
     let AttnScratch {
         q: qr,
         visible,
@@ -286,17 +316,15 @@ pub fn attend(
         hs.keys.resize(n * hd, 0.0);
         hs.values.resize(n * hd, 0.0);
         hs.probs.resize(group * n, 0.0);
-        for i in 0..n {
-            let key = &mut hs.keys[i * hd..(i + 1) * hd];
-            layer.read_key(i, h, key);
-            if let Some((c, s)) = slots {
+        layer.gather_head(h, &mut hs.keys, &mut hs.values, &mut hs.params);
+        if let Some((c, s)) = slots {
+            for (i, key) in hs.keys.chunks_exact_mut(hd).enumerate() {
                 rotate(
                     key,
                     &c[i * half..(i + 1) * half],
                     &s[i * half..(i + 1) * half],
                 );
             }
-            layer.read_value(i, h, &mut hs.values[i * hd..(i + 1) * hd]);
         }
         for j in 0..group {
             let qh = &qr[(h * group + j) * hd..(h * group + j + 1) * hd];
@@ -311,9 +339,9 @@ pub fn attend(
             softmax(scores);
             let o = &mut oh[j * hd..(j + 1) * hd];
             o.fill(0.0);
-            for i in 0..n {
-                if scores[i] != 0.0 {
-                    axpy(scores[i], &hs.values[i * hd..(i + 1) * hd], o);
+            for (&p, row) in scores.iter().zip(hs.values.chunks_exact(hd)) {
+                if p != 0.0 {
+                    axpy(p, row, o);
                 }
             }
         }

@@ -2,7 +2,7 @@
 //!
 //! * [`policy`]: which token rows survive StreamingLLM eviction (a pure function of the
 //!   number of rows appended).
-//! * [`storage`]: how rows are held: plain f32/f16/bf16 rows or KIVI int8/int4 rows.
+//! * `storage`: how rows are held: plain f32/f16/bf16 rows or KIVI int8/int4 rows.
 //!
 //! ## Layer layout
 //! A layer's rows are split by token index `t` into two regions:
@@ -21,7 +21,12 @@
 //! `g % (ceil(window / G) + 1)` (or `g`), written once when the group completes.
 //!
 //! Under KIVI a K group is quantised at the append of its `G`-th row, over those of
-//! its rows that are still stored after that append's eviction; the reference does the same.
+//! its rows that are still stored after that append's eviction (the reference does the
+//! same), so appending costs O(kv_dim) amortised and no row is ever re-quantised. V rows
+//! are quantised at append.
+//!
+//! Every read dequantises into f32 (`read_key`, `read_value`, `gather_head`); integer
+//! codes never leave `storage`.
 //!
 //! Positions are stored explicitly per row (`prefix_pos`, `body_pos`).
 
@@ -67,17 +72,16 @@ pub fn validate(kv: &KvConfig, cfg: &Config) -> Result<()> {
                 "must be at least 1 (the current token must stay in the cache)",
             ))
         }
-        Some(w) => {
-            if kv.sink.checked_add(w).is_none_or(|c| c > MAX_CACHE_ROWS) {
-                return Err(Error::flag(
-                    "--streaming-llm-window",
-                    format!(
-                        "sink {} + window {w} is too large (at most {MAX_CACHE_ROWS} rows)",
-                        kv.sink
-                    ),
-                ));
-            }
+        Some(w) if kv.sink.checked_add(w).is_none_or(|c| c > MAX_CACHE_ROWS) => {
+            return Err(Error::flag(
+                "--streaming-llm-window",
+                format!(
+                    "sink {} + window {w} is too large (at most {MAX_CACHE_ROWS} rows)",
+                    kv.sink
+                ),
+            ))
         }
+        Some(_) => {}
     }
     if kv.sink > MAX_CACHE_ROWS {
         return Err(Error::flag(
@@ -88,7 +92,7 @@ pub fn validate(kv: &KvConfig, cfg: &Config) -> Result<()> {
     if cfg.head_dim == 0 || cfg.n_kv_heads == 0 {
         return Err(Error::flag("--kv-quantize", "model has no KV heads"));
     }
-    if kv.precision == Precision::Int4 && cfg.head_dim % 2 != 0 {
+    if kv.precision == Precision::Int4 && !cfg.head_dim.is_multiple_of(2) {
         return Err(Error::flag(
             "--kv-quantize",
             format!(
@@ -157,10 +161,13 @@ pub struct LayerKv {
     prefix_pos: Vec<usize>,
     /// (body slots) absolute positions
     body_pos: Vec<usize>,
-    /// (prefix slots, kv_heads, head_dim)
+    /// (kv_heads, prefix slots, head_dim): f32 under KIVI, else the cache precision
     prefix_k: Plain,
+    /// (kv_heads, prefix slots, head_dim)
     prefix_v: Plain,
+    /// (kv_heads, body slots, head_dim) plain, or KIVI codes + group params + residual
     body_k: BodyK,
+    /// (kv_heads, body slots, head_dim) plain, or KIVI codes + per-token params
     body_v: BodyV,
 }
 
@@ -294,7 +301,7 @@ impl LayerKv {
             BodyK::Plain(p) => p.write(slot, k),
             BodyK::Kivi(q) => {
                 q.write_residual(b, k);
-                if (b + 1) % g == 0 {
+                if (b + 1).is_multiple_of(g) {
                     // The group is complete: quantise its stored rows once.
                     let rows = (b + 1 - g).max(first_stored)..b + 1;
                     let slot_of = |b: usize| match ring {
@@ -323,17 +330,38 @@ impl LayerKv {
 
     /// Dequantises KV head `h` of stored row `i`'s key into `out` (`head_dim` values;
     /// pre-RoPE in `cache` positions mode).
-    #[inline]
     pub fn read_key(&self, i: usize, h: usize, out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.head_dim);
-        match self.loc(i) {
+        let mut params = vec![0.0; 2 * self.head_dim];
+        let (s, z) = params.split_at_mut(self.head_dim);
+        let mut none = usize::MAX;
+        self.read_key_at(self.loc(i), h, out, &mut none, s, z);
+    }
+
+    /// Reads the key at `loc`; `cur_group` caches which group's f32 parameters are in
+    /// `scale`/`zero` (usize::MAX for none), so consecutive rows reuse them.
+    #[inline]
+    fn read_key_at(
+        &self,
+        loc: Loc,
+        h: usize,
+        out: &mut [f32],
+        cur_group: &mut usize,
+        scale: &mut [f32],
+        zero: &mut [f32],
+    ) {
+        match loc {
             Loc::Prefix(t) => self.prefix_k.read(h, t, out),
             Loc::Body { b, slot } => match &self.body_k {
                 BodyK::Plain(p) => p.read(h, slot, out),
                 BodyK::Kivi(q) => {
                     let g = b / self.kv.group_size.max(1);
                     if g < self.groups_done() {
-                        q.read_quant(h, slot, self.group_slot(g), out)
+                        if *cur_group != g {
+                            q.load_params(h, self.group_slot(g), scale, zero);
+                            *cur_group = g;
+                        }
+                        q.read_quant(h, slot, scale, zero, out)
                     } else {
                         q.read_residual(h, b, out)
                     }
@@ -342,17 +370,59 @@ impl LayerKv {
         }
     }
 
-    /// Dequantises KV head `h` of stored row `i`'s value into `out`.
     #[inline]
-    pub fn read_value(&self, i: usize, h: usize, out: &mut [f32]) {
-        debug_assert_eq!(out.len(), self.head_dim);
-        match self.loc(i) {
+    fn read_value_at(&self, loc: Loc, h: usize, out: &mut [f32]) {
+        match loc {
             Loc::Prefix(t) => self.prefix_v.read(h, t, out),
             Loc::Body { slot, .. } => match &self.body_v {
                 BodyV::Plain(p) => p.read(h, slot, out),
                 BodyV::Kivi(q) => q.read(h, slot, out),
             },
         }
+    }
+
+    /// Dequantises KV head `h` of every stored row, oldest first, into `keys` and
+    /// `values` (`(stored, head_dim)` each). `params` is scratch for a K group's f32
+    /// parameters.
+    pub fn gather_head(
+        &self,
+        h: usize,
+        keys: &mut [f32],
+        values: &mut [f32],
+        params: &mut Vec<f32>,
+    ) {
+        let hd = self.head_dim;
+        let n = self.len();
+        debug_assert!(keys.len() >= n * hd && values.len() >= n * hd);
+        params.resize(2 * hd, 0.0);
+        let (scale, zero) = params.split_at_mut(hd);
+        let mut cur_group = usize::MAX;
+        let t = self.appended;
+        let sinks = 0..self.policy.sinks_stored(t);
+        let recent = self.policy.window_start(t)..t;
+        for (i, tok) in sinks.chain(recent).enumerate() {
+            let loc = if tok < self.prefix {
+                Loc::Prefix(tok)
+            } else {
+                let b = tok - self.prefix;
+                Loc::Body {
+                    b,
+                    slot: self.body_slot(b),
+                }
+            };
+            let (k, v) = (
+                &mut keys[i * hd..(i + 1) * hd],
+                &mut values[i * hd..(i + 1) * hd],
+            );
+            self.read_key_at(loc, h, k, &mut cur_group, scale, zero);
+            self.read_value_at(loc, h, v);
+        }
+    }
+
+    /// Dequantises KV head `h` of stored row `i`'s value into `out`.
+    pub fn read_value(&self, i: usize, h: usize, out: &mut [f32]) {
+        debug_assert_eq!(out.len(), self.head_dim);
+        self.read_value_at(self.loc(i), h, out);
     }
 
     /// Stored row `i`'s key, all KV heads, as f32 (`kv_heads * head_dim` values).

@@ -26,12 +26,19 @@
 //! stored, whatever was evicted around it.
 
 use crate::quant::{self, Bits};
-use half::{bf16, f16};
+use half::{bf16, f16, slice::HalfFloatSliceExt};
 
 /// An element type for plain rows.
 pub(crate) trait Elem: Copy + Default + Send + Sync + 'static {
     fn from_f32(x: f32) -> Self;
     fn to_f32(self) -> f32;
+    /// Widens a slice (exact for every element type).
+    #[inline]
+    fn widen(src: &[Self], out: &mut [f32]) {
+        for (o, &s) in out.iter_mut().zip(src) {
+            *o = s.to_f32();
+        }
+    }
 }
 
 impl Elem for f32 {
@@ -55,6 +62,10 @@ impl Elem for f16 {
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
+    #[inline]
+    fn widen(src: &[Self], out: &mut [f32]) {
+        src.convert_to_f32_slice(out);
+    }
 }
 
 impl Elem for bf16 {
@@ -65,6 +76,14 @@ impl Elem for bf16 {
     #[inline]
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
+    }
+    /// bf16 is the top half of an f32: widening is a shift, as `bf16::to_f32` does for
+    /// every value `bf16::from_f32` produces (it only differs on signalling NaNs).
+    #[inline]
+    fn widen(src: &[Self], out: &mut [f32]) {
+        for (o, s) in out.iter_mut().zip(src) {
+            *o = f32::from_bits((s.to_bits() as u32) << 16);
+        }
     }
 }
 
@@ -108,12 +127,7 @@ impl<E: Elem> Rows<E> {
     fn read(&self, h: usize, slot: usize, out: &mut [f32]) {
         let hd = self.head_dim;
         debug_assert_eq!(out.len(), hd);
-        for (o, &s) in out
-            .iter_mut()
-            .zip(&self.data[h][slot * hd..(slot + 1) * hd])
-        {
-            *o = s.to_f32();
-        }
+        E::widen(&self.data[h][slot * hd..(slot + 1) * hd], out);
     }
 
     /// Bytes one stored row occupies across all heads.
@@ -320,27 +334,38 @@ impl ChannelQuant {
         }
     }
 
-    /// Dequantises a row of a complete group.
+    /// f32 copies of a group's parameters for KV head `h` (`head_dim` values each).
     #[inline]
-    pub(crate) fn read_quant(&self, h: usize, slot: usize, group_slot: usize, out: &mut [f32]) {
-        let (hd, p) = (self.head_dim, self.packed);
-        let codes = &self.codes[h][slot * p..(slot + 1) * p];
-        let scale = &self.scale[h][group_slot * hd..(group_slot + 1) * hd];
-        let zero = &self.zero[h][group_slot * hd..(group_slot + 1) * hd];
-        // Per-element f16 → f32, then the same `u * s + z` as the reference.
-        match self.bits {
-            Bits::Int8 => {
-                for j in 0..hd {
-                    out[j] = codes[j] as f32 * scale[j].to_f32() + zero[j].to_f32();
-                }
-            }
-            Bits::Int4 => {
-                for j in 0..hd {
-                    out[j] = quant::get(codes, j, Bits::Int4) as f32 * scale[j].to_f32()
-                        + zero[j].to_f32();
-                }
-            }
-        }
+    pub(crate) fn load_params(
+        &self,
+        h: usize,
+        group_slot: usize,
+        scale: &mut [f32],
+        zero: &mut [f32],
+    ) {
+        let hd = self.head_dim;
+        self.scale[h][group_slot * hd..(group_slot + 1) * hd].convert_to_f32_slice(scale);
+        self.zero[h][group_slot * hd..(group_slot + 1) * hd].convert_to_f32_slice(zero);
+    }
+
+    /// Dequantises a row of a complete group, given its group's f32 parameters.
+    #[inline]
+    pub(crate) fn read_quant(
+        &self,
+        h: usize,
+        slot: usize,
+        scale: &[f32],
+        zero: &[f32],
+        out: &mut [f32],
+    ) {
+        let p = self.packed;
+        quant::dequantize_channels(
+            &self.codes[h][slot * p..(slot + 1) * p],
+            scale,
+            zero,
+            self.bits,
+            out,
+        );
     }
 
     /// Reads body row `b` of the incomplete group.

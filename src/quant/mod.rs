@@ -108,7 +108,7 @@ fn put(out: &mut [u8], j: usize, u: u8, bits: Bits) {
         Bits::Int8 => out[j] = u,
         Bits::Int4 => {
             let b = &mut out[j / 2];
-            if j % 2 == 0 {
+            if j.is_multiple_of(2) {
                 *b = (*b & 0xf0) | u;
             } else {
                 *b = (*b & 0x0f) | (u << 4);
@@ -124,7 +124,7 @@ pub fn get(codes: &[u8], j: usize, bits: Bits) -> u8 {
         Bits::Int8 => codes[j],
         Bits::Int4 => {
             let b = codes[j / 2];
-            if j % 2 == 0 {
+            if j.is_multiple_of(2) {
                 b & 0x0f
             } else {
                 b >> 4

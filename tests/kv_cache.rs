@@ -1,0 +1,650 @@
+//! The engine's KV cache and attention against the reference crate (the oracle), plus the
+//! eviction and byte-accounting properties of DESIGN.md §2–§4.
+//!
+//! Error budgets (named, used below):
+//! * `ENGINE_VS_REFERENCE`: attention outputs and softmax weights, relative to the
+//!   vector's largest magnitude (at least 1); dequantised K/V rows must be bit-identical.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tinygpt_cpu::attention::{attend, AttnScratch, RopeTable};
+use tinygpt_cpu::config::{Config, RopeScaling};
+use tinygpt_cpu::kv_cache::{validate, KvCache, KvConfig, LayerKv, PositionsMode, Precision};
+use tinygpt_reference::kv_cache::LayerCache;
+use tinygpt_reference::quant::Affine;
+use tinygpt_reference::rope::Rope;
+
+const ENGINE_VS_REFERENCE: f32 = 1e-5;
+
+fn config(
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    sliding_window: Option<usize>,
+) -> Config {
+    Config {
+        vocab_size: 16,
+        hidden_size: n_heads * head_dim,
+        n_layers: 1,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        intermediate_size: 16,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        max_position_embeddings: 4096,
+        tie_word_embeddings: true,
+        sliding_window,
+        attention_bias: false,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+    }
+}
+
+/// One differential case; `Debug` prints every parameter on failure.
+#[derive(Debug, Clone)]
+struct Case {
+    precision: Precision,
+    positions: PositionsMode,
+    group_size: usize,
+    sink: usize,
+    window: Option<usize>,
+    head_dim: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    steps: usize,
+    sliding_window: Option<usize>,
+    seed: u64,
+}
+
+impl Case {
+    fn kv(&self) -> KvConfig {
+        KvConfig {
+            precision: self.precision,
+            group_size: self.group_size,
+            sink: self.sink,
+            window: self.window,
+            positions: self.positions,
+        }
+    }
+    fn cfg(&self) -> Config {
+        config(
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.sliding_window,
+        )
+    }
+}
+
+/// Random token vectors with per-channel offsets and an outlier channel (as real K has).
+struct Inputs {
+    rng: ChaCha8Rng,
+    k_bias: Vec<f32>,
+}
+
+impl Inputs {
+    fn new(seed: u64, kv_dim: usize) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut k_bias: Vec<f32> = (0..kv_dim).map(|_| rng.gen_range(-2.0..2.0)).collect();
+        k_bias[kv_dim / 3] = 12.0;
+        Inputs { rng, k_bias }
+    }
+    fn vec(&mut self, n: usize, amp: f32) -> Vec<f32> {
+        (0..n).map(|_| self.rng.gen_range(-amp..amp)).collect()
+    }
+    /// (q, k, v) for one token.
+    fn token(&mut self, q_dim: usize, kv_dim: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let q = self.vec(q_dim, 1.5);
+        let mut k = self.vec(kv_dim, 1.0);
+        for (x, b) in k.iter_mut().zip(&self.k_bias) {
+            *x += b;
+        }
+        let v = self.vec(kv_dim, 2.0);
+        (q, k, v)
+    }
+}
+
+fn max_rel_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs() / scale)
+        .fold(0.0, f32::max)
+}
+
+fn to_bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Runs the engine and the reference side by side and compares after every step.
+fn run_case(c: &Case) {
+    let cfg = c.cfg();
+    let kv = c.kv();
+    validate(&kv, &cfg).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    let rope = Rope::new(&cfg);
+    let table = RopeTable::new(&cfg);
+    let mut reference = LayerCache::new(&kv, cfg.n_kv_heads, cfg.head_dim);
+    let mut engine = LayerKv::new(&kv, cfg.n_kv_heads, cfg.head_dim);
+    let mut scratch = AttnScratch::new(&cfg, &kv);
+    let mut inputs = Inputs::new(c.seed, cfg.kv_dim());
+    let (mut out_r, mut out_e) = (vec![0.0; cfg.q_dim()], vec![0.0; cfg.q_dim()]);
+    let (mut p_r, mut p_e) = (Vec::new(), Vec::new());
+    for pos in 0..c.steps {
+        let (q, k, v) = inputs.token(cfg.q_dim(), cfg.kv_dim());
+        tinygpt_reference::attention::attend(
+            &cfg,
+            &rope,
+            &mut reference,
+            &q,
+            &k,
+            &v,
+            pos,
+            &mut out_r,
+            Some(&mut p_r),
+        );
+        attend(
+            &cfg,
+            &table,
+            &mut engine,
+            &q,
+            &k,
+            &v,
+            pos,
+            &mut out_e,
+            &mut scratch,
+            Some(&mut p_e),
+        );
+
+        assert_eq!(engine.len(), reference.len(), "{c:?} pos={pos}");
+        assert_eq!(engine.positions(), reference.positions(), "{c:?} pos={pos}");
+        for i in 0..engine.len() {
+            assert_eq!(
+                to_bits(&engine.key(i)),
+                to_bits(&reference.key(i)),
+                "{c:?} pos={pos} key row {i}"
+            );
+            assert_eq!(
+                to_bits(&engine.value(i)),
+                to_bits(&reference.value(i)),
+                "{c:?} pos={pos} value row {i}"
+            );
+        }
+        assert_eq!(engine.bytes(), reference.bytes(), "{c:?} pos={pos} bytes");
+        let e = max_rel_err(&out_e, &out_r);
+        assert!(
+            e <= ENGINE_VS_REFERENCE,
+            "{c:?} pos={pos}: output rel err {e}"
+        );
+        assert!(
+            out_e.iter().all(|x| x.is_finite()),
+            "{c:?} pos={pos}: non-finite output"
+        );
+        let e = max_rel_err(&p_e, &p_r);
+        assert!(e <= ENGINE_VS_REFERENCE, "{c:?} pos={pos}: probs err {e}");
+    }
+}
+
+/// The shared case table: every precision × (no eviction, sink+window) × positions mode
+/// × shapes placed around group and window boundaries.
+fn cases() -> Vec<Case> {
+    // (group_size, sink, window, head_dim, n_heads, n_kv_heads, steps)
+    type Shape = (usize, usize, Option<usize>, usize, usize, usize, usize);
+    let shapes: &[Shape] = &[
+        (4, 0, None, 8, 2, 1, 1),
+        (4, 0, None, 8, 2, 1, 13),
+        (8, 0, None, 32, 4, 2, 4 + 7),  // T = prefix + G - 1
+        (8, 0, None, 32, 4, 2, 4 + 8),  // T = prefix + G
+        (8, 0, None, 32, 4, 2, 4 + 9),  // T = prefix + G + 1
+        (5, 2, Some(6), 16, 4, 2, 30),  // window not a multiple of G, sink < 4
+        (4, 4, Some(4), 32, 4, 2, 25),  // window = G
+        (8, 4, Some(12), 34, 6, 3, 40), // head_dim not a multiple of 8
+        (32, 4, Some(8), 16, 2, 2, 60), // window < G: groups quantised after partial eviction
+        (3, 6, Some(5), 8, 8, 2, 33),   // sink > 4
+        (4, 0, Some(1), 8, 2, 1, 12),   // window of one row
+        (16, 1, Some(40), 64, 4, 1, 70),
+        // large enough for attention to run KV heads on rayon (stored × heads × head_dim ≥ 2^16)
+        (32, 0, None, 64, 8, 2, 140),
+        (16, 4, Some(150), 64, 8, 2, 200),
+    ];
+    let mut out = Vec::new();
+    let mut seed = 1000;
+    for &precision in &Precision::ALL {
+        for positions in [PositionsMode::Original, PositionsMode::Cache] {
+            for &(group_size, sink, window, head_dim, n_heads, n_kv_heads, steps) in shapes {
+                seed += 1;
+                out.push(Case {
+                    precision,
+                    positions,
+                    group_size,
+                    sink,
+                    window,
+                    head_dim,
+                    n_heads,
+                    n_kv_heads,
+                    steps,
+                    sliding_window: None,
+                    seed,
+                });
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn engine_matches_reference_on_case_table() {
+    for c in cases() {
+        run_case(&c);
+    }
+}
+
+#[test]
+fn engine_matches_reference_with_mistral_sliding_window() {
+    for &precision in &Precision::ALL {
+        for positions in [PositionsMode::Original, PositionsMode::Cache] {
+            for (window, sliding) in [(None, 5), (Some(9), 4), (Some(3), 7)] {
+                run_case(&Case {
+                    precision,
+                    positions,
+                    group_size: 4,
+                    sink: if window.is_some() { 2 } else { 0 },
+                    window,
+                    head_dim: 16,
+                    n_heads: 4,
+                    n_kv_heads: 2,
+                    steps: 24,
+                    sliding_window: Some(sliding),
+                    seed: 77,
+                });
+            }
+        }
+    }
+}
+
+/// After T appends with (N, M), the stored positions are exactly [0, N) ∪ [T − M, T).
+#[test]
+fn eviction_keeps_first_sink_and_last_window() {
+    for &precision in &Precision::ALL {
+        for (n, m) in [(0usize, 1usize), (0, 7), (4, 4), (2, 9), (6, 3), (4, 32)] {
+            let kv = KvConfig {
+                precision,
+                group_size: 4,
+                sink: n,
+                window: Some(m),
+                positions: PositionsMode::Original,
+            };
+            let mut engine = LayerKv::new(&kv, 2, 8);
+            let mut reference = LayerCache::new(&kv, 2, 8);
+            let mut inputs = Inputs::new(5, 16);
+            for t in 1..=80usize {
+                let (_, k, v) = inputs.token(16, 16);
+                engine.append(&k, &v, t - 1);
+                reference.append(&k, &v, t - 1);
+                let want: Vec<usize> = (0..t).filter(|&p| p < n || p + m >= t).collect();
+                assert_eq!(engine.positions(), want, "{precision:?} N={n} M={m} T={t}");
+                assert_eq!(
+                    reference.positions(),
+                    want,
+                    "{precision:?} N={n} M={m} T={t}"
+                );
+            }
+        }
+    }
+}
+
+/// With N + M ≥ T nothing is evicted, and the cache is bit-identical to an unbounded one.
+#[test]
+fn no_eviction_when_window_covers_everything() {
+    let cfg = config(4, 2, 16, None);
+    for &precision in &Precision::ALL {
+        for positions in [PositionsMode::Original, PositionsMode::Cache] {
+            for (n, m, steps) in [(4usize, 20usize, 24usize), (0, 30, 17), (2, 10, 12)] {
+                let dense = KvConfig {
+                    precision,
+                    group_size: 4,
+                    sink: 0,
+                    window: None,
+                    positions,
+                };
+                let bounded = KvConfig {
+                    sink: n,
+                    window: Some(m),
+                    ..dense.clone()
+                };
+                let table = RopeTable::new(&cfg);
+                let (mut a, mut b) = (LayerKv::new(&dense, 2, 16), LayerKv::new(&bounded, 2, 16));
+                let (mut sa, mut sb) = (
+                    AttnScratch::new(&cfg, &dense),
+                    AttnScratch::new(&cfg, &bounded),
+                );
+                let (mut oa, mut ob) = (vec![0.0; 64], vec![0.0; 64]);
+                let mut inputs = Inputs::new(9, 32);
+                for pos in 0..steps {
+                    let (q, k, v) = inputs.token(64, 32);
+                    attend(
+                        &cfg, &table, &mut a, &q, &k, &v, pos, &mut oa, &mut sa, None,
+                    );
+                    attend(
+                        &cfg, &table, &mut b, &q, &k, &v, pos, &mut ob, &mut sb, None,
+                    );
+                    let ctx = format!("{precision:?} {positions:?} N={n} M={m} pos={pos}");
+                    assert_eq!(to_bits(&oa), to_bits(&ob), "{ctx}");
+                    assert_eq!(a.positions(), b.positions(), "{ctx}");
+                    for i in 0..a.len() {
+                        assert_eq!(to_bits(&a.key(i)), to_bits(&b.key(i)), "{ctx} row {i}");
+                        assert_eq!(to_bits(&a.value(i)), to_bits(&b.value(i)), "{ctx} row {i}");
+                    }
+                    assert_eq!(a.bytes(), b.bytes(), "{ctx}");
+                }
+            }
+        }
+    }
+}
+
+/// A K group that loses rows to eviction keeps the (scale, zero) it was quantised with:
+/// every surviving row dequantises exactly as it did with the group's original parameters.
+#[test]
+fn eviction_inside_a_quantised_group_keeps_its_scales() {
+    // sink 4 = full-precision prefix; groups of 8 start at token 4. Window 10 slices
+    // through groups as it slides; window 5 < G also drops rows of a group before it
+    // completes, so the group is fitted over its surviving rows only.
+    for (precision, window) in [
+        (Precision::Int8, 10usize),
+        (Precision::Int4, 10),
+        (Precision::Int8, 5),
+        (Precision::Int4, 5),
+    ] {
+        let bits = precision.kivi_bits().unwrap();
+        let (g, sink, kv_heads, hd) = (8usize, 4usize, 2usize, 8usize);
+        let kv_dim = kv_heads * hd;
+        let kv = KvConfig {
+            precision,
+            group_size: g,
+            sink,
+            window: Some(window),
+            positions: PositionsMode::Original,
+        };
+        let mut engine = LayerKv::new(&kv, kv_heads, hd);
+        let mut reference = LayerCache::new(&kv, kv_heads, hd);
+        let mut inputs = Inputs::new(31, kv_dim);
+        let mut raw_k: Vec<Vec<f32>> = Vec::new();
+        // Parameters of each group as fitted, independently, at its completion.
+        let mut fitted: Vec<Vec<Affine>> = Vec::new();
+        for t in 0..60usize {
+            let (_, k, v) = inputs.token(kv_dim, kv_dim);
+            raw_k.push(k.clone());
+            engine.append(&k, &v, t);
+            reference.append(&k, &v, t);
+            let stored = |tok: usize| tok < sink || tok + window > t;
+            if t >= sink && (t - sink + 1) % g == 0 {
+                let members: Vec<usize> = (t + 1 - g..=t).filter(|&x| stored(x)).collect();
+                fitted.push(
+                    (0..kv_dim)
+                        .map(|c| {
+                            let ch: Vec<f32> = members.iter().map(|&x| raw_k[x][c]).collect();
+                            Affine::fit(&ch, bits)
+                        })
+                        .collect(),
+                );
+            }
+            let positions = engine.positions();
+            for (i, &tok) in positions.iter().enumerate() {
+                let ctx = format!("{precision:?} window={window} t={t} row {i} (token {tok})");
+                let want: Vec<f32> = if tok < sink {
+                    raw_k[tok].clone()
+                } else {
+                    let grp = (tok - sink) / g;
+                    match fitted.get(grp) {
+                        // residual: still full precision
+                        None => raw_k[tok].clone(),
+                        Some(params) => (0..kv_dim)
+                            .map(|c| {
+                                params[c].dequantize(params[c].quantize(raw_k[tok][c], bits), bits)
+                            })
+                            .collect(),
+                    }
+                };
+                assert_eq!(to_bits(&engine.key(i)), to_bits(&want), "{ctx}");
+                assert_eq!(to_bits(&reference.key(i)), to_bits(&want), "{ctx}");
+            }
+        }
+        // The window slid through at least one group boundary mid-group.
+        assert!(fitted.len() >= 6);
+    }
+}
+
+fn fill(cache: &mut KvCache, cfg: &Config, tokens: usize, seed: u64) {
+    let mut inputs = Inputs::new(seed, cfg.kv_dim());
+    for t in 0..tokens {
+        let (_, k, v) = inputs.token(cfg.kv_dim(), cfg.kv_dim());
+        for l in 0..cache.n_layers() {
+            cache.layer_mut(l).append(&k, &v, t);
+        }
+    }
+}
+
+/// Bytes of a 6-layer, 2-KV-head, head_dim-32 cache after 2048 real appends.
+fn bytes_at_2048(precision: Precision) -> usize {
+    let mut cfg = config(4, 2, 32, None);
+    cfg.n_layers = 6;
+    let kv = KvConfig {
+        precision,
+        ..KvConfig::default()
+    };
+    let mut cache = KvCache::new(&cfg, &kv);
+    fill(&mut cache, &cfg, 2048, 3);
+    assert_eq!(cache.stored_tokens(), 2048);
+    cache.bytes()
+}
+
+#[test]
+fn bytes_shrink_with_precision_at_2048_tokens() {
+    let b: Vec<(Precision, usize)> = Precision::ALL
+        .iter()
+        .map(|&p| (p, bytes_at_2048(p)))
+        .collect();
+    for (p, n) in &b {
+        eprintln!(
+            "T=2048, 6 layers x 2 KV heads x head_dim 32: {:>5} {n:>9} bytes",
+            p.name()
+        );
+    }
+    let get = |p: Precision| b.iter().find(|x| x.0 == p).unwrap().1 as f64;
+    assert_eq!(get(Precision::Fp32) as usize, 6 * 2048 * 2 * 64 * 4);
+    assert_eq!(get(Precision::Fp16), get(Precision::Fp32) / 2.0);
+    assert_eq!(get(Precision::Bf16), get(Precision::Fp32) / 2.0);
+    assert!(get(Precision::Int8) <= 0.6 * get(Precision::Bf16), "{b:?}");
+    assert!(get(Precision::Int4) <= 0.6 * get(Precision::Int8), "{b:?}");
+}
+
+#[test]
+fn bytes_stop_growing_after_sink_plus_window() {
+    let mut cfg = config(4, 2, 32, None);
+    cfg.n_layers = 2;
+    for &precision in &Precision::ALL {
+        for (sink, window, g) in [
+            (4usize, 60usize, 32usize),
+            (0, 16, 32),
+            (4, 252, 32),
+            (2, 7, 3),
+        ] {
+            let kv = KvConfig {
+                precision,
+                group_size: g,
+                sink,
+                window: Some(window),
+                positions: PositionsMode::Cache,
+            };
+            let mut cache = KvCache::new(&cfg, &kv);
+            let mut inputs = Inputs::new(8, cfg.kv_dim());
+            let cap = sink + window;
+            // bytes[T] = bytes after T appends
+            let mut bytes = vec![0usize];
+            for t in 0..cap + 3 * window + 3 * g + 5 {
+                let (_, k, v) = inputs.token(cfg.kv_dim(), cfg.kv_dim());
+                for l in 0..cache.n_layers() {
+                    cache.layer_mut(l).append(&k, &v, t);
+                }
+                bytes.push(cache.bytes());
+                assert_eq!(cache.stored_tokens(), (t + 1).min(cap));
+            }
+            let ctx = format!("{precision:?} sink={sink} window={window} G={g}");
+            let peak = *bytes[..=cap].iter().max().unwrap();
+            // Plain rows: constant from the moment the cache is full.
+            // KIVI: the residual's fill level and the number of live groups cycle with
+            // period G once the window has passed the full-precision rows, and never
+            // exceed the full cache's peak by more than one group's f32 residual.
+            let steady = match precision {
+                Precision::Int8 | Precision::Int4 => cap.max(sink.max(4) + window) + g + 1,
+                _ => cap + 1,
+            };
+            let period = match precision {
+                Precision::Int8 | Precision::Int4 => g,
+                _ => 1,
+            };
+            let slack = g * cfg.kv_dim() * 4 * cache.n_layers();
+            for t in cap..bytes.len() {
+                assert!(
+                    bytes[t] <= peak + slack,
+                    "{ctx} T={t}: {} > {peak} + {slack}",
+                    bytes[t]
+                );
+                if t >= steady {
+                    assert_eq!(bytes[t], bytes[t - period], "{ctx} T={t}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn validate_rejects_bad_flags() {
+    let cfg = config(4, 2, 16, None);
+    let ok = KvConfig::default();
+    assert!(validate(&ok, &cfg).is_ok());
+    let bad = [
+        (
+            KvConfig {
+                group_size: 0,
+                ..ok.clone()
+            },
+            "--kv-group-size",
+        ),
+        (
+            KvConfig {
+                group_size: 1 << 20,
+                ..ok.clone()
+            },
+            "--kv-group-size",
+        ),
+        (
+            KvConfig {
+                sink: 0,
+                window: Some(0),
+                ..ok.clone()
+            },
+            "--streaming-llm-window",
+        ),
+        (
+            KvConfig {
+                sink: 4,
+                window: Some(0),
+                ..ok.clone()
+            },
+            "--streaming-llm-window",
+        ),
+        (
+            KvConfig {
+                sink: 4,
+                window: None,
+                ..ok.clone()
+            },
+            "--streaming-llm-sink",
+        ),
+        (
+            KvConfig {
+                sink: 1,
+                window: Some(usize::MAX),
+                ..ok.clone()
+            },
+            "--streaming-llm-window",
+        ),
+        (
+            KvConfig {
+                sink: usize::MAX,
+                window: Some(4),
+                ..ok.clone()
+            },
+            "--streaming-llm-window",
+        ),
+    ];
+    for (kv, flag) in bad {
+        let err = validate(&kv, &cfg).expect_err(&format!("{kv:?} must be rejected"));
+        assert!(err.to_string().starts_with(flag), "{kv:?}: {err}");
+    }
+}
+
+/// Timing smoke test (not a benchmark): `cargo test --release --test kv_cache -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn attend_timing() {
+    let cfg = config(8, 2, 64, None);
+    let rope = Rope::new(&cfg);
+    let table = RopeTable::new(&cfg);
+    for &precision in &Precision::ALL {
+        for positions in [PositionsMode::Original, PositionsMode::Cache] {
+            let kv = KvConfig {
+                precision,
+                positions,
+                ..KvConfig::default()
+            };
+            let mut engine = LayerKv::new(&kv, 2, 64);
+            let mut reference = LayerCache::new(&kv, 2, 64);
+            let mut scratch = AttnScratch::new(&cfg, &kv);
+            let mut inputs = Inputs::new(1, cfg.kv_dim());
+            let mut out = vec![0.0; cfg.q_dim()];
+            let steps = 1024;
+            let (mut te, mut tr) = (0.0f64, 0.0f64);
+            for pos in 0..steps {
+                let (q, k, v) = inputs.token(cfg.q_dim(), cfg.kv_dim());
+                let t0 = std::time::Instant::now();
+                attend(
+                    &cfg,
+                    &table,
+                    &mut engine,
+                    &q,
+                    &k,
+                    &v,
+                    pos,
+                    &mut out,
+                    &mut scratch,
+                    None,
+                );
+                te += t0.elapsed().as_secs_f64();
+                let t0 = std::time::Instant::now();
+                tinygpt_reference::attention::attend(
+                    &cfg,
+                    &rope,
+                    &mut reference,
+                    &q,
+                    &k,
+                    &v,
+                    pos,
+                    &mut out,
+                    None,
+                );
+                tr += t0.elapsed().as_secs_f64();
+            }
+            eprintln!(
+                "{:>5} {:>8}: engine {:.1} us/step, reference {:.1} us/step (mean over {steps} steps, 8 heads, 2 KV heads, head_dim 64)",
+                precision.name(),
+                positions.name(),
+                te / steps as f64 * 1e6,
+                tr / steps as f64 * 1e6
+            );
+        }
+    }
+}
