@@ -1,0 +1,183 @@
+//! The KV cache inside the model: every precision × streaming × positions combination on
+//! the bundled model, engine against reference (identical greedy ids), bounded bytes, and
+//! KIVI quality against the fp32 cache.
+
+mod common;
+use common::*;
+use tinygpt_cpu::generate::{Engine, EngineRun, ReferenceRun};
+use tinygpt_cpu::kv_cache::{KvConfig, PositionsMode, Precision};
+use tinygpt_cpu::model::{reference_model, Model, WeightsDType};
+use tinygpt_cpu::weights::ModelFiles;
+
+/// Engine vs reference logits with the same cache. Only summation order differs, but a
+/// last-bit difference in a K/V value can flip one quantisation code (a whole step of the
+/// affine grid), so the budget grows with the step size of the precision.
+fn engine_vs_reference(p: Precision) -> f32 {
+    match p {
+        Precision::Fp32 => 1e-4,
+        Precision::Fp16 | Precision::Bf16 => 1e-3,
+        Precision::Int8 => 5e-3,
+        Precision::Int4 => 2e-2,
+    }
+}
+const STEPS: usize = 300;
+const SINK: usize = 4;
+const WINDOW: usize = 60;
+
+fn combos() -> Vec<KvConfig> {
+    let mut v = Vec::new();
+    for precision in Precision::ALL {
+        for streaming in [false, true] {
+            for positions in [PositionsMode::Original, PositionsMode::Cache] {
+                v.push(KvConfig {
+                    precision,
+                    group_size: 32,
+                    sink: if streaming { SINK } else { 0 },
+                    window: streaming.then_some(WINDOW),
+                    positions,
+                });
+            }
+        }
+    }
+    v
+}
+
+fn files() -> ModelFiles {
+    ModelFiles::open(None).unwrap()
+}
+
+fn prompts() -> Vec<(String, Vec<u32>)> {
+    golden("tiny.json")["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["prompt"].as_str().unwrap().to_string(),
+                ids(&p["prompt_ids"]),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn engine_and_reference_agree_for_every_cache_combination() {
+    let files = files();
+    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    let reference = reference_model(&files, WeightsDType::Native).unwrap();
+    let mut worst = std::collections::BTreeMap::new();
+    for kv in combos() {
+        for (prompt, ids) in prompts() {
+            let mut e = EngineRun::new(&model, &kv);
+            let mut r = ReferenceRun::new(reference.clone(), &kv);
+            let ge = greedy(&mut e, &ids, STEPS);
+            let gr = greedy(&mut r, &ids, STEPS);
+            let m = prefix_match(&ge.ids, &gr.ids);
+            if m < STEPS {
+                let margin = common::margin(&gr.logits[m]);
+                assert!(
+                    margin < 1e-4,
+                    "{kv:?} prompt {prompt:?}: engine and reference diverge at step {m} (reference margin {margin})"
+                );
+            }
+            for i in 0..m {
+                let d = max_abs_diff(&ge.logits[i], &gr.logits[i]);
+                let w = worst.entry(kv.precision.name()).or_insert(0.0f32);
+                *w = w.max(d);
+                assert!(
+                    d <= engine_vs_reference(kv.precision),
+                    "{kv:?} prompt {prompt:?} step {i}: logits differ by {d}"
+                );
+            }
+            assert_eq!(
+                e.positions(0),
+                r.positions(0),
+                "{kv:?}: stored positions differ"
+            );
+            assert_eq!(e.kv_bytes(), r.kv_bytes(), "{kv:?}: byte counts differ");
+        }
+    }
+    eprintln!("worst engine-vs-reference logit difference per precision: {worst:?}");
+}
+
+#[test]
+fn streaming_cache_stops_growing() {
+    let files = files();
+    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    for kv in combos().into_iter().filter(|k| k.window.is_some()) {
+        let mut e = EngineRun::new(&model, &kv);
+        let cap = SINK + WINDOW;
+        let mut bytes_after_cap = Vec::new();
+        let mut tok = 0u32;
+        for pos in 0..cap + 3 * 32 + 5 {
+            let logits = e.forward(tok, pos).unwrap();
+            assert!(logits.iter().all(|x| x.is_finite()), "{kv:?} pos {pos}");
+            tok = argmax(logits);
+            let stored = e.stored_tokens();
+            assert_eq!(stored, (pos + 1).min(cap), "{kv:?} pos {pos}");
+            if pos + 1 >= cap {
+                bytes_after_cap.push(e.kv_bytes());
+                let want: Vec<usize> = (0..SINK).chain(pos + 1 - WINDOW..pos + 1).collect();
+                assert_eq!(e.positions(0), want, "{kv:?} pos {pos}");
+            }
+        }
+        // Bounded: after the cap, bytes only cycle with the K group (KIVI) or stay constant.
+        let first_cycle_max = *bytes_after_cap[..33].iter().max().unwrap();
+        assert!(
+            bytes_after_cap.iter().all(|&b| b <= first_cycle_max),
+            "{kv:?}: {bytes_after_cap:?}"
+        );
+        if matches!(
+            kv.precision,
+            Precision::Fp32 | Precision::Fp16 | Precision::Bf16
+        ) {
+            assert!(
+                bytes_after_cap.windows(2).all(|w| w[0] == w[1]),
+                "{kv:?}: {bytes_after_cap:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn kivi_greedy_quality_against_fp32() {
+    let files = files();
+    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    let g = golden("tiny.json");
+    let n = 60;
+    let mut int4_matches = Vec::new();
+    for p in g["prompts"].as_array().unwrap() {
+        let ids = ids(&p["prompt_ids"]);
+        let run = |precision| {
+            let kv = KvConfig {
+                precision,
+                ..KvConfig::default()
+            };
+            let mut e = EngineRun::new(&model, &kv);
+            greedy(&mut e, &ids, n)
+        };
+        let base = run(Precision::Fp32);
+        let int8 = run(Precision::Int8);
+        let m = prefix_match(&int8.ids, &base.ids);
+        if m < n {
+            let margin = common::margin(&base.logits[m]);
+            assert!(
+                margin < 0.05,
+                "prompt {:?}: int8 diverges from fp32 at step {m} where the fp32 margin is {margin}",
+                p["prompt"]
+            );
+            eprintln!(
+                "int8 diverged at a near-tie: prompt {:?} step {m} margin {margin}",
+                p["prompt"]
+            );
+        }
+        let int4 = run(Precision::Int4);
+        int4_matches.push(prefix_match(&int4.ids, &base.ids) as f64 / n as f64);
+    }
+    let mean = int4_matches.iter().sum::<f64>() / int4_matches.len() as f64;
+    eprintln!("int4 prefix match per prompt: {int4_matches:?}, mean {mean:.3}");
+    assert!(
+        mean >= 0.7,
+        "int4 mean greedy prefix match {mean:.3} < 0.70"
+    );
+}
