@@ -80,7 +80,7 @@ impl SinkAcc {
         for (l, p) in probs.iter().enumerate() {
             let positions = engine.positions(l);
             let n = positions.len();
-            if n == 0 || p.len() % n != 0 {
+            if n == 0 || !p.len().is_multiple_of(n) {
                 continue;
             }
             let heads = p.len() / n;

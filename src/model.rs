@@ -114,7 +114,7 @@ impl<'a> ModelTensors<'a> {
             if t.dtype.is_quantized()
                 && t.shape
                     .last()
-                    .is_some_and(|&c| c % t.dtype.block_len() != 0)
+                    .is_some_and(|&c| !c.is_multiple_of(t.dtype.block_len()))
             {
                 return Err(Error::tensor(
                     &files.path,

@@ -500,7 +500,7 @@ fn read_safetensors(backing: &Arc<Backing>, path: &Path) -> Result<BTreeMap<Stri
         let data = view.data();
         let start = data.as_ptr() as usize - base;
         let elem = dtype.block_bytes();
-        let tb = if start % elem == 0 {
+        let tb = if start.is_multiple_of(elem) {
             TensorBytes::new(backing.clone(), start, data.len())
         } else {
             // Misaligned for its element type: copy once into an aligned buffer.

@@ -99,7 +99,7 @@ pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
         let pb = progress((tokens.len() - 1) as u64, a.json, name);
         let mut run = loaded.run(kv);
         let (r, s) = perplexity(run.as_mut(), &tokens, a.chunk, a.sink_report, &mut |i| {
-            if i % 16 == 0 {
+            if i.is_multiple_of(16) {
                 pb.set_position(i as u64)
             }
         })?;
