@@ -13,6 +13,9 @@ use minijinja::value::Value;
 use minijinja::{Environment, ErrorKind};
 use std::collections::BTreeMap;
 
+/// MiniJinja instructions a template may execute (real chat templates need a few thousand).
+const TEMPLATE_FUEL: u64 = 50_000_000;
+
 /// Renders `template` for a single user turn, ready for the assistant's reply
 /// (`add_generation_prompt = true`). `bos` and `eos` are the token strings the template may
 /// refer to as `bos_token` / `eos_token`. Template errors (syntax, `raise_exception`) are
@@ -49,6 +52,8 @@ pub fn render_messages(
         .build()
         .map_err(err)?;
     env.set_syntax(syntax);
+    // A template comes from the model file: bound its work so a hostile one cannot hang us.
+    env.set_fuel(Some(TEMPLATE_FUEL));
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function(
         "raise_exception",
@@ -153,9 +158,10 @@ mod tests {
     #[test]
     fn python_methods_trim_blocks_and_bos() {
         let t = "{{ bos_token }}{% for m in messages %}\n  [{{ m['content'].strip() | upper }}]\n{% endfor %}{% if add_generation_prompt %}>{% endif %}";
+        // Python's jinja2 (trim_blocks, lstrip_blocks) renders exactly this.
         assert_eq!(
             render_chat(t, "  hello ", "<s>", "</s>").unwrap(),
-            "<s>[HELLO]\n>"
+            "<s>  [HELLO]\n>"
         );
     }
 
@@ -170,6 +176,13 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("only user/assistant roles"), "{e}");
         assert!(render_chat("{% for %}", "x", "", "").is_err());
+        let e = render_chat(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "x",
+            "",
+            "",
+        );
+        assert!(e.is_err(), "out of fuel");
     }
 
     #[test]

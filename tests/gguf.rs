@@ -659,6 +659,7 @@ fn hf_tensors_names_shapes_and_borrowing() {
             "embedding element {i}"
         );
     }
+    assert_eq!(emb.to_f32().unwrap(), e);
     let v = deq(get("model.layers.0.self_attn.v_proj.weight"), GgmlType::F16);
     assert_eq!(v[9], 1.0);
     let o = deq(o, GgmlType::BF16);
@@ -1227,4 +1228,158 @@ fn smollm2_chat_template_renders() {
         .map(|x| x.as_u64().unwrap() as u32)
         .collect();
     assert_eq!(ids, want);
+}
+
+#[test]
+fn files_written_by_gguf_py_parse() {
+    // fuzz/seeds/*.gguf are written by llama.cpp's own Python writer (fuzz/make_seeds.py):
+    // a third-party check of the reader, besides the writer in this file.
+    let dir = repo_file("fuzz/seeds");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let p = entry.unwrap().path();
+        let f = GgufFile::open(&p).unwrap_or_else(|e| panic!("{e}"));
+        let c = f.config().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim),
+            (32, 2, 1, 16)
+        );
+        let hf = f.hf_tensors().unwrap();
+        assert_eq!(hf.len(), 2 + 9 * c.n_layers);
+        if f.metadata().contains_key("tokenizer.ggml.model") {
+            let tok = f.tokenizer().unwrap();
+            // add_bos_token = true in these files
+            assert_eq!(tok.encode("ab a", true).unwrap().get_ids(), &[0, 4, 6]);
+        }
+        n += 1;
+    }
+    assert_eq!(n, 3);
+}
+
+#[test]
+fn huge_block_count_is_an_error_without_allocating() {
+    // Found by the fuzzer: a block count of 2^40 used to build a per-layer table first.
+    let g = tiny_model(3).kv("llama.block_count", V::U64(1 << 40));
+    let e = open_err(&g);
+    assert!(
+        e.contains("tensor 'blk.2.attn_norm.weight'") && e.contains("missing"),
+        "{e}"
+    );
+}
+
+#[test]
+fn llama3_rope_freqs_tensor_becomes_llama3_scaling() {
+    // convert_hf_to_gguf writes Llama 3.1 scaling as per-frequency divisors in rope_freqs.weight.
+    let theta = 500000.0f64;
+    let factor = 8.0f64;
+    let divisors: Vec<f32> = (0..HEAD_DIM / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf((2 * i) as f64 / HEAD_DIM as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen < 8192.0 / 4.0 {
+                1.0
+            } else if wavelen > 8192.0 {
+                factor as f32
+            } else {
+                let smooth = (8192.0 / wavelen - 1.0) / 3.0;
+                (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+            }
+        })
+        .collect();
+    assert!(
+        divisors.iter().any(|&d| d > 1.0 && d < 8.0),
+        "some smoothed frequency: {divisors:?}"
+    );
+    let mut g = tiny_model(3).kv("llama.rope.freq_base", V::F32(theta as f32));
+    g.tensors.push(Tensor {
+        name: "rope_freqs.weight".into(),
+        ne: vec![(HEAD_DIM / 2) as u64],
+        ggml_type: 0,
+        data: enc_f32(&divisors),
+    });
+    let f = open(&g).unwrap();
+    assert_eq!(
+        f.config().unwrap().rope_scaling,
+        tinygpt_cpu::config::RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192
+        }
+    );
+    assert!(!f
+        .hf_tensors()
+        .unwrap()
+        .iter()
+        .any(|t| t.name.contains("rope")));
+    // Divisors of another scheme are refused, naming the tensor.
+    g.tensor_mut("rope_freqs.weight").data = enc_f32(&[2.0; HEAD_DIM / 2]);
+    let e = open_err(&g);
+    assert!(e.contains("tensor 'rope_freqs.weight'"), "{e}");
+}
+
+#[test]
+fn smollm2_weights_dequantise_sanely() {
+    // The real Q4_1/Q8_0/F32 tensors dequantise to finite values of a plausible scale, and
+    // the un-permuted q_proj holds the same multiset of rows as the file.
+    let Some(p) = real_model_path() else { return };
+    let f = GgufFile::open(&p).unwrap();
+    let hf = f.hf_tensors().unwrap();
+    for name in [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+    ] {
+        let t = hf.iter().find(|t| t.name == name).unwrap();
+        let v = t.to_f32().unwrap();
+        assert!(v.iter().all(|x| x.is_finite()), "{name}");
+        let rms = (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
+        assert!(rms > 1e-3 && rms < 10.0, "{name}: rms {rms}");
+    }
+    let q = hf
+        .iter()
+        .find(|t| t.name == "model.layers.0.self_attn.q_proj.weight")
+        .unwrap();
+    let raw = f.tensor_data(f.tensor("blk.0.attn_q.weight").unwrap());
+    let row = raw.len() / 576;
+    let mut a: Vec<&[u8]> = raw.chunks(row).collect();
+    let mut b: Vec<&[u8]> = q.data.chunks(row).collect();
+    assert_ne!(a, b);
+    a.sort();
+    b.sort();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn smollm2_weights_match_transformers() {
+    // fixtures/golden/smollm2.json `weights_probe`: values transformers dequantised and
+    // un-permuted from the same file. Exact up to the 6-decimal rounding of the fixture.
+    let Some(p) = real_model_path() else { return };
+    let f = GgufFile::open(&p).unwrap();
+    let hf = f.hf_tensors().unwrap();
+    let g: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo_file("fixtures/golden/smollm2.json")).unwrap(),
+    )
+    .unwrap();
+    let probe = g["weights_probe"].as_object().expect("weights_probe");
+    assert!(probe.len() >= 6);
+    for (name, rows) in probe {
+        let t = hf
+            .iter()
+            .find(|t| &t.name == name)
+            .unwrap_or_else(|| panic!("{name}"));
+        let v = t.to_f32().unwrap();
+        let cols = *t.shape.last().unwrap();
+        for (r, want) in rows.as_object().unwrap() {
+            let r: usize = r.parse().unwrap();
+            for (c, w) in want.as_array().unwrap().iter().enumerate() {
+                let got = v[r * cols + c];
+                let w = w.as_f64().unwrap() as f32;
+                assert!(
+                    (got - w).abs() <= 1e-6 + 1e-6 * w.abs(),
+                    "{name}[{r}, {c}]: ours {got}, transformers {w}"
+                );
+            }
+        }
+    }
 }

@@ -102,7 +102,7 @@ pub enum DequantError {
 pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), DequantError> {
     let n = out.len();
     let block = ty.block_len();
-    if n % block != 0 {
+    if !n.is_multiple_of(block) {
         return Err(DequantError::PartialBlock { ty, n, block });
     }
     let need = n / block * ty.block_bytes();
@@ -125,7 +125,7 @@ pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(),
     Ok(())
 }
 
-fn f16_at(bytes: &[u8], at: usize) -> f32 {
+pub(crate) fn f16_at(bytes: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
 }
 
@@ -250,7 +250,7 @@ mod tests {
     fn q4_1_literal_block() {
         // d = 0.25, m = -1.0; bytes 0x21 everywhere: low nibble 1, high nibble 2.
         let mut blk = vec![0x00, 0x34, 0x00, 0xBC];
-        blk.extend(std::iter::repeat(0x21).take(16));
+        blk.extend([0x21; 16]);
         let mut out = [0.0f32; 32];
         dequantize_row(GgmlType::Q4_1, &blk, &mut out).unwrap();
         assert!(out[..16].iter().all(|&x| x == 0.25 * 1.0 - 1.0));

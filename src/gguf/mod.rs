@@ -66,6 +66,34 @@ pub struct HfTensor<'a> {
     pub data: Cow<'a, [u8]>,
 }
 
+impl HfTensor<'_> {
+    /// Number of elements (product of `shape`).
+    pub fn n_elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The values as f32, dequantised with the scalar reference
+    /// ([`tinygpt_reference::ggml::dequantize_row`]).
+    pub fn to_f32(&self) -> std::result::Result<Vec<f32>, tinygpt_reference::ggml::DequantError> {
+        let mut out = vec![0.0f32; self.n_elements()];
+        tinygpt_reference::ggml::dequantize_row(ggml_type(self.dtype), &self.data, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// The reference crate's name for a [`DType`] (it cannot see the engine's type).
+pub fn ggml_type(dtype: DType) -> tinygpt_reference::ggml::GgmlType {
+    use tinygpt_reference::ggml::GgmlType;
+    match dtype {
+        DType::F32 => GgmlType::F32,
+        DType::F16 => GgmlType::F16,
+        DType::BF16 => GgmlType::BF16,
+        DType::Q8_0 => GgmlType::Q8_0,
+        DType::Q4_0 => GgmlType::Q4_0,
+        DType::Q4_1 => GgmlType::Q4_1,
+    }
+}
+
 /// Which llama.cpp row permutation a tensor carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Permuted {
@@ -128,6 +156,12 @@ impl GgufFile {
             storage,
             parsed,
         })
+    }
+
+    /// The whole file's bytes (tensor data borrowed by [`hf_tensors`](Self::hf_tensors)
+    /// points into these).
+    pub fn bytes(&self) -> &[u8] {
+        self.storage.bytes()
     }
 
     /// The path given to [`open`](Self::open) / [`from_bytes`](Self::from_bytes).
@@ -325,6 +359,27 @@ impl GgufFile {
             ..HfConfig::default()
         };
         let cfg = hf.validate(&self.path)?;
+        // Every id the tokenizer can produce must index the embedding.
+        if let Some(GgufValue::Array(tokens)) = self.parsed.metadata.get("tokenizer.ggml.tokens") {
+            if tokens.len() > cfg.vocab_size {
+                return Err(self.cfg_err(format!(
+                    "tokenizer.ggml.tokens has {} tokens but the vocabulary size is {}",
+                    tokens.len(),
+                    cfg.vocab_size
+                )));
+            }
+        }
+        for (what, id) in [("bos", cfg.bos_token_id)]
+            .into_iter()
+            .chain(cfg.eos_token_ids.iter().map(|&e| ("eos", Some(e))))
+        {
+            if let Some(id) = id.filter(|&id| id as usize >= cfg.vocab_size) {
+                return Err(self.cfg_err(format!(
+                    "tokenizer.ggml.{what}_token_id {id} is outside the vocabulary ({})",
+                    cfg.vocab_size
+                )));
+            }
+        }
         self.check_shapes(&cfg)?;
         Ok(cfg)
     }
@@ -409,6 +464,22 @@ impl GgufFile {
     /// Checks every tensor's name and shape against `cfg`; errors name the tensor.
     fn check_shapes(&self, cfg: &Config) -> Result<()> {
         let h = cfg.hidden_size;
+        // Each layer has at least 9 tensors: a block count the table cannot hold is reported
+        // before anything is built per layer (a hostile count must not allocate).
+        if cfg.n_layers > self.parsed.tensors.len() {
+            let first_missing = (0..=self.parsed.tensors.len())
+                .find(|i| self.tensor(&format!("blk.{i}.attn_norm.weight")).is_none())
+                .unwrap_or(0);
+            return Err(Error::tensor(
+                &self.path,
+                format!("blk.{first_missing}.attn_norm.weight"),
+                format!(
+                    "missing: llama.block_count is {} but the file has {} tensors",
+                    cfg.n_layers,
+                    self.parsed.tensors.len()
+                ),
+            ));
+        }
         let mut expected: BTreeMap<String, Vec<usize>> = BTreeMap::new();
         expected.insert("token_embd.weight".into(), vec![cfg.vocab_size, h]);
         expected.insert("output_norm.weight".into(), vec![h]);
@@ -584,7 +655,10 @@ fn hf_name(gguf: &str) -> Option<(String, Permuted)> {
 /// quantised blocks (a row is a whole number of blocks). Errors (as a message) when the rows
 /// cannot be split into `n_head` heads of an even number of rows.
 pub fn unpermute_qk_rows(bytes: &[u8], n_rows: usize, n_head: usize) -> Result<Vec<u8>, String> {
-    if n_head == 0 || n_rows == 0 || n_rows % (2 * n_head) != 0 || bytes.len() % n_rows != 0 {
+    let heads_ok = n_head
+        .checked_mul(2)
+        .is_some_and(|two_h| n_rows.is_multiple_of(two_h));
+    if n_head == 0 || n_rows == 0 || !heads_ok || !bytes.len().is_multiple_of(n_rows) {
         return Err(format!(
             "cannot undo the rotary row permutation: {n_rows} rows ({} bytes) are not {n_head} heads of an even number of rows",
             bytes.len()

@@ -611,7 +611,7 @@ pub fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
             r.ne.iter()
                 .try_fold(1usize, |acc, &d| acc.checked_mul(d))
                 .ok_or_else(|| c.err(format!("tensor '{}': element count overflows", r.name)))?;
-        if r.ne[0] % dtype.block_len() != 0 {
+        if !r.ne[0].is_multiple_of(dtype.block_len()) {
             return Err(c.err(format!(
                 "tensor '{}' ({dtype}) has rows of {} elements, not a multiple of the block size {}",
                 r.name,
@@ -622,7 +622,7 @@ pub fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
         let n_bytes = dtype
             .bytes_for(n_elements)
             .ok_or_else(|| c.err(format!("tensor '{}': byte size overflows", r.name)))?;
-        if r.offset % alignment as u64 != 0 {
+        if !r.offset.is_multiple_of(alignment as u64) {
             return Err(c.err(format!(
                 "tensor '{}' has offset {} which is not a multiple of the alignment {alignment}",
                 r.name, r.offset
