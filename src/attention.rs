@@ -1,18 +1,44 @@
 //! One attention step for one layer and one token: the engine twin of
 //! `tinygpt_reference::attention::attend`, with the same contract.
 //!
-//! Per KV head, the stored rows are dequantised (and in `cache` positions mode rotated by
-//! their slot) into a small per-head scratch, `(stored, head_dim)`, then every query head
-//! of the GQA group scores, softmaxes and mixes them. KV heads are independent, so they
-//! run on rayon when the step is large enough to pay for it; nothing reduces across
-//! threads, so results do not depend on the thread count.
+//! Attention reads the cache where it lies, one KV head at a time, through
+//! [`LayerKv::for_each_run`]: runs of consecutive slots of one storage region. Nothing
+//! is dequantised into a copy of the cache; per storage type (DESIGN.md §2):
+//!
+//! * f32 rows (full-precision prefix, fp32 body, the K residual): direct SIMD dot/axpy.
+//! * f16/bf16 rows: widened to f32 in registers inside the dot/axpy.
+//! * KIVI K codes (one group per run, per-channel `s_c`, `z_c`):
+//!   `q·k = Σ_c (q_c s_c) u_c + Σ_c q_c z_c`, so the scales are folded into the query once
+//!   per group and every row is a dot product of integer codes (widened in registers)
+//!   with the folded query, plus the group's bias.
+//! * KIVI V codes (per-token `s_i`, `z_i`): `Σ_i p_i v_i = Σ_i (p_i s_i) u_i + (Σ_i p_i z_i)`,
+//!   so each row's codes are accumulated with weight `p_i s_i` and the zeros sum into one
+//!   bias per query head, added at the end.
+//!
+//! `cache` positions mode stores keys before RoPE and rotates them by their logical slot
+//! at attention time. A per-channel scale does not commute with that rotation (it mixes
+//! channel `c` with `c + d/2`), so there keys are rebuilt eight rows at a time in a
+//! `(8, head_dim)` buffer (widened or dequantised exactly as `LayerKv::key` returns
+//! them), rotated by their slots and dotted with the group's queries: still no copy of
+//! the cache, and keys bit-identical to the reference's. (The alternative, un-rotating
+//! the query per key and folding the scales per key, costs the same O(head_dim) per row
+//! but once per query head instead of once per KV head.) Values never rotate, so they
+//! take the fused path in both modes.
+//!
+//! Scores are reduced eight rows at a time (`quant::reduce8`), always in the same order,
+//! so a row's score does not depend on how the rows were cut into runs or blocks.
+//! Folding changes the summation order, so results match the dequantise-then-dot path
+//! (and the reference) to rounding, not bit for bit. Cost per step is O(stored rows).
+//!
+//! KV heads are independent, so they run on rayon when the step is large enough to pay
+//! for it; nothing reduces across threads, so results do not depend on the thread count.
 //!
 //! RoPE uses [`RopeTable`], whose cos/sin are computed exactly as the reference computes
 //! them (`angle = pos as f32 * inv_freq[i]`, then `angle.cos()`, `angle.sin()`), so rotated
 //! keys are bit-identical to the reference's.
 
 use crate::config::Config;
-use crate::kv_cache::{KvConfig, LayerKv, PositionsMode};
+use crate::kv_cache::{KeyRun, KvConfig, LayerKv, PositionsMode, ValueRun};
 use rayon::prelude::*;
 use wide::f32x8;
 
@@ -71,6 +97,11 @@ impl RopeTable {
 /// Rotates one head by precomputed cos/sin: `(x1, x2) → (x1·c − x2·s, x2·c + x1·s)`.
 #[inline]
 pub fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    rotate_inline(x, cos, sin)
+}
+
+#[inline(always)]
+fn rotate_inline(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     let half = cos.len();
     debug_assert_eq!(x.len(), 2 * half);
     let (a, b) = x.split_at_mut(half);
@@ -120,6 +151,40 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// Rows per block of rebuilt keys in `cache` positions mode (one f32x8 of scores).
+const BLOCK: usize = 8;
+
+/// `out[r] = q · rows[r]` for a block of `m = out.len() ≤ BLOCK` rows (`rows`:
+/// `(m, head_dim)`). One accumulator per row, the eight reduced together with a
+/// transpose, so eight scores cost one reduction. A partial block pads with zero rows,
+/// so every row's score is summed in the same order whatever block it falls in (results
+/// do not depend on how the rows are cut into runs).
+#[inline]
+fn dot_block(q: &[f32], rows: &[f32], out: &mut [f32]) {
+    let hd = q.len();
+    let m = out.len();
+    debug_assert!(m <= BLOCK && rows.len() == m * hd);
+    let mut acc = [f32x8::ZERO; BLOCK];
+    let mut i = 0;
+    while i + 8 <= hd {
+        let qv = load(&q[i..]);
+        for (r, a) in acc.iter_mut().enumerate().take(m) {
+            *a = load(&rows[r * hd + i..]).mul_add(qv, *a);
+        }
+        i += 8;
+    }
+    let part: [(f32x8, f32); BLOCK] = std::array::from_fn(|r| {
+        let tail = if r < m {
+            let row = &rows[r * hd..(r + 1) * hd];
+            (i..hd).map(|c| q[c] * row[c]).sum()
+        } else {
+            0.0
+        };
+        (acc[r], tail)
+    });
+    out.copy_from_slice(&crate::quant::reduce8(part).to_array()[..m]);
+}
+
 /// `y += alpha · x` (f32x8 lanes, then a scalar tail).
 #[inline]
 pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
@@ -138,8 +203,23 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 }
 
 /// In-place softmax with max subtraction; entries of `-inf` get weight 0.
+///
+/// Bit-identical to the reference's: the max is taken over eight independent chains
+/// (max is exact in any order; a ±0 tie changes nothing downstream, as `x − 0 = x − (−0)`
+/// up to the sign of a zero that `exp` maps to 1 either way), then `exp`, the sum and
+/// the division run in the reference's order.
 pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = m.max(v);
+        }
+    }
+    let max = chunks.remainder().iter().copied().fold(
+        lanes.into_iter().fold(f32::NEG_INFINITY, f32::max),
+        f32::max,
+    );
     let mut sum = 0.0f32;
     for v in x.iter_mut() {
         *v = (*v - max).exp();
@@ -150,17 +230,19 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
-/// Per-KV-head working memory.
+/// Per-KV-head working memory (all O(group × stored + head_dim), never a cache copy).
 #[derive(Debug, Clone, Default)]
 struct HeadScratch {
-    /// (stored, head_dim) keys as attention sees them (dequantised, rotated)
-    keys: Vec<f32>,
-    /// (stored, head_dim)
-    values: Vec<f32>,
-    /// (group, stored) softmax weights of this KV head's query heads
+    /// (group, stored) scores, then softmax weights, of this KV head's query heads
     probs: Vec<f32>,
-    /// (2, head_dim) a K group's f32 scale and zero
+    /// (group, head_dim) queries with a K group's scales folded in
+    fold: Vec<f32>,
+    /// (BLOCK, head_dim) a few key rows, in `cache` positions mode
+    block: Vec<f32>,
+    /// (2, head_dim) a K group's f32 scale and zero, in `cache` positions mode
     params: Vec<f32>,
+    /// (group) `Σ_i p_i z_i` of the KIVI value rows, per query head
+    vbias: Vec<f32>,
 }
 
 /// Reusable buffers for [`attend`]; one per sequence (or per thread driving one).
@@ -170,7 +252,7 @@ pub struct AttnScratch {
     q: Vec<f32>,
     /// (n_kv_heads, head_dim) key as appended
     k: Vec<f32>,
-    /// (stored) Mistral sliding-window visibility
+    /// (stored) Mistral sliding-window visibility; empty without a sliding window
     visible: Vec<bool>,
     /// (slots, head_dim / 2) cos/sin per cache slot, for `cache` positions mode
     slot_cos: Vec<f32>,
@@ -293,12 +375,11 @@ pub fn attend_stored(
         scratch.ensure_slots(rope, n);
     }
     scratch.visible.clear();
-    scratch
-        .visible
-        .extend((0..n).map(|i| match cfg.sliding_window {
-            Some(w) => pos.saturating_sub(layer.position(i)) < w,
-            None => true,
-        }));
+    if let Some(w) = cfg.sliding_window {
+        scratch
+            .visible
+            .extend((0..n).map(|i| pos.saturating_sub(layer.position(i)) < w));
+    }
 
     let AttnScratch {
         q: qr,
@@ -313,36 +394,75 @@ pub fn attend_stored(
     let score_scale = 1.0 / (hd as f32).sqrt();
 
     let work = |(h, (hs, oh)): (usize, (&mut HeadScratch, &mut [f32]))| {
-        hs.keys.resize(n * hd, 0.0);
-        hs.values.resize(n * hd, 0.0);
+        // (group, head_dim) this KV head's rotated queries
+        let qh = &qr[h * group * hd..(h + 1) * group * hd];
         hs.probs.resize(group * n, 0.0);
-        layer.gather_head(h, &mut hs.keys, &mut hs.values, &mut hs.params);
-        if let Some((c, s)) = slots {
-            for (i, key) in hs.keys.chunks_exact_mut(hd).enumerate() {
-                rotate(
-                    key,
-                    &c[i * half..(i + 1) * half],
-                    &s[i * half..(i + 1) * half],
-                );
+        hs.fold.resize(group * hd, 0.0);
+        hs.block.resize(BLOCK * hd, 0.0);
+        hs.params.resize(2 * hd, 0.0);
+        hs.vbias.clear();
+        hs.vbias.resize(group, 0.0);
+        let HeadScratch {
+            probs,
+            fold,
+            block,
+            params,
+            vbias,
+        } = hs;
+
+        // Raw scores q·k, straight from storage.
+        layer.for_each_run(h, |run| {
+            debug_assert!(run.first + run.len <= n);
+            let out = &mut probs[run.first..];
+            match (slots, run.key) {
+                (None, KeyRun::Plain(k)) => k.dot_rows(qh, out, n),
+                (None, KeyRun::Channel(k)) => k.dot_rows(qh, fold, out, n),
+                (Some((c, s)), k) => {
+                    // Keys rebuilt BLOCK rows at a time, rotated by their slots, scored.
+                    let score = |r0: usize, rows: &mut [f32]| {
+                        for (r, row) in rows.chunks_exact_mut(hd).enumerate() {
+                            let i = run.first + r0 + r;
+                            rotate_inline(
+                                row,
+                                &c[i * half..(i + 1) * half],
+                                &s[i * half..(i + 1) * half],
+                            );
+                        }
+                        let m = rows.len() / hd;
+                        for (j, q) in qh.chunks_exact(hd).enumerate() {
+                            dot_block(q, rows, &mut out[j * n + r0..j * n + r0 + m]);
+                        }
+                    };
+                    match k {
+                        KeyRun::Plain(k) => k.for_each_block(block, score),
+                        KeyRun::Channel(k) => k.for_each_block(block, params, score),
+                    }
+                }
             }
-        }
-        for j in 0..group {
-            let qh = &qr[(h * group + j) * hd..(h * group + j + 1) * hd];
-            let scores = &mut hs.probs[j * n..(j + 1) * n];
-            for i in 0..n {
-                scores[i] = if visible[i] {
-                    dot(qh, &hs.keys[i * hd..(i + 1) * hd]) * score_scale
-                } else {
-                    f32::NEG_INFINITY
-                };
+        });
+        for scores in probs.chunks_exact_mut(n) {
+            scores.iter_mut().for_each(|x| *x *= score_scale);
+            // Mistral sliding window: hidden keys get weight 0.
+            for (x, &vis) in scores.iter_mut().zip(visible.iter()) {
+                if !vis {
+                    *x = f32::NEG_INFINITY;
+                }
             }
             softmax(scores);
-            let o = &mut oh[j * hd..(j + 1) * hd];
-            o.fill(0.0);
-            for (&p, row) in scores.iter().zip(hs.values.chunks_exact(hd)) {
-                if p != 0.0 {
-                    axpy(p, row, o);
-                }
+        }
+
+        // Σ_i p_i v_i, straight from storage.
+        oh.fill(0.0);
+        layer.for_each_run(h, |run| {
+            let p = &probs[run.first..];
+            match run.value {
+                ValueRun::Plain(v) => v.axpy_rows(p, n, oh),
+                ValueRun::Token(v) => v.axpy_rows(p, n, oh, vbias),
+            }
+        });
+        for (o, &b) in oh.chunks_exact_mut(hd).zip(vbias.iter()) {
+            if b != 0.0 {
+                o.iter_mut().for_each(|x| *x += b);
             }
         }
     };
@@ -350,7 +470,6 @@ pub fn attend_stored(
     let parallel = cfg.n_kv_heads > 1
         && n * cfg.n_heads * hd >= PARALLEL_MIN_WORK
         && rayon::current_num_threads() > 1;
-    let chunks = out.chunks_mut(group * hd);
     if parallel {
         heads
             .par_iter_mut()
@@ -358,7 +477,11 @@ pub fn attend_stored(
             .enumerate()
             .for_each(work);
     } else {
-        heads.iter_mut().zip(chunks).enumerate().for_each(work);
+        heads
+            .iter_mut()
+            .zip(out.chunks_mut(group * hd))
+            .enumerate()
+            .for_each(work);
     }
 
     if let Some(p) = probs_out {
@@ -369,9 +492,375 @@ pub fn attend_stored(
     }
 }
 
+/// The unfused twin of [`attend_stored`], as the engine did it before the fused kernels:
+/// dequantise (and in `cache` mode rotate) every stored row of a KV head into an
+/// `(stored, head_dim)` copy, then score, softmax and mix. Kept as the differential
+/// oracle for the fused path.
+#[cfg(test)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend_stored_dequant(
+    cfg: &Config,
+    rope: &RopeTable,
+    layer: &LayerKv,
+    q: &[f32],
+    pos: usize,
+    out: &mut [f32],
+    probs_out: Option<&mut Vec<f32>>,
+) {
+    let hd = cfg.head_dim;
+    let group = cfg.group();
+    let mode = layer.config().positions;
+    let n = layer.len();
+    let mut qr = q.to_vec();
+    let q_pos = match mode {
+        PositionsMode::Original => pos,
+        PositionsMode::Cache => n - 1,
+    };
+    rope.rotate_heads(&mut qr, q_pos);
+    let half = rope.half();
+    let (mut cos, mut sin) = (vec![0.0; half], vec![0.0; half]);
+    let score_scale = 1.0 / (hd as f32).sqrt();
+    let (mut keys, mut values, mut params) = (vec![0.0; n * hd], vec![0.0; n * hd], Vec::new());
+    let mut all_probs = Vec::new();
+    for h in 0..cfg.n_kv_heads {
+        layer.gather_head(h, &mut keys, &mut values, &mut params);
+        if mode == PositionsMode::Cache {
+            for (i, key) in keys.chunks_exact_mut(hd).enumerate() {
+                rope.cos_sin(i, &mut cos, &mut sin);
+                rotate(key, &cos, &sin);
+            }
+        }
+        for j in 0..group {
+            let qh = &qr[(h * group + j) * hd..(h * group + j + 1) * hd];
+            let mut scores: Vec<f32> = (0..n)
+                .map(|i| match cfg.sliding_window {
+                    Some(w) if pos.saturating_sub(layer.position(i)) >= w => f32::NEG_INFINITY,
+                    _ => dot(qh, &keys[i * hd..(i + 1) * hd]) * score_scale,
+                })
+                .collect();
+            softmax(&mut scores);
+            let o = &mut out[(h * group + j) * hd..(h * group + j + 1) * hd];
+            o.fill(0.0);
+            for (&p, row) in scores.iter().zip(values.chunks_exact(hd)) {
+                if p != 0.0 {
+                    axpy(p, row, o);
+                }
+            }
+            all_probs.extend_from_slice(&scores);
+        }
+    }
+    if let Some(p) = probs_out {
+        *p = all_probs;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv_cache::{KvConfig, Precision};
+    use proptest::prelude::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+    use tinygpt_reference::kv_cache::LayerCache;
+
+    /// Fused attention vs the unfused (dequantise-then-dot) twin, and vs the reference:
+    /// max |a − b| over outputs and softmax weights, relative to the vector's largest
+    /// magnitude (at least 1). Same value as tests/kv_cache.rs's `ENGINE_VS_REFERENCE`.
+    /// Folding the scales changes the summation order, so bit equality is not expected;
+    /// the observed worst case over the sweep below is printed (about 2e-6 when written).
+    const FUSED_VS_UNFUSED: f32 = 1e-5;
+    const ENGINE_VS_REFERENCE: f32 = 1e-5;
+
+    fn test_config(n_heads: usize, n_kv_heads: usize, hd: usize, sliding: Option<usize>) -> Config {
+        Config {
+            vocab_size: 8,
+            hidden_size: n_heads * hd,
+            n_layers: 1,
+            n_heads,
+            n_kv_heads,
+            head_dim: hd,
+            intermediate_size: 8,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: tinygpt_reference::RopeScaling::None,
+            max_position_embeddings: 4096,
+            tie_word_embeddings: true,
+            sliding_window: sliding,
+            attention_bias: false,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    fn max_rel_err(got: &[f32], want: &[f32]) -> f32 {
+        assert_eq!(got.len(), want.len());
+        let scale = want.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+        got.iter()
+            .zip(want)
+            .map(|(a, b)| if a == b { 0.0 } else { (a - b).abs() / scale })
+            .fold(0.0, f32::max)
+    }
+
+    /// One differential case; `Debug` prints every parameter on failure.
+    #[derive(Debug, Clone)]
+    struct Case {
+        precision: Precision,
+        positions: PositionsMode,
+        head_dim: usize,
+        n_kv_heads: usize,
+        /// query heads per KV head (GQA)
+        group: usize,
+        group_size: usize,
+        sink: usize,
+        window: Option<usize>,
+        sliding_window: Option<usize>,
+        steps: usize,
+        seed: u64,
+    }
+
+    /// Runs fused, unfused and reference side by side, comparing after every step (so
+    /// every T from 1 to `steps`: T = G − 1, G, G + 1 after the prefix, the window's
+    /// fill and every ring wrap are all visited). Returns the worst (fused vs unfused,
+    /// fused vs reference) errors.
+    fn run_case(c: &Case) -> (f32, f32) {
+        let n_heads = c.n_kv_heads * c.group;
+        let cfg = test_config(n_heads, c.n_kv_heads, c.head_dim, c.sliding_window);
+        let kv = KvConfig {
+            precision: c.precision,
+            group_size: c.group_size,
+            sink: c.sink,
+            window: c.window,
+            positions: c.positions,
+        };
+        crate::kv_cache::validate(&kv, &cfg).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+        let rope = RopeTable::new(&cfg);
+        let ref_rope = tinygpt_reference::rope::Rope::new(&cfg);
+        let mut layer = LayerKv::new(&kv, c.n_kv_heads, c.head_dim);
+        let mut reference = LayerCache::new(&kv, c.n_kv_heads, c.head_dim);
+        let mut scratch = AttnScratch::new(&cfg, &kv);
+        let mut rng = ChaCha8Rng::seed_from_u64(c.seed);
+        let kv_dim = cfg.kv_dim();
+        // Per-channel K offsets and one outlier channel, as real K has.
+        let mut k_bias: Vec<f32> = (0..kv_dim).map(|_| rng.gen_range(-2.0..2.0)).collect();
+        k_bias[kv_dim / 3] = 12.0;
+        let (mut out_f, mut out_u, mut out_r) = (
+            vec![0.0; cfg.q_dim()],
+            vec![0.0; cfg.q_dim()],
+            vec![0.0; cfg.q_dim()],
+        );
+        let (mut p_f, mut p_u, mut p_r) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut worst_u, mut worst_r) = (0.0f32, 0.0f32);
+        for pos in 0..c.steps {
+            let q: Vec<f32> = (0..cfg.q_dim()).map(|_| rng.gen_range(-1.5..1.5)).collect();
+            let k: Vec<f32> = k_bias
+                .iter()
+                .map(|b| b + rng.gen_range(-1.0..1.0))
+                .collect();
+            let v: Vec<f32> = (0..kv_dim).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            append_kv(&cfg, &rope, &mut layer, &k, &v, pos, &mut scratch);
+            attend_stored(
+                &cfg,
+                &rope,
+                &layer,
+                &q,
+                pos,
+                &mut out_f,
+                &mut scratch,
+                Some(&mut p_f),
+            );
+            attend_stored_dequant(&cfg, &rope, &layer, &q, pos, &mut out_u, Some(&mut p_u));
+            tinygpt_reference::attention::attend(
+                &cfg,
+                &ref_rope,
+                &mut reference,
+                &q,
+                &k,
+                &v,
+                pos,
+                &mut out_r,
+                Some(&mut p_r),
+            );
+            assert_eq!(p_f.len(), n_heads * layer.len(), "{c:?} pos={pos}");
+            assert!(
+                out_f.iter().all(|x| x.is_finite()),
+                "{c:?} pos={pos}: non-finite"
+            );
+            let eu = max_rel_err(&out_f, &out_u).max(max_rel_err(&p_f, &p_u));
+            let er = max_rel_err(&out_f, &out_r).max(max_rel_err(&p_f, &p_r));
+            assert!(
+                eu <= FUSED_VS_UNFUSED,
+                "{c:?} pos={pos}: fused vs unfused {eu}"
+            );
+            assert!(
+                er <= ENGINE_VS_REFERENCE,
+                "{c:?} pos={pos}: fused vs reference {er}"
+            );
+            worst_u = worst_u.max(eu);
+            worst_r = worst_r.max(er);
+        }
+        (worst_u, worst_r)
+    }
+
+    /// Every precision × positions mode × head dim (odd multiples of 2 and the
+    /// specialised 32/64) × GQA group, over shapes placed around group and window
+    /// boundaries.
+    #[test]
+    fn fused_matches_unfused_and_reference_on_sweep() {
+        // (group_size, sink, window, sliding_window, steps)
+        type Shape = (usize, usize, Option<usize>, Option<usize>, usize);
+        let shapes: &[Shape] = &[
+            (4, 0, None, None, 4 + 2 * 4 + 2), // T = 1 .. P + 2G + 2
+            (3, 2, Some(5), None, 30),         // ring wraps mid-group
+            (8, 0, Some(8), None, 30),         // window = G
+            (32, 4, Some(40), None, 90),       // default G; long runs, 8-row blocks
+            (4, 2, Some(9), Some(5), 24),      // Mistral sliding window
+        ];
+        let (mut worst_u, mut worst_r) = (0.0f32, 0.0f32);
+        let mut seed = 7;
+        for precision in Precision::ALL {
+            for positions in [PositionsMode::Original, PositionsMode::Cache] {
+                for head_dim in [2usize, 6, 18, 32, 34, 64] {
+                    for group in [1usize, 2, 3] {
+                        for &(group_size, sink, window, sliding_window, steps) in shapes {
+                            seed += 1;
+                            let (u, r) = run_case(&Case {
+                                precision,
+                                positions,
+                                head_dim,
+                                n_kv_heads: 2,
+                                group,
+                                group_size,
+                                sink,
+                                window,
+                                sliding_window,
+                                steps,
+                                seed,
+                            });
+                            worst_u = worst_u.max(u);
+                            worst_r = worst_r.max(r);
+                        }
+                    }
+                }
+            }
+        }
+        eprintln!(
+            "worst relative error: fused vs unfused {worst_u:e}, fused vs reference {worst_r:e}"
+        );
+    }
+
+    fn case_strategy() -> impl Strategy<Value = Case> {
+        (
+            (
+                prop::sample::select(Precision::ALL.to_vec()),
+                any::<bool>(),
+                prop::sample::select(vec![2usize, 4, 6, 10, 16, 18, 32, 34, 48, 64, 66, 128]),
+                1usize..4,
+                1usize..4,
+            ),
+            (
+                1usize..12,
+                0usize..6,
+                prop::option::of(1usize..14),
+                prop::option::weighted(0.2, 1usize..8),
+                1usize..45,
+                any::<u64>(),
+            ),
+        )
+            .prop_map(
+                |(
+                    (precision, cache, head_dim, n_kv_heads, group),
+                    (g, sink, window, sliding, steps, seed),
+                )| Case {
+                    precision,
+                    positions: if cache {
+                        PositionsMode::Cache
+                    } else {
+                        PositionsMode::Original
+                    },
+                    head_dim,
+                    n_kv_heads,
+                    group,
+                    group_size: g,
+                    sink: if window.is_some() { sink } else { 0 },
+                    window,
+                    sliding_window: sliding,
+                    steps,
+                    seed,
+                },
+            )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 96,
+            failure_persistence: None,
+            rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha,
+            ..ProptestConfig::default()
+        })]
+
+        /// Random shapes, caches and GQA groups: fused = unfused = reference within budget.
+        #[test]
+        fn fused_matches_unfused_and_reference_on_random_cases(c in case_strategy()) {
+            run_case(&c);
+        }
+    }
+
+    /// The engine's softmax is bit-identical to the reference's, ties at ±0 and masked
+    /// (−inf) entries included, at lengths around the 8 max chains.
+    #[test]
+    fn softmax_matches_reference_bitwise() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        for n in [1usize, 2, 7, 8, 9, 15, 16, 17, 33, 100, 1000] {
+            for case in 0..4 {
+                let mut x: Vec<f32> = (0..n).map(|_| rng.gen_range(-20.0..20.0)).collect();
+                match case {
+                    1 => x.iter_mut().step_by(3).for_each(|v| *v = f32::NEG_INFINITY),
+                    2 => {
+                        x.iter_mut().for_each(|v| *v = -v.abs());
+                        x[n / 2] = -0.0;
+                        x[n - 1] = 0.0;
+                    }
+                    3 => x.iter_mut().for_each(|v| *v *= 1e-3),
+                    _ => {}
+                }
+                if x.iter().all(|v| *v == f32::NEG_INFINITY) {
+                    x[0] = 1.0;
+                }
+                let (mut a, mut b) = (x.clone(), x);
+                softmax(&mut a);
+                tinygpt_reference::attention::softmax(&mut b);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "n={n} case={case}");
+            }
+        }
+    }
+
+    /// The block scorer against per-row dots, full and partial blocks, odd head dims.
+    #[test]
+    fn dot_block_matches_per_row_dots() {
+        for hd in [2usize, 6, 8, 18, 32, 34, 64] {
+            for m in 1..=BLOCK {
+                let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.37).sin()).collect();
+                let rows: Vec<f32> = (0..m * hd).map(|i| (i as f32 * 0.11).cos() * 4.0).collect();
+                let mut out = vec![0.0f32; m];
+                dot_block(&q, &rows, &mut out);
+                for r in 0..m {
+                    let row = &rows[r * hd..(r + 1) * hd];
+                    let want: f64 = q.iter().zip(row).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    let mag: f64 = q
+                        .iter()
+                        .zip(row)
+                        .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                        .sum();
+                    assert!(
+                        (out[r] as f64 - want).abs() <= 1e-6 * mag.max(1.0),
+                        "hd={hd} m={m} r={r}: {} vs {want}",
+                        out[r]
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn kernels_match_scalar_at_odd_lengths() {

@@ -26,7 +26,11 @@
 //! are quantised at append.
 //!
 //! Every read dequantises into f32 (`read_key`, `read_value`, `gather_head`); integer
-//! codes never leave `storage`.
+//! codes never leave `storage`. Attention does not read rows one by one: it walks
+//! [`LayerKv::for_each_run`], which cuts the stored rows (oldest first) into runs of
+//! consecutive slots of one region (prefix, body ring segment, one K group or the K
+//! residual) and hands out storage's run views, whose fused kernels fold the KIVI scales
+//! and zeros into the dot products instead of dequantising the cache.
 //!
 //! Positions are stored explicitly per row (`prefix_pos`, `body_pos`).
 
@@ -37,7 +41,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::quant::Bits;
 use policy::Policy;
-use storage::{ChannelQuant, Plain, PlainKind, TokenQuant};
+use storage::{ChannelQuant, ChannelRun, Plain, PlainKind, PlainRun, TokenQuant, TokenRun};
 pub use tinygpt_reference::kv_cache::{KvConfig, PositionsMode, Precision};
 
 /// Rows kept at full precision at the start of an int8/int4 cache (DESIGN.md §2).
@@ -131,6 +135,51 @@ enum BodyK {
 enum BodyV {
     Plain(Plain),
     Kivi(TokenQuant),
+}
+
+/// A run's keys as storage holds them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum KeyRun<'a> {
+    /// f32/f16/bf16 rows: prefix rows, plain body rows, or the f32 K residual.
+    Plain(PlainRun<'a>),
+    /// KIVI codes of one complete K group.
+    Channel(ChannelRun<'a>),
+}
+
+/// A run's values as storage holds them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum ValueRun<'a> {
+    Plain(PlainRun<'a>),
+    /// KIVI codes with one `(scale, zero)` per row.
+    Token(TokenRun<'a>),
+}
+
+impl KeyRun<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            KeyRun::Plain(r) => r.len(),
+            KeyRun::Channel(r) => r.len(),
+        }
+    }
+}
+
+impl ValueRun<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            ValueRun::Plain(r) => r.len(),
+            ValueRun::Token(r) => r.len(),
+        }
+    }
+}
+
+/// Stored rows `first..first + len` (logical slots, oldest first) of one KV head, held
+/// in consecutive storage slots of one region (and one K group).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Run<'a> {
+    pub first: usize,
+    pub len: usize,
+    pub key: KeyRun<'a>,
+    pub value: ValueRun<'a>,
 }
 
 /// Where a stored row lives.
@@ -419,6 +468,68 @@ impl LayerKv {
         }
     }
 
+    /// Calls `f` on the runs that make up KV head `h`'s stored rows, in logical order
+    /// (their `first` fields are `0, len_0, len_0 + len_1, ...` up to `len()`). Runs break
+    /// at the sink/recent seam, the prefix/body border, the ring's wrap, K group borders
+    /// and the start of the K residual, so O(stored / G + 1) runs.
+    pub(crate) fn for_each_run<'a>(&'a self, h: usize, mut f: impl FnMut(Run<'a>)) {
+        let t = self.appended;
+        let p = self.prefix;
+        let g = self.kv.group_size.max(1);
+        let kivi = matches!(self.body_k, BodyK::Kivi(_));
+        let done = self.groups_done();
+        let mut first = 0;
+        let sinks = (0, self.policy.sinks_stored(t));
+        let recent = (self.policy.window_start(t), t);
+        for (a, b) in [sinks, recent] {
+            let pe = b.min(p);
+            if a < pe {
+                let len = pe - a;
+                f(Run {
+                    first,
+                    len,
+                    key: KeyRun::Plain(self.prefix_k.run(h, a..pe)),
+                    value: ValueRun::Plain(self.prefix_v.run(h, a..pe)),
+                });
+                first += len;
+            }
+            let (mut bi, b_end) = (a.max(p).saturating_sub(p), b.saturating_sub(p));
+            while bi < b_end {
+                let mut end = b_end;
+                if let Some(m) = self.ring {
+                    end = end.min((bi / m + 1) * m);
+                }
+                if kivi {
+                    end = end.min((bi / g + 1) * g);
+                }
+                let len = end - bi;
+                let slot = self.body_slot(bi);
+                let slots = slot..slot + len;
+                let key = match &self.body_k {
+                    BodyK::Plain(q) => KeyRun::Plain(q.run(h, slots.clone())),
+                    BodyK::Kivi(q) if bi / g < done => {
+                        KeyRun::Channel(q.run(h, slots.clone(), self.group_slot(bi / g)))
+                    }
+                    BodyK::Kivi(q) => KeyRun::Plain(q.residual_run(h, bi..end)),
+                };
+                let value = match &self.body_v {
+                    BodyV::Plain(q) => ValueRun::Plain(q.run(h, slots)),
+                    BodyV::Kivi(q) => ValueRun::Token(q.run(h, slots)),
+                };
+                debug_assert_eq!((key.len(), value.len()), (len, len));
+                f(Run {
+                    first,
+                    len,
+                    key,
+                    value,
+                });
+                first += len;
+                bi = end;
+            }
+        }
+        debug_assert_eq!(first, self.len());
+    }
+
     /// Dequantises KV head `h` of stored row `i`'s value into `out`.
     pub fn read_value(&self, i: usize, h: usize, out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.head_dim);
@@ -531,5 +642,85 @@ impl KvCache {
     }
     pub fn config(&self) -> &KvConfig {
         &self.kv
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The runs tile the stored rows in logical order, never cross a ring wrap or a K
+    /// group, and their rows (read through the run views) are bit-identical to
+    /// `key(i)` / `value(i)`, across prefix, sinks, ring wraps, complete groups and the
+    /// residual, for every precision.
+    #[test]
+    fn runs_tile_the_stored_rows_exactly() {
+        let (kv_heads, hd) = (2usize, 6usize);
+        for precision in Precision::ALL {
+            for (g, sink, window) in [
+                (4usize, 0usize, None),
+                (3, 0, None),
+                (4, 2, Some(7)),
+                (5, 6, Some(5)),
+                (8, 4, Some(3)),
+                (2, 1, Some(1)),
+            ] {
+                let kv = KvConfig {
+                    precision,
+                    group_size: g,
+                    sink,
+                    window,
+                    positions: PositionsMode::Cache,
+                };
+                let mut layer = LayerKv::new(&kv, kv_heads, hd);
+                for t in 0..40usize {
+                    let row = |salt: f32| -> Vec<f32> {
+                        (0..kv_heads * hd)
+                            .map(|c| ((t * 31 + c * 7) as f32 * 0.37 + salt).sin() * 3.0)
+                            .collect()
+                    };
+                    layer.append(&row(0.0), &row(1.0), t);
+                    let ctx = format!("{precision:?} G={g} sink={sink} window={window:?} t={t}");
+                    for h in 0..kv_heads {
+                        let mut next = 0;
+                        let (mut got, mut want) = (vec![0.0f32; hd], vec![0.0f32; hd]);
+                        let mut buf = vec![0.0f32; 3 * hd];
+                        let mut params = vec![0.0f32; 2 * hd];
+                        layer.for_each_run(h, |run| {
+                            assert_eq!(run.first, next, "{ctx}: runs out of order");
+                            assert!(run.len > 0, "{ctx}: empty run");
+                            next += run.len;
+                            let check_key = |r0: usize, rows: &mut [f32]| {
+                                for (r, k) in rows.chunks_exact(hd).enumerate() {
+                                    let i = run.first + r0 + r;
+                                    layer.read_key(i, h, &mut want);
+                                    assert_eq!(bits(k), bits(&want), "{ctx} h={h} key row {i}");
+                                }
+                            };
+                            match run.key {
+                                KeyRun::Plain(k) => k.for_each_block(&mut buf, check_key),
+                                KeyRun::Channel(k) => {
+                                    k.for_each_block(&mut buf, &mut params, check_key)
+                                }
+                            }
+                            for r in 0..run.len {
+                                let i = run.first + r;
+                                match run.value {
+                                    ValueRun::Plain(v) => v.read(r, &mut got),
+                                    ValueRun::Token(v) => v.read(r, &mut got),
+                                }
+                                layer.read_value(i, h, &mut want);
+                                assert_eq!(bits(&got), bits(&want), "{ctx} h={h} value row {i}");
+                            }
+                        });
+                        assert_eq!(next, layer.len(), "{ctx}: runs do not cover the rows");
+                    }
+                }
+            }
+        }
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
     }
 }

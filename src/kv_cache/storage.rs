@@ -18,7 +18,12 @@
 //!
 //! `packed(n)` is `n` bytes for int8 and `ceil(n / 2)` for int4, whose element `2j` is
 //! the **low** nibble of byte `j` and element `2j + 1` the **high** nibble (see
-//! [`crate::quant`]). Codes are never handed out: every read dequantises into f32.
+//! [`crate::quant`]). Codes are never handed out: every read dequantises into f32, and
+//! attention reads through *run views* ([`PlainRun`], [`ChannelRun`], [`TokenRun`]): a
+//! run is a range of consecutive slots of one KV head (and, for K codes, of one group)
+//! whose fields are private, so the only things attention can do with it are the fused
+//! kernels below (scores of queries against the rows, probability-weighted sums of the
+//! rows), which fold scales and zeros into the arithmetic instead of dequantising.
 //!
 //! Invariants (`ChannelQuant`): a row's codes are valid only once its group is complete;
 //! until then the row lives in `residual`. A group's `(scale, zero)` are written once,
@@ -27,11 +32,14 @@
 
 use crate::quant::{self, Bits};
 use half::{bf16, f16, slice::HalfFloatSliceExt};
+use wide::{f32x8, i32x8, u16x8};
 
 /// An element type for plain rows.
 pub(crate) trait Elem: Copy + Default + Send + Sync + 'static {
     fn from_f32(x: f32) -> Self;
     fn to_f32(self) -> f32;
+    /// Widens `src[..8]` in registers (exact for every element type).
+    fn load8(src: &[Self]) -> f32x8;
     /// Widens a slice (exact for every element type).
     #[inline]
     fn widen(src: &[Self], out: &mut [f32]) {
@@ -50,6 +58,11 @@ impl Elem for f32 {
     fn to_f32(self) -> f32 {
         self
     }
+    #[inline(always)]
+    fn load8(src: &[Self]) -> f32x8 {
+        let a: [f32; 8] = src[..8].try_into().expect("8 lanes");
+        f32x8::from(a)
+    }
 }
 
 impl Elem for f16 {
@@ -65,6 +78,13 @@ impl Elem for f16 {
     #[inline]
     fn widen(src: &[Self], out: &mut [f32]) {
         src.convert_to_f32_slice(out);
+    }
+    /// `half`'s 8-lane conversion (F16C `vcvtph2ps` / NEON `fcvtl` when compiled for them).
+    #[inline(always)]
+    fn load8(src: &[Self]) -> f32x8 {
+        let mut a = [0.0f32; 8];
+        src[..8].convert_to_f32_slice(&mut a);
+        f32x8::from(a)
     }
 }
 
@@ -84,6 +104,152 @@ impl Elem for bf16 {
         for (o, s) in out.iter_mut().zip(src) {
             *o = f32::from_bits((s.to_bits() as u32) << 16);
         }
+    }
+    #[inline(always)]
+    fn load8(src: &[Self]) -> f32x8 {
+        let a: [u16; 8] = bytemuck::cast_slice::<bf16, u16>(&src[..8])
+            .try_into()
+            .expect("8 lanes");
+        bytemuck::cast(i32x8::from_u16x8(u16x8::new(a)) << 16)
+    }
+}
+
+#[inline(always)]
+fn load_f32(x: &[f32]) -> f32x8 {
+    let a: [f32; 8] = x[..8].try_into().expect("8 lanes");
+    f32x8::from(a)
+}
+
+/// `Σ q[c] · row[c]`, widening `row` in registers (f32x8 lanes, then a scalar tail).
+#[cfg(test)]
+pub(crate) fn dot_elem<E: Elem>(q: &[f32], row: &[E]) -> f32 {
+    debug_assert_eq!(q.len(), row.len());
+    let (v, tail) = dot_lanes_elem::<E, 0>(q, row);
+    v.reduce_add() + tail
+}
+
+/// `acc[c] += alpha · row[c]`, widening `row` in registers.
+#[inline]
+pub(crate) fn axpy_elem<E: Elem>(alpha: f32, row: &[E], acc: &mut [f32]) {
+    debug_assert_eq!(acc.len(), row.len());
+    let n = acc.len();
+    let a = f32x8::splat(alpha);
+    let mut i = 0;
+    while i + 8 <= n {
+        let r = E::load8(&row[i..]).mul_add(a, load_f32(&acc[i..]));
+        acc[i..i + 8].copy_from_slice(&r.to_array());
+        i += 8;
+    }
+    for j in i..n {
+        acc[j] += alpha * row[j].to_f32();
+    }
+}
+
+/// [`dot_elem`] before the final reduction: lane-wise partial sums of the first
+/// `n - n % 8` elements and the scalar sum of the rest. `HD`: the length when known at
+/// compile time (0: `q.len()`).
+#[inline(always)]
+fn dot_lanes_elem<E: Elem, const HD: usize>(q: &[f32], row: &[E]) -> (f32x8, f32) {
+    let n = if HD != 0 { HD } else { q.len() };
+    let (q, row) = (&q[..n], &row[..n]);
+    let (mut a0, mut a1) = (f32x8::ZERO, f32x8::ZERO);
+    let mut i = 0;
+    while i + 16 <= n {
+        a0 = E::load8(&row[i..]).mul_add(load_f32(&q[i..]), a0);
+        a1 = E::load8(&row[i + 8..]).mul_add(load_f32(&q[i + 8..]), a1);
+        i += 16;
+    }
+    if i + 8 <= n {
+        a0 = E::load8(&row[i..]).mul_add(load_f32(&q[i..]), a0);
+        i += 8;
+    }
+    let mut tail = 0.0f32;
+    for j in i..n {
+        tail += q[j] * row[j].to_f32();
+    }
+    (a0 + a1, tail)
+}
+
+/// Scores of every query in `qs` against rows `d` (`(rows, hd)`), eight rows per
+/// reduction; the last block pads with zeros so every row sums in the same order.
+fn dot_rows_k<E: Elem, const HD: usize>(
+    d: &[E],
+    hd: usize,
+    qs: &[f32],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let hd = if HD != 0 { HD } else { hd };
+    let rows = d.len() / hd;
+    for (j, q) in qs.chunks_exact(hd).enumerate() {
+        for (blk, o) in out[j * stride..j * stride + rows].chunks_mut(8).enumerate() {
+            let r0 = blk * 8;
+            let part: [(f32x8, f32); 8] = std::array::from_fn(|k| {
+                if k < o.len() {
+                    dot_lanes_elem::<E, HD>(q, &d[(r0 + k) * hd..])
+                } else {
+                    (f32x8::ZERO, 0.0)
+                }
+            });
+            o.copy_from_slice(&quant::reduce8(part).to_array()[..o.len()]);
+        }
+    }
+}
+
+/// `acc_j += Σ_r p_jr · row_r`, row by row in order. With `HD` known (a multiple of 8,
+/// at most 128) the accumulator lives in registers across the whole run; otherwise it
+/// is [`axpy_elem`] into memory. Same operations in the same order either way.
+fn axpy_rows_k<E: Elem, const HD: usize>(
+    d: &[E],
+    hd: usize,
+    p: &[f32],
+    stride: usize,
+    acc: &mut [f32],
+) {
+    const MAX_LANES: usize = 16;
+    if HD == 0 || !HD.is_multiple_of(8) || HD / 8 > MAX_LANES {
+        for (j, a) in acc.chunks_exact_mut(hd).enumerate() {
+            for (r, row) in d.chunks_exact(hd).enumerate() {
+                let w = p[j * stride + r];
+                if w != 0.0 {
+                    axpy_elem(w, row, a);
+                }
+            }
+        }
+        return;
+    }
+    let lanes = HD / 8;
+    for (j, a) in acc.chunks_exact_mut(HD).enumerate() {
+        let mut regs = [f32x8::ZERO; MAX_LANES];
+        for (c, v) in regs.iter_mut().enumerate().take(lanes) {
+            *v = load_f32(&a[c * 8..]);
+        }
+        for (r, row) in d.chunks_exact(HD).enumerate() {
+            let w = p[j * stride + r];
+            if w != 0.0 {
+                let wv = f32x8::splat(w);
+                for (c, v) in regs.iter_mut().enumerate().take(lanes) {
+                    *v = E::load8(&row[c * 8..]).mul_add(wv, *v);
+                }
+            }
+        }
+        for (c, v) in regs.iter().enumerate().take(lanes) {
+            a[c * 8..c * 8 + 8].copy_from_slice(&v.to_array());
+        }
+    }
+}
+
+/// Scalar twin of [`dot_elem`] (sequential sum).
+#[cfg(test)]
+pub(crate) fn dot_elem_scalar<E: Elem>(q: &[f32], row: &[E]) -> f32 {
+    q.iter().zip(row).map(|(a, b)| a * b.to_f32()).sum()
+}
+
+/// Scalar twin of [`axpy_elem`].
+#[cfg(test)]
+pub(crate) fn axpy_elem_scalar<E: Elem>(alpha: f32, row: &[E], acc: &mut [f32]) {
+    for (o, r) in acc.iter_mut().zip(row) {
+        *o += alpha * r.to_f32();
     }
 }
 
@@ -134,6 +300,13 @@ impl<E: Elem> Rows<E> {
     fn row_bytes(&self) -> usize {
         self.data.len() * self.head_dim * std::mem::size_of::<E>()
     }
+
+    /// Slots `slots` of KV head `h`, `(slots.len(), head_dim)`.
+    #[inline]
+    fn slice(&self, h: usize, slots: std::ops::Range<usize>) -> &[E] {
+        let hd = self.head_dim;
+        &self.data[h][slots.start * hd..slots.end * hd]
+    }
 }
 
 /// Plain rows at the cache's precision.
@@ -179,6 +352,101 @@ impl Plain {
     }
     pub(crate) fn row_bytes(&self) -> usize {
         plain_dispatch!(self, r => r.row_bytes())
+    }
+    /// A view of slots `slots` of KV head `h`.
+    #[inline]
+    pub(crate) fn run(&self, h: usize, slots: std::ops::Range<usize>) -> PlainRun<'_> {
+        let hd = match self {
+            Plain::F32(r) => r.head_dim,
+            Plain::F16(r) => r.head_dim,
+            Plain::Bf16(r) => r.head_dim,
+        };
+        let data = match self {
+            Plain::F32(r) => PlainData::F32(r.slice(h, slots)),
+            Plain::F16(r) => PlainData::F16(r.slice(h, slots)),
+            Plain::Bf16(r) => PlainData::Bf16(r.slice(h, slots)),
+        };
+        PlainRun { hd, data }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum PlainData<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+}
+
+/// Consecutive plain rows of one KV head: `(len, head_dim)` at f32, f16 or bf16 (prefix
+/// rows, plain body rows, or the f32 K residual).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PlainRun<'a> {
+    hd: usize,
+    data: PlainData<'a>,
+}
+
+macro_rules! run_dispatch {
+    ($self:expr, $d:ident => $e:expr) => {
+        match $self.data {
+            PlainData::F32($d) => $e,
+            PlainData::F16($d) => $e,
+            PlainData::Bf16($d) => $e,
+        }
+    };
+}
+
+impl PlainRun<'_> {
+    /// Rows in the run.
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        run_dispatch!(self, d => d.len() / self.hd)
+    }
+
+    /// Scores `out[j * stride + r] = q_j · row_r` of the `qs.len() / head_dim` queries
+    /// `qs` against every row, eight rows at a time ([`quant::reduce8`]).
+    pub(crate) fn dot_rows(&self, qs: &[f32], out: &mut [f32], stride: usize) {
+        let hd = self.hd;
+        run_dispatch!(self, d => match hd {
+            32 => dot_rows_k::<_, 32>(d, hd, qs, out, stride),
+            64 => dot_rows_k::<_, 64>(d, hd, qs, out, stride),
+            128 => dot_rows_k::<_, 128>(d, hd, qs, out, stride),
+            _ => dot_rows_k::<_, 0>(d, hd, qs, out, stride),
+        })
+    }
+
+    /// `acc_j += Σ_r p[j * stride + r] · row_r` for every query `j` (`acc` holds
+    /// `(queries, head_dim)`), row by row in order; rows of weight 0 are skipped. For
+    /// head dims 32/64/128 the accumulator stays in registers across the run.
+    pub(crate) fn axpy_rows(&self, p: &[f32], stride: usize, acc: &mut [f32]) {
+        let hd = self.hd;
+        run_dispatch!(self, d => match hd {
+            32 => axpy_rows_k::<_, 32>(d, hd, p, stride, acc),
+            64 => axpy_rows_k::<_, 64>(d, hd, p, stride, acc),
+            128 => axpy_rows_k::<_, 128>(d, hd, p, stride, acc),
+            _ => axpy_rows_k::<_, 0>(d, hd, p, stride, acc),
+        })
+    }
+
+    /// Row `r` widened to f32 (for tests of the run enumeration).
+    #[cfg(test)]
+    pub(crate) fn read(&self, r: usize, out: &mut [f32]) {
+        let hd = self.hd;
+        run_dispatch!(self, d => Elem::widen(&d[r * hd..(r + 1) * hd], out))
+    }
+
+    /// Calls `f(r0, rows)` with the rows widened to f32 in `buf`, a block of up to
+    /// `buf.len() / head_dim` rows at a time (`rows`: `(m, head_dim)`, rows `r0..r0 + m`).
+    pub(crate) fn for_each_block(&self, buf: &mut [f32], mut f: impl FnMut(usize, &mut [f32])) {
+        let hd = self.hd;
+        let block = buf.len() / hd;
+        debug_assert!(block > 0);
+        run_dispatch!(self, d => {
+            for (b, rows) in d.chunks(block * hd).enumerate() {
+                let out = &mut buf[..rows.len()];
+                Elem::widen(rows, out);
+                f(b * block, out);
+            }
+        })
     }
 }
 
@@ -238,6 +506,65 @@ impl TokenQuant {
     /// Bytes one stored row occupies across all heads: codes + scale + zero.
     pub(crate) fn row_bytes(&self) -> usize {
         self.codes.len() * (self.packed + 2 * std::mem::size_of::<f16>())
+    }
+
+    /// A view of slots `slots` of KV head `h`.
+    #[inline]
+    pub(crate) fn run(&self, h: usize, slots: std::ops::Range<usize>) -> TokenRun<'_> {
+        let p = self.packed;
+        TokenRun {
+            bits: self.bits,
+            hd: self.head_dim,
+            packed: p,
+            codes: &self.codes[h][slots.start * p..slots.end * p],
+            scale: &self.scale[h][slots.clone()],
+            zero: &self.zero[h][slots],
+        }
+    }
+}
+
+/// Consecutive KIVI V rows of one KV head, each with its own `(scale, zero)`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TokenRun<'a> {
+    bits: Bits,
+    hd: usize,
+    packed: usize,
+    /// (len, packed)
+    codes: &'a [u8],
+    /// (len)
+    scale: &'a [f16],
+    /// (len)
+    zero: &'a [f16],
+}
+
+impl TokenRun<'_> {
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        self.scale.len()
+    }
+
+    /// Row `r` dequantised (for tests of the run enumeration).
+    #[cfg(test)]
+    pub(crate) fn read(&self, r: usize, out: &mut [f32]) {
+        let p = self.packed;
+        quant::dequantize_token(
+            &self.codes[r * p..(r + 1) * p],
+            self.scale[r],
+            self.zero[r],
+            self.bits,
+            out,
+        );
+    }
+
+    /// `acc_j += Σ_r p_jr · v_r` for every query `j`, with `v_r = u_r·s_r + z_r` folded:
+    /// the codes are accumulated with weight `p_jr·s_r` and `Σ_r p_jr·z_r` is added to
+    /// `bias[j]` (the caller adds `bias[j]` to every element of `acc_j` at the end).
+    pub(crate) fn axpy_rows(&self, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]) {
+        debug_assert_eq!(acc.len(), bias.len() * self.hd);
+        debug_assert_eq!(self.codes.len(), self.len() * self.packed);
+        quant::axpy_codes_rows(
+            self.codes, self.scale, self.zero, p, stride, acc, bias, self.bits,
+        );
     }
 }
 
@@ -376,6 +703,38 @@ impl ChannelQuant {
         out.copy_from_slice(&self.residual[h][r * hd..(r + 1) * hd]);
     }
 
+    /// A view of the quantised rows in slots `slots` of KV head `h`, all of K group
+    /// slot `group_slot`.
+    #[inline]
+    pub(crate) fn run(
+        &self,
+        h: usize,
+        slots: std::ops::Range<usize>,
+        group_slot: usize,
+    ) -> ChannelRun<'_> {
+        let (hd, p) = (self.head_dim, self.packed);
+        ChannelRun {
+            bits: self.bits,
+            hd,
+            packed: p,
+            codes: &self.codes[h][slots.start * p..slots.end * p],
+            scale: &self.scale[h][group_slot * hd..(group_slot + 1) * hd],
+            zero: &self.zero[h][group_slot * hd..(group_slot + 1) * hd],
+        }
+    }
+
+    /// A view of body rows `b` (of the incomplete group) of KV head `h`.
+    #[inline]
+    pub(crate) fn residual_run(&self, h: usize, b: std::ops::Range<usize>) -> PlainRun<'_> {
+        let (hd, g) = (self.head_dim, self.group_size);
+        let r0 = b.start % g;
+        debug_assert!(r0 + b.len() <= g, "residual run crosses its group");
+        PlainRun {
+            hd,
+            data: PlainData::F32(&self.residual[h][r0 * hd..(r0 + b.len()) * hd]),
+        }
+    }
+
     /// Bytes of one quantised row's codes across all heads.
     pub(crate) fn code_row_bytes(&self) -> usize {
         self.codes.len() * self.packed
@@ -387,5 +746,249 @@ impl ChannelQuant {
     /// Bytes of one group's parameters across all heads: scale + zero per channel.
     pub(crate) fn group_bytes(&self) -> usize {
         self.scale.len() * self.head_dim * 2 * std::mem::size_of::<f16>()
+    }
+}
+
+/// Consecutive quantised K rows of one KV head, all of one group (one `(scale, zero)`
+/// per channel).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChannelRun<'a> {
+    bits: Bits,
+    hd: usize,
+    packed: usize,
+    /// (len, packed)
+    codes: &'a [u8],
+    /// (head_dim)
+    scale: &'a [f16],
+    /// (head_dim)
+    zero: &'a [f16],
+}
+
+impl ChannelRun<'_> {
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        self.codes.len() / self.packed
+    }
+
+    /// Scores `out[j * stride + r] = q_j · k_r` with the group's scales folded into the
+    /// queries once (`fold`: `(queries, head_dim)` scratch), then one code dot product
+    /// per row and query: `q·k = Σ_c (q_c s_c) u_c + Σ_c q_c z_c`.
+    pub(crate) fn dot_rows(&self, qs: &[f32], fold: &mut [f32], out: &mut [f32], stride: usize) {
+        let hd = self.hd;
+        let nq = qs.len() / hd;
+        let mut bias = [0.0f32; 16];
+        let mut heap = Vec::new();
+        let bias: &mut [f32] = if nq <= bias.len() {
+            &mut bias[..nq]
+        } else {
+            heap.resize(nq, 0.0);
+            &mut heap
+        };
+        let fold = &mut fold[..nq * hd];
+        for ((q, f), b) in qs
+            .chunks_exact(hd)
+            .zip(fold.chunks_exact_mut(hd))
+            .zip(bias.iter_mut())
+        {
+            *b = quant::fold_channels(q, self.scale, self.zero, f);
+        }
+        quant::dot_codes_rows(self.codes, fold, bias, self.bits, out, stride);
+    }
+
+    /// Calls `f(r0, rows)` with the rows dequantised into `buf` (exactly what `read_key`
+    /// returns), a block of up to `buf.len() / head_dim` rows at a time (`rows`:
+    /// `(m, head_dim)`, rows `r0..r0 + m`). `params` is `2 * head_dim` scratch.
+    pub(crate) fn for_each_block(
+        &self,
+        buf: &mut [f32],
+        params: &mut [f32],
+        mut f: impl FnMut(usize, &mut [f32]),
+    ) {
+        let (hd, p) = (self.hd, self.packed);
+        let block = buf.len() / hd;
+        debug_assert!(block > 0);
+        let (s, z) = params[..2 * hd].split_at_mut(hd);
+        self.scale.convert_to_f32_slice(s);
+        self.zero.convert_to_f32_slice(z);
+        for (b, codes) in self.codes.chunks(block * p).enumerate() {
+            let m = codes.len() / p;
+            let out = &mut buf[..m * hd];
+            for (row, c) in out.chunks_exact_mut(hd).zip(codes.chunks_exact(p)) {
+                quant::dequantize_channels_simd(c, s, z, self.bits, row);
+            }
+            f(b * block, out);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The in-register widening kernels against their scalar twins at odd lengths, for
+    /// every element type (values chosen so f16/bf16 rounding is exercised).
+    #[test]
+    fn plain_kernels_match_scalar_twins() {
+        fn check<E: Elem + std::fmt::Debug>(name: &str) {
+            for n in [
+                1usize, 2, 3, 6, 7, 8, 9, 15, 16, 17, 18, 31, 32, 33, 34, 64, 65,
+            ] {
+                let row: Vec<E> = (0..n)
+                    .map(|i| E::from_f32((i as f32 * 0.731).sin() * 3.0 + 1e-6 * i as f32))
+                    .collect();
+                let q: Vec<f32> = (0..n).map(|i| (i as f32 * 0.377).cos()).collect();
+                let exact: f64 = q
+                    .iter()
+                    .zip(&row)
+                    .map(|(a, b)| *a as f64 * b.to_f32() as f64)
+                    .sum();
+                let mag: f64 = q
+                    .iter()
+                    .zip(&row)
+                    .map(|(a, b)| (*a as f64 * b.to_f32() as f64).abs())
+                    .sum();
+                let bound = 1e-6 * mag.max(1.0);
+                let (fused, scalar) = (dot_elem(&q, &row), dot_elem_scalar(&q, &row));
+                assert!(
+                    (fused as f64 - exact).abs() <= bound,
+                    "{name} n={n}: {fused} vs {exact}"
+                );
+                assert!((scalar as f64 - exact).abs() <= bound, "{name} n={n}");
+                let (mut a, mut b) = (q.clone(), q.clone());
+                axpy_elem(-0.61, &row, &mut a);
+                axpy_elem_scalar(-0.61, &row, &mut b);
+                for i in 0..n {
+                    assert!(
+                        (a[i] - b[i]).abs() <= 1e-6 * b[i].abs().max(1.0),
+                        "{name} n={n} i={i}"
+                    );
+                }
+                // Widening in registers is exact: load8 equals to_f32 lane by lane.
+                if n >= 8 {
+                    let lanes = E::load8(&row).to_array();
+                    for i in 0..8 {
+                        assert_eq!(
+                            lanes[i].to_bits(),
+                            row[i].to_f32().to_bits(),
+                            "{name} lane {i}"
+                        );
+                    }
+                }
+            }
+        }
+        check::<f32>("f32");
+        check::<f16>("f16");
+        check::<bf16>("bf16");
+    }
+
+    /// Run-level scoring and weighted sums over plain rows (head dims 32/64/128 take
+    /// their own specialisations) against scalar twins: full and partial blocks of 8,
+    /// zero weights, several queries, every element type.
+    #[test]
+    fn plain_run_kernels_match_scalar_twins() {
+        fn check<E: Elem>(name: &str, wrap: fn(Rows<E>) -> Plain) {
+            for hd in [2usize, 6, 18, 32, 34, 64, 128] {
+                for rows in [1usize, 7, 8, 9, 19] {
+                    for nq in [1usize, 3] {
+                        let ctx = format!("{name} hd={hd} rows={rows} nq={nq}");
+                        let mut store = Rows::<E>::new(1, hd);
+                        for r in 0..rows {
+                            let row: Vec<f32> = (0..hd)
+                                .map(|c| ((r * hd + c) as f32 * 0.613).sin() * 2.0)
+                                .collect();
+                            store.write(r, &row);
+                        }
+                        let plain = wrap(store);
+                        let run = plain.run(0, 0..rows);
+                        let widened = |r: usize| -> Vec<f32> {
+                            let mut o = vec![0.0; hd];
+                            run.read(r, &mut o);
+                            o
+                        };
+                        let qs: Vec<f32> = (0..nq * hd).map(|i| (i as f32 * 0.29).cos()).collect();
+                        let stride = rows + 3;
+                        let mut out = vec![f32::NAN; nq * stride];
+                        run.dot_rows(&qs, &mut out, stride);
+                        for j in 0..nq {
+                            let q = &qs[j * hd..(j + 1) * hd];
+                            for r in 0..rows {
+                                let k = widened(r);
+                                let want = dot_elem_scalar(q, &k);
+                                let mag: f32 = q.iter().zip(&k).map(|(a, b)| (a * b).abs()).sum();
+                                let got = out[j * stride + r];
+                                assert!(
+                                    (got - want).abs() <= 1e-6 * mag.max(1.0),
+                                    "{ctx} j={j} r={r}"
+                                );
+                            }
+                        }
+                        let p: Vec<f32> = (0..nq * stride)
+                            .map(|i| {
+                                if i % 4 == 1 {
+                                    0.0
+                                } else {
+                                    (i as f32 * 0.7).sin().abs()
+                                }
+                            })
+                            .collect();
+                        let acc0: Vec<f32> = (0..nq * hd).map(|i| i as f32 * 0.01).collect();
+                        let (mut a, mut b) = (acc0.clone(), acc0);
+                        run.axpy_rows(&p, stride, &mut a);
+                        for j in 0..nq {
+                            for r in 0..rows {
+                                let w = p[j * stride + r];
+                                if w != 0.0 {
+                                    axpy_elem_scalar(w, &widened(r), &mut b[j * hd..(j + 1) * hd]);
+                                }
+                            }
+                        }
+                        for i in 0..nq * hd {
+                            assert!(
+                                (a[i] - b[i]).abs() <= 1e-5 * b[i].abs().max(1.0),
+                                "{ctx} i={i}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        check::<f32>("f32", Plain::F32);
+        check::<f16>("f16", Plain::F16);
+        check::<bf16>("bf16", Plain::Bf16);
+    }
+
+    /// f16 widening covers subnormals, ±0, the saturated extremes and infinities/NaN.
+    #[test]
+    fn f16_and_bf16_load8_are_exact_on_special_values() {
+        let specials = [
+            0.0f32,
+            -0.0,
+            6.0e-8,
+            -6.0e-8,
+            1e-5,
+            65504.0,
+            -65504.0,
+            f32::INFINITY,
+        ];
+        let h: Vec<f16> = specials.iter().map(|&x| f16::from_f32(x)).collect();
+        let got = f16::load8(&h).to_array();
+        for i in 0..8 {
+            assert_eq!(
+                got[i].to_bits(),
+                h[i].to_f32().to_bits(),
+                "f16 {}",
+                specials[i]
+            );
+        }
+        let b: Vec<bf16> = specials.iter().map(|&x| bf16::from_f32(x)).collect();
+        let got = bf16::load8(&b).to_array();
+        for i in 0..8 {
+            assert_eq!(
+                got[i].to_bits(),
+                b[i].to_f32().to_bits(),
+                "bf16 {}",
+                specials[i]
+            );
+        }
     }
 }

@@ -18,7 +18,8 @@
 //! beyond f16's range saturate the parameters to `±65504` instead of overflowing (see
 //! the reference's module docs for the full list of edge cases).
 
-use half::f16;
+use half::{f16, slice::HalfFloatSliceExt};
+use wide::{f32x8, i32x8, u16x8, u32x8, u8x16};
 
 /// int8 codes: `q ∈ [INT8_QMIN, INT8_QMAX]`.
 pub const INT8_QMIN: i32 = -128;
@@ -205,6 +206,420 @@ pub fn dequantize_channels(codes: &[u8], scale: &[f32], zero: &[f32], bits: Bits
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// Fused kernels: attention reads codes through these, without a dequantised copy.
+//
+// Each expands 16 codes at a time into two f32x8 in natural element order (int8: 16
+// bytes zero-extended; int4: two groups of 4 bytes, each broadcast to every lane and
+// shifted by 4 bits per lane, see `nibbles8`), then a step of 8, then a scalar tail.
+// The scalar twins (`*_scalar`) are the executable definition.
+
+/// Codes of elements `[e, e + 16)` as two f32x8 (`e` even for int4).
+#[inline(always)]
+fn codes16<const INT4: bool>(codes: &[u8], e: usize) -> (f32x8, f32x8) {
+    if INT4 {
+        (
+            nibbles8(&codes[e / 2..e / 2 + 4]),
+            nibbles8(&codes[e / 2 + 4..e / 2 + 8]),
+        )
+    } else {
+        let a: [u8; 16] = codes[e..e + 16].try_into().expect("16 codes");
+        let bytes = u8x16::new(a);
+        (widen_lo(bytes), widen_hi(bytes))
+    }
+}
+
+/// Codes of elements `[e, e + 8)` as one f32x8 (`e` even for int4).
+#[inline(always)]
+fn codes8<const INT4: bool>(codes: &[u8], e: usize) -> f32x8 {
+    if INT4 {
+        nibbles8(&codes[e / 2..e / 2 + 4])
+    } else {
+        let mut a = [0u8; 16];
+        a[..8].copy_from_slice(&codes[e..e + 8]);
+        widen_lo(u8x16::new(a))
+    }
+}
+
+#[inline(always)]
+fn code_at<const INT4: bool>(codes: &[u8], j: usize) -> f32 {
+    get(codes, j, if INT4 { Bits::Int4 } else { Bits::Int8 }) as f32
+}
+
+/// 4 packed int4 bytes → their 8 offset codes in element order. Read as a little-endian
+/// u32, element `k` is bits `4k..4k + 4` (byte `k / 2`, low nibble first), so one
+/// broadcast, a per-lane shift by `4k` and a mask put element `k` in lane `k`.
+#[inline(always)]
+fn nibbles8(b: &[u8]) -> f32x8 {
+    let word = u32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
+    let shifts = u32x8::new([0, 4, 8, 12, 16, 20, 24, 28]);
+    let codes = (u32x8::splat(word) >> shifts) & u32x8::splat(0xF);
+    bytemuck::cast::<u32x8, i32x8>(codes).round_float()
+}
+
+#[inline(always)]
+fn widen_lo(b: u8x16) -> f32x8 {
+    i32x8::from_u16x8(u16x8::from_u8x16_low(b)).round_float()
+}
+
+#[inline(always)]
+fn widen_hi(b: u8x16) -> f32x8 {
+    i32x8::from_u16x8(u16x8::from_u8x16_high(b)).round_float()
+}
+
+#[inline(always)]
+fn load8(x: &[f32]) -> f32x8 {
+    let a: [f32; 8] = x[..8].try_into().expect("8 lanes");
+    f32x8::from(a)
+}
+
+#[inline(always)]
+fn store8(x: &mut [f32], v: f32x8) {
+    x[..8].copy_from_slice(&v.to_array());
+}
+
+/// `f16[..8]` → f32x8 (`half`'s 8-lane conversion: F16C / NEON when compiled for them).
+#[inline(always)]
+fn load8_f16(x: &[f16]) -> f32x8 {
+    let mut a = [0.0f32; 8];
+    x[..8].convert_to_f32_slice(&mut a);
+    f32x8::from(a)
+}
+
+/// `Σ_j w[j] · u_j` over a packed row of `w.len()` codes (the offset codes themselves,
+/// no scale or zero: the caller folded them into `w`).
+#[inline]
+pub fn dot_codes(codes: &[u8], w: &[f32], bits: Bits) -> f32 {
+    debug_assert_eq!(codes.len(), bits.packed_len(w.len()));
+    match bits {
+        Bits::Int8 => dot_codes_k::<false>(codes, w),
+        Bits::Int4 => dot_codes_k::<true>(codes, w),
+    }
+}
+
+#[inline(always)]
+fn dot_codes_k<const INT4: bool>(codes: &[u8], w: &[f32]) -> f32 {
+    let (v, tail) = dot_lanes::<INT4, 0>(codes, w);
+    v.reduce_add() + tail
+}
+
+/// [`dot_codes`] before the final reduction: the lane-wise partial sums of the first
+/// `n - n % 8` elements and the scalar sum of the rest. `HD` is the row length when
+/// known at compile time (0: `w.len()`), so the common head dims compile to straight
+/// code with no loop or bounds checks.
+#[inline(always)]
+fn dot_lanes<const INT4: bool, const HD: usize>(codes: &[u8], w: &[f32]) -> (f32x8, f32) {
+    let n = if HD != 0 { HD } else { w.len() };
+    let w = &w[..n];
+    let codes = &codes[..if INT4 { n.div_ceil(2) } else { n }];
+    let (mut a0, mut a1) = (f32x8::ZERO, f32x8::ZERO);
+    let mut e = 0;
+    while e + 16 <= n {
+        let (x0, x1) = codes16::<INT4>(codes, e);
+        a0 = x0.mul_add(load8(&w[e..]), a0);
+        a1 = x1.mul_add(load8(&w[e + 8..]), a1);
+        e += 16;
+    }
+    if e + 8 <= n {
+        a0 = codes8::<INT4>(codes, e).mul_add(load8(&w[e..]), a0);
+        e += 8;
+    }
+    let mut tail = 0.0f32;
+    for (j, &wj) in w.iter().enumerate().skip(e) {
+        tail += code_at::<INT4>(codes, j) * wj;
+    }
+    (a0 + a1, tail)
+}
+
+/// Scalar twin of [`dot_codes`] (sequential sum).
+pub fn dot_codes_scalar(codes: &[u8], w: &[f32], bits: Bits) -> f32 {
+    let mut s = 0.0f32;
+    for (j, &wj) in w.iter().enumerate() {
+        s += get(codes, j, bits) as f32 * wj;
+    }
+    s
+}
+
+/// `acc[j] += alpha · u_j` over a packed row of `acc.len()` codes.
+#[inline]
+pub fn axpy_codes(alpha: f32, codes: &[u8], acc: &mut [f32], bits: Bits) {
+    debug_assert_eq!(codes.len(), bits.packed_len(acc.len()));
+    match bits {
+        Bits::Int8 => axpy_codes_k::<false>(alpha, codes, acc),
+        Bits::Int4 => axpy_codes_k::<true>(alpha, codes, acc),
+    }
+}
+
+#[inline(always)]
+fn axpy_codes_k<const INT4: bool>(alpha: f32, codes: &[u8], acc: &mut [f32]) {
+    let n = acc.len();
+    let a = f32x8::splat(alpha);
+    let mut e = 0;
+    while e + 16 <= n {
+        let (x0, x1) = codes16::<INT4>(codes, e);
+        let v = x0.mul_add(a, load8(&acc[e..]));
+        store8(&mut acc[e..], v);
+        let v = x1.mul_add(a, load8(&acc[e + 8..]));
+        store8(&mut acc[e + 8..], v);
+        e += 16;
+    }
+    if e + 8 <= n {
+        let v = codes8::<INT4>(codes, e).mul_add(a, load8(&acc[e..]));
+        store8(&mut acc[e..], v);
+        e += 8;
+    }
+    for (j, o) in acc.iter_mut().enumerate().skip(e) {
+        *o += alpha * code_at::<INT4>(codes, j);
+    }
+}
+
+/// Scalar twin of [`axpy_codes`].
+pub fn axpy_codes_scalar(alpha: f32, codes: &[u8], acc: &mut [f32], bits: Bits) {
+    for (j, o) in acc.iter_mut().enumerate() {
+        *o += alpha * get(codes, j, bits) as f32;
+    }
+}
+
+/// Folds a K group's per-channel parameters into a query:
+/// `q · k = Σ_c (q_c s_c) u_c + Σ_c q_c z_c`. Writes `qs[c] = q_c · s_c` and returns the
+/// bias `Σ_c q_c z_c`; the scores of the group's rows are then
+/// `dot_codes(row, qs) + bias`. `scale`/`zero` are the stored f16 values.
+pub fn fold_channels(q: &[f32], scale: &[f16], zero: &[f16], qs: &mut [f32]) -> f32 {
+    let n = q.len();
+    debug_assert_eq!(scale.len(), n);
+    debug_assert_eq!(zero.len(), n);
+    debug_assert_eq!(qs.len(), n);
+    let mut acc = f32x8::ZERO;
+    let mut c = 0;
+    while c + 8 <= n {
+        let qv = load8(&q[c..]);
+        store8(&mut qs[c..], qv * load8_f16(&scale[c..]));
+        acc = qv.mul_add(load8_f16(&zero[c..]), acc);
+        c += 8;
+    }
+    let mut bias = acc.reduce_add();
+    for c in c..n {
+        qs[c] = q[c] * scale[c].to_f32();
+        bias += q[c] * zero[c].to_f32();
+    }
+    bias
+}
+
+/// Scalar twin of [`fold_channels`].
+pub fn fold_channels_scalar(q: &[f32], scale: &[f16], zero: &[f16], qs: &mut [f32]) -> f32 {
+    let mut bias = 0.0f32;
+    for c in 0..q.len() {
+        qs[c] = q[c] * scale[c].to_f32();
+        bias += q[c] * zero[c].to_f32();
+    }
+    bias
+}
+
+/// Reduces eight rows' partial sums at once: `part[k] = (lanes, tail)` of row `k`, and
+/// lane `k` of the result is row `k`'s total, always summed in the same order
+/// (`((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) + tail`) so a row's value does
+/// not depend on which block it was reduced in. One transpose instead of eight
+/// horizontal reductions.
+#[inline(always)]
+pub(crate) fn reduce8(part: [(f32x8, f32); 8]) -> f32x8 {
+    let t = f32x8::transpose(part.map(|x| x.0));
+    let sum = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+    sum + f32x8::from(part.map(|x| x.1))
+}
+
+/// Calls `$f::<INT4, HD>(args)` with `HD` the head dim if it is one of the common ones
+/// (compiled as straight-line code), else 0 (any length).
+macro_rules! by_shape {
+    ($bits:expr, $hd:expr, $f:ident($($a:expr),* $(,)?)) => {
+        match ($bits, $hd) {
+            (Bits::Int8, 32) => $f::<false, 32>($($a),*),
+            (Bits::Int8, 64) => $f::<false, 64>($($a),*),
+            (Bits::Int8, 128) => $f::<false, 128>($($a),*),
+            (Bits::Int8, _) => $f::<false, 0>($($a),*),
+            (Bits::Int4, 32) => $f::<true, 32>($($a),*),
+            (Bits::Int4, 64) => $f::<true, 64>($($a),*),
+            (Bits::Int4, 128) => $f::<true, 128>($($a),*),
+            (Bits::Int4, _) => $f::<true, 0>($($a),*),
+        }
+    };
+}
+
+/// Scores of a run of K rows of one group against `nq = bias.len()` folded queries:
+/// `out[j * stride + r] = dot_codes(row_r, qs_j) + bias[j]`. `codes`: `(rows, packed)`;
+/// `qs`: `(nq, head_dim)` from [`fold_channels`]. Eight rows at a time: their lane sums
+/// are transposed and added so one vector store writes eight scores.
+pub fn dot_codes_rows(
+    codes: &[u8],
+    qs: &[f32],
+    bias: &[f32],
+    bits: Bits,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let hd = qs.len() / bias.len();
+    debug_assert_eq!(codes.len() % bits.packed_len(hd), 0);
+    by_shape!(bits, hd, dot_codes_rows_k(codes, qs, bias, out, stride))
+}
+
+fn dot_codes_rows_k<const INT4: bool, const HD: usize>(
+    codes: &[u8],
+    qs: &[f32],
+    bias: &[f32],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let hd = if HD != 0 { HD } else { qs.len() / bias.len() };
+    let p = if INT4 { hd.div_ceil(2) } else { hd };
+    let rows = codes.len() / p;
+    for (j, (q, &b)) in qs.chunks_exact(hd).zip(bias).enumerate() {
+        let o = &mut out[j * stride..j * stride + rows];
+        // Blocks of 8 rows; the last block pads with zeros, so every row is summed in
+        // the same order wherever it falls.
+        for (blk, o) in o.chunks_mut(8).enumerate() {
+            let r0 = blk * 8;
+            let part: [(f32x8, f32); 8] = std::array::from_fn(|k| {
+                if k < o.len() {
+                    dot_lanes::<INT4, HD>(&codes[(r0 + k) * p..], q)
+                } else {
+                    (f32x8::ZERO, 0.0)
+                }
+            });
+            let scores = (reduce8(part) + f32x8::splat(b)).to_array();
+            o.copy_from_slice(&scores[..o.len()]);
+        }
+    }
+}
+
+/// The probability-weighted sum of a run of V rows, each with its own `(scale, zero)`,
+/// for `nq = bias.len()` queries: with `p_jr = p[j * stride + r]`,
+/// `acc_j += Σ_r (p_jr s_r) u_r` and `bias[j] += Σ_r p_jr z_r`, so that
+/// `acc_j + bias[j]` (added by the caller at the end) is `Σ_r p_jr (u_r s_r + z_r)`.
+/// `codes`: `(rows, packed)`; `acc`: `(nq, head_dim)`.
+#[allow(clippy::too_many_arguments)]
+pub fn axpy_codes_rows(
+    codes: &[u8],
+    scale: &[f16],
+    zero: &[f16],
+    p: &[f32],
+    stride: usize,
+    acc: &mut [f32],
+    bias: &mut [f32],
+    bits: Bits,
+) {
+    let hd = acc.len() / bias.len();
+    debug_assert_eq!(codes.len(), scale.len() * bits.packed_len(hd));
+    by_shape!(
+        bits,
+        hd,
+        axpy_codes_rows_k(codes, scale, zero, p, stride, acc, bias)
+    )
+}
+
+fn axpy_codes_rows_k<const INT4: bool, const HD: usize>(
+    codes: &[u8],
+    scale: &[f16],
+    zero: &[f16],
+    p: &[f32],
+    stride: usize,
+    acc: &mut [f32],
+    bias: &mut [f32],
+) {
+    const CHUNK: usize = 64;
+    const MAX_LANES: usize = 16;
+    let hd = if HD != 0 { HD } else { acc.len() / bias.len() };
+    let pk = if INT4 { hd.div_ceil(2) } else { hd };
+    let rows = scale.len();
+    let (mut s, mut z) = ([0.0f32; CHUNK], [0.0f32; CHUNK]);
+    let mut r0 = 0;
+    while r0 < rows {
+        let m = (rows - r0).min(CHUNK);
+        scale[r0..r0 + m].convert_to_f32_slice(&mut s[..m]);
+        zero[r0..r0 + m].convert_to_f32_slice(&mut z[..m]);
+        let codes = &codes[r0 * pk..(r0 + m) * pk];
+        for (j, (a, b)) in acc.chunks_exact_mut(hd).zip(bias.iter_mut()).enumerate() {
+            let pj = &p[j * stride + r0..j * stride + r0 + m];
+            let rows = pj.iter().zip(codes.chunks_exact(pk)).enumerate();
+            if HD == 0 || !HD.is_multiple_of(16) || HD / 8 > MAX_LANES {
+                for (r, (&w, row)) in rows {
+                    if w != 0.0 {
+                        axpy_codes_k::<INT4>(w * s[r], row, a);
+                        *b += w * z[r];
+                    }
+                }
+                continue;
+            }
+            // Known head dim: the accumulator stays in registers for the whole chunk.
+            let lanes = HD / 8;
+            let mut regs = [f32x8::ZERO; MAX_LANES];
+            for (c, v) in regs.iter_mut().enumerate().take(lanes) {
+                *v = load8(&a[c * 8..]);
+            }
+            for (r, (&w, row)) in rows {
+                if w != 0.0 {
+                    let ws = f32x8::splat(w * s[r]);
+                    for e in (0..HD).step_by(16) {
+                        let (x0, x1) = codes16::<INT4>(row, e);
+                        regs[e / 8] = x0.mul_add(ws, regs[e / 8]);
+                        regs[e / 8 + 1] = x1.mul_add(ws, regs[e / 8 + 1]);
+                    }
+                    *b += w * z[r];
+                }
+            }
+            for (c, v) in regs.iter().enumerate().take(lanes) {
+                store8(&mut a[c * 8..], *v);
+            }
+        }
+        r0 += m;
+    }
+}
+
+/// SIMD twin of [`dequantize_channels`], bit-identical to it (multiply, then add: no FMA).
+#[inline]
+pub fn dequantize_channels_simd(
+    codes: &[u8],
+    scale: &[f32],
+    zero: &[f32],
+    bits: Bits,
+    out: &mut [f32],
+) {
+    let n = out.len();
+    debug_assert_eq!(codes.len(), bits.packed_len(n));
+    debug_assert_eq!(scale.len(), n);
+    debug_assert_eq!(zero.len(), n);
+    match bits {
+        Bits::Int8 => dequantize_channels_k::<false>(codes, scale, zero, out),
+        Bits::Int4 => dequantize_channels_k::<true>(codes, scale, zero, out),
+    }
+}
+
+#[inline(always)]
+fn dequantize_channels_k<const INT4: bool>(
+    codes: &[u8],
+    scale: &[f32],
+    zero: &[f32],
+    out: &mut [f32],
+) {
+    let n = out.len();
+    let mut e = 0;
+    while e + 16 <= n {
+        let (x0, x1) = codes16::<INT4>(codes, e);
+        store8(&mut out[e..], x0 * load8(&scale[e..]) + load8(&zero[e..]));
+        store8(
+            &mut out[e + 8..],
+            x1 * load8(&scale[e + 8..]) + load8(&zero[e + 8..]),
+        );
+        e += 16;
+    }
+    if e + 8 <= n {
+        let x = codes8::<INT4>(codes, e);
+        store8(&mut out[e..], x * load8(&scale[e..]) + load8(&zero[e..]));
+        e += 8;
+    }
+    for j in e..n {
+        out[j] = code_at::<INT4>(codes, j) * scale[j] + zero[j];
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,6 +703,227 @@ mod tests {
                         want.to_bits(),
                         "bits={bits:?} n={n} j={j}"
                     );
+                }
+            }
+        }
+    }
+
+    fn xorshift(seed: u32) -> impl FnMut() -> u32 {
+        let mut s = seed;
+        move || {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            s
+        }
+    }
+
+    /// Every fused kernel against its scalar twin at odd lengths, all codes and both
+    /// nibble positions exercised (random bytes hit all 16/256 codes at these sizes).
+    #[test]
+    fn fused_kernels_match_scalar_twins() {
+        let mut rnd = xorshift(0x9e37_79b9);
+        for bits in [Bits::Int8, Bits::Int4] {
+            for n in [
+                1usize, 2, 3, 6, 7, 8, 9, 15, 16, 17, 18, 24, 31, 32, 33, 34, 48, 64, 65,
+            ] {
+                let p = bits.packed_len(n);
+                let mut codes: Vec<u8> = (0..p).map(|_| rnd() as u8).collect();
+                if bits == Bits::Int4 && n % 2 == 1 {
+                    codes[p - 1] &= 0x0f; // as the quantiser writes it
+                }
+                let w: Vec<f32> = (0..n)
+                    .map(|_| rnd() as f32 / u32::MAX as f32 - 0.5)
+                    .collect();
+                let ctx = format!("bits={bits:?} n={n}");
+                // dot: f64 oracle, then the scalar twin within a summation-order bound.
+                let exact: f64 = (0..n)
+                    .map(|j| get(&codes, j, bits) as f64 * w[j] as f64)
+                    .sum();
+                let mag: f64 = (0..n)
+                    .map(|j| (get(&codes, j, bits) as f64 * w[j] as f64).abs())
+                    .sum();
+                let bound = 1e-6 * mag.max(1.0);
+                let (fused, scalar) = (
+                    dot_codes(&codes, &w, bits),
+                    dot_codes_scalar(&codes, &w, bits),
+                );
+                assert!(
+                    (fused as f64 - exact).abs() <= bound,
+                    "{ctx}: {fused} vs {exact}"
+                );
+                assert!(
+                    (scalar as f64 - exact).abs() <= bound,
+                    "{ctx}: {scalar} vs {exact}"
+                );
+                // axpy: one FMA per element either way, so equal up to FMA rounding.
+                let acc0: Vec<f32> = (0..n).map(|j| j as f32 * 0.25 - 1.0).collect();
+                let (mut a, mut b) = (acc0.clone(), acc0.clone());
+                axpy_codes(0.37, &codes, &mut a, bits);
+                axpy_codes_scalar(0.37, &codes, &mut b, bits);
+                for j in 0..n {
+                    let want = acc0[j] as f64 + 0.37f32 as f64 * get(&codes, j, bits) as f64;
+                    assert!(
+                        (a[j] as f64 - want).abs() <= 1e-6 * want.abs().max(1.0),
+                        "{ctx} j={j}"
+                    );
+                    assert!(
+                        (a[j] - b[j]).abs() <= 1e-6 * b[j].abs().max(1.0),
+                        "{ctx} j={j}"
+                    );
+                }
+                // dequantise: bit-identical to the scalar path.
+                let s: Vec<f32> = (0..n).map(|j| 0.01 + j as f32 * 1e-3).collect();
+                let z: Vec<f32> = (0..n).map(|j| -1.0 + j as f32 * 0.1).collect();
+                let (mut d0, mut d1) = (vec![0.0f32; n], vec![0.0f32; n]);
+                dequantize_channels(&codes, &s, &z, bits, &mut d0);
+                dequantize_channels_simd(&codes, &s, &z, bits, &mut d1);
+                let bitsv = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bitsv(&d0), bitsv(&d1), "{ctx}");
+            }
+        }
+    }
+
+    /// `dot_codes(row, fold(q)) + bias` equals `q · dequantise(row)` up to summation order.
+    #[test]
+    fn folded_dot_matches_dequantised_dot() {
+        let mut rnd = xorshift(0x0bad_cafe);
+        let mut f = move || rnd() as f32 / u32::MAX as f32 * 2.0 - 1.0;
+        for bits in [Bits::Int8, Bits::Int4] {
+            for n in [2usize, 6, 18, 32, 34] {
+                let x: Vec<f32> = (0..n)
+                    .map(|c| f() + if c == 1 { 12.0 } else { 0.0 })
+                    .collect();
+                let q: Vec<f32> = (0..n).map(|_| f() * 1.5).collect();
+                let (scale, zero): (Vec<f16>, Vec<f16>) =
+                    (0..n).map(|c| params(x[c] - 0.7, x[c] + 0.4, bits)).unzip();
+                let (s32, z32): (Vec<f32>, Vec<f32>) = scale
+                    .iter()
+                    .zip(&zero)
+                    .map(|(s, z)| (s.to_f32(), z.to_f32()))
+                    .unzip();
+                let mut codes = vec![0u8; bits.packed_len(n)];
+                quantize_channels(&x, &s32, &z32, bits, &mut codes);
+                let mut k = vec![0.0f32; n];
+                dequantize_channels(&codes, &s32, &z32, bits, &mut k);
+                let want: f64 = q.iter().zip(&k).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let mag: f64 = q
+                    .iter()
+                    .zip(&k)
+                    .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                    .sum();
+                let mut qs = vec![0.0f32; n];
+                let bias = fold_channels(&q, &scale, &zero, &mut qs);
+                let got = dot_codes(&codes, &qs, bits) + bias;
+                assert!(
+                    (got as f64 - want).abs() <= 1e-6 * mag.max(1.0),
+                    "bits={bits:?} n={n}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    /// The run-level kernels (head dims 32/64/128 compile to their own specialisations,
+    /// the rest to the generic one) against per-row scalar twins: full and partial
+    /// blocks of 8 (scores) and 4 (values), zero weights, several queries.
+    #[test]
+    fn run_kernels_match_scalar_twins() {
+        let mut rnd = xorshift(0x1357_9bdf);
+        let mut f = move || rnd() as f32 / u32::MAX as f32 * 2.0 - 1.0;
+        for bits in [Bits::Int8, Bits::Int4] {
+            for hd in [2usize, 6, 18, 32, 34, 64, 128] {
+                let p = bits.packed_len(hd);
+                for rows in [1usize, 3, 4, 7, 8, 9, 16, 19] {
+                    for nq in [1usize, 3] {
+                        let ctx = format!("bits={bits:?} hd={hd} rows={rows} nq={nq}");
+                        let codes: Vec<u8> =
+                            (0..rows * p).map(|_| (f() * 1000.0) as i32 as u8).collect();
+                        // Keys: fold a group's parameters into nq queries, then score.
+                        let (scale, zero): (Vec<f16>, Vec<f16>) = (0..hd)
+                            .map(|_| {
+                                (
+                                    f16::from_f32(0.01 + f().abs() * 0.1),
+                                    f16::from_f32(f() * 5.0),
+                                )
+                            })
+                            .unzip();
+                        let q: Vec<f32> = (0..nq * hd).map(|_| f() * 1.5).collect();
+                        let (mut qs, mut qs2) = (vec![0.0f32; nq * hd], vec![0.0f32; nq * hd]);
+                        let mut bias = vec![0.0f32; nq];
+                        for (j, bj) in bias.iter_mut().enumerate() {
+                            let r = j * hd..(j + 1) * hd;
+                            *bj = fold_channels(&q[r.clone()], &scale, &zero, &mut qs[r.clone()]);
+                            let b2 = fold_channels_scalar(
+                                &q[r.clone()],
+                                &scale,
+                                &zero,
+                                &mut qs2[r.clone()],
+                            );
+                            assert_eq!(qs[r.clone()], qs2[r.clone()], "{ctx}");
+                            let mag: f32 = q[r.clone()]
+                                .iter()
+                                .zip(&zero)
+                                .map(|(a, z)| (a * z.to_f32()).abs())
+                                .sum();
+                            assert!((*bj - b2).abs() <= 1e-6 * mag.max(1.0), "{ctx}");
+                        }
+                        let stride = rows + 5;
+                        let mut out = vec![f32::NAN; nq * stride];
+                        dot_codes_rows(&codes, &qs, &bias, bits, &mut out, stride);
+                        for j in 0..nq {
+                            for r in 0..rows {
+                                let row = &codes[r * p..(r + 1) * p];
+                                let w = &qs[j * hd..(j + 1) * hd];
+                                let want = dot_codes_scalar(row, w, bits) + bias[j];
+                                let mag: f32 = (0..hd)
+                                    .map(|c| (get(row, c, bits) as f32 * w[c]).abs())
+                                    .sum::<f32>()
+                                    + bias[j].abs();
+                                let got = out[j * stride + r];
+                                assert!(
+                                    (got - want).abs() <= 1e-6 * mag.max(1.0),
+                                    "{ctx} j={j} r={r}: {got} vs {want}"
+                                );
+                            }
+                        }
+                        // Values: per-row (scale, zero), some zero weights.
+                        let (vs, vz): (Vec<f16>, Vec<f16>) = (0..rows)
+                            .map(|_| {
+                                (
+                                    f16::from_f32(0.01 + f().abs() * 0.3),
+                                    f16::from_f32(f() * 2.0),
+                                )
+                            })
+                            .unzip();
+                        let probs: Vec<f32> = (0..nq * stride)
+                            .map(|i| if i % 5 == 2 { 0.0 } else { f().abs() })
+                            .collect();
+                        let mut acc = vec![0.0f32; nq * hd];
+                        let mut vb = vec![0.0f32; nq];
+                        axpy_codes_rows(&codes, &vs, &vz, &probs, stride, &mut acc, &mut vb, bits);
+                        for j in 0..nq {
+                            let mut want = vec![0.0f64; hd];
+                            let mut mag = vec![0.0f64; hd];
+                            for r in 0..rows {
+                                let pw = probs[j * stride + r] as f64;
+                                for c in 0..hd {
+                                    let x = get(&codes[r * p..], c, bits) as f64
+                                        * vs[r].to_f32() as f64
+                                        + vz[r].to_f32() as f64;
+                                    want[c] += pw * x;
+                                    mag[c] += (pw * x).abs() + (pw * vz[r].to_f32() as f64).abs();
+                                }
+                            }
+                            for c in 0..hd {
+                                let got = (acc[j * hd + c] + vb[j]) as f64;
+                                assert!(
+                                    (got - want[c]).abs() <= 1e-5 * mag[c].max(1.0),
+                                    "{ctx} j={j} c={c}: {got} vs {}",
+                                    want[c]
+                                );
+                            }
+                        }
+                    }
                 }
             }
         }
