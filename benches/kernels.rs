@@ -1,0 +1,227 @@
+//! Kernel micro-benchmarks (criterion).
+//!
+//! * `matvec/{shape}/{dtype}-{threads}t`: one matrix-vector product, throughput = bytes of
+//!   weights read (so criterion prints GB/s). Shapes: `768x256` (the flagship's gate/up
+//!   projection, cache-resident) and `4096x4096` (64 MiB in f32: streams from DRAM).
+//!   Q8_0/Q4_1 include quantising the activation to 8 bits per block, as the model does.
+//! * `kv_append/{kv}`: appending one token's K and V rows to one layer of the flagship
+//!   shape (8 KV heads × head dim 32), including KIVI quantisation (V per token at append,
+//!   K per channel once a 32-token group completes), throughput = tokens (per layer; a
+//!   flagship token costs 12 of these).
+//! * `attention_16k/{kv}-{threads}t`: one `attend` call (append + scores + softmax +
+//!   weighted sum, all 8 heads) over a layer holding 16K rows, throughput = bytes the
+//!   cache holds (what attention has to read per step).
+//!
+//! Names ending in `-cpu` are single-threaded runs timed with the thread's CPU-time clock
+//! (robust to other processes sharing the machine); the others are wall-clock time.
+//!
+//! Run: `cargo bench --bench kernels` (about 5 minutes on 2 cores).
+
+mod common;
+
+use common::{
+    all_cores, flagship_config_json, kv_config, pool, quantize_q4_1, quantize_q8_0, uniform, Clock,
+    SyntheticRows, FLAGSHIP_HEAD_DIM, FLAGSHIP_KV_HEADS,
+};
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use half::{bf16, f16};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use std::path::Path;
+use std::time::Duration;
+use tinygpt_cpu::attention::{attend, AttnScratch, RopeTable};
+use tinygpt_cpu::config::HfConfig;
+use tinygpt_cpu::dtype::DType;
+use tinygpt_cpu::kv_cache::{KvCache, LayerKv, Precision};
+use tinygpt_cpu::ops::{matvec, Matrix};
+use tinygpt_cpu::weights::{Tensor, TensorBytes};
+
+const ATTN_ROWS: usize = 16384;
+
+/// Clocks read for a run on `threads` threads: the wall clock always, and the thread's
+/// CPU-time clock too when one thread does all the work (robust to other processes).
+fn clocks(threads: usize) -> &'static [Clock] {
+    if threads == 1 {
+        &[Clock::Wall, Clock::ThreadCpu]
+    } else {
+        &[Clock::Wall]
+    }
+}
+
+fn matrix(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Matrix {
+    let bytes: Vec<u8> = match dtype {
+        DType::F32 => bytemuck::cast_slice(w).to_vec(),
+        DType::F16 => w
+            .iter()
+            .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+            .collect(),
+        DType::BF16 => w
+            .iter()
+            .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+            .collect(),
+        DType::Q8_0 => quantize_q8_0(w),
+        DType::Q4_1 => quantize_q4_1(w),
+        other => unreachable!("not benchmarked: {other}"),
+    };
+    Matrix::from_tensor(&Tensor {
+        name: format!("bench.{dtype}"),
+        dtype,
+        shape: vec![rows, cols],
+        data: TensorBytes::owned(&bytes),
+    })
+}
+
+fn bench_matvec(c: &mut Criterion) {
+    let n = all_cores();
+    let pools = [(1usize, pool(1)), (n, pool(n))];
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    for (rows, cols) in [(768usize, 256usize), (4096, 4096)] {
+        let w = uniform(&mut rng, rows * cols, 0.05);
+        let x = uniform(&mut rng, cols, 1.0);
+        let mut out = vec![0.0f32; rows];
+        let mut g = c.benchmark_group(format!("matvec/{rows}x{cols}"));
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::Q8_0,
+            DType::Q4_1,
+        ] {
+            let m = matrix(dtype, rows, cols, &w);
+            g.throughput(Throughput::Bytes(m.byte_len() as u64));
+            for (t, p) in &pools {
+                for &clock in clocks(*t) {
+                    let id = format!("{dtype}-{t}t{}", clock.suffix());
+                    g.bench_function(BenchmarkId::from_parameter(id), |b| {
+                        b.iter_custom(|iters| {
+                            p.install(|| {
+                                let t0 = clock.now();
+                                for _ in 0..iters {
+                                    matvec(&m, black_box(&x), &mut out);
+                                }
+                                clock.now() - t0
+                            })
+                        })
+                    });
+                }
+            }
+        }
+        g.finish();
+    }
+}
+
+fn bench_append(c: &mut Criterion) {
+    let (heads, hd) = (FLAGSHIP_KV_HEADS, FLAGSHIP_HEAD_DIM);
+    let rows = SyntheticRows::new(heads * hd);
+    // A fresh layer every RESET appends (outside the timer) keeps memory bounded.
+    const RESET: usize = 4096;
+    let mut g = c.benchmark_group("kv_append");
+    g.throughput(Throughput::Elements(1));
+    for (p, clock) in Precision::ALL
+        .into_iter()
+        .flat_map(|p| clocks(1).iter().map(move |&c| (p, c)))
+    {
+        let kv = kv_config(p, false);
+        let id = format!("{}{}", p.name(), clock.suffix());
+        g.bench_function(BenchmarkId::from_parameter(id), |b| {
+            let mut layer = LayerKv::new(&kv, heads, hd);
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut i = 0u64;
+                while i < iters {
+                    if layer.appended() == RESET {
+                        layer = LayerKv::new(&kv, heads, hd);
+                    }
+                    let n = ((RESET - layer.appended()) as u64).min(iters - i);
+                    let start = layer.appended();
+                    let t = clock.now();
+                    for pos in start..start + n as usize {
+                        layer.append(rows.k(pos), rows.v(pos), pos);
+                    }
+                    total += clock.now() - t;
+                    i += n;
+                }
+                total
+            });
+        });
+    }
+    g.finish();
+}
+
+fn bench_attention(c: &mut Criterion) {
+    let cfg = HfConfig::from_json(&flagship_config_json(), Path::new("flagship"))
+        .and_then(|h| h.validate(Path::new("flagship")))
+        .expect("flagship config");
+    let rope = RopeTable::new(&cfg);
+    let rows = SyntheticRows::new(cfg.kv_dim());
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let q = uniform(&mut rng, cfg.q_dim(), 2.0);
+    let n = all_cores();
+    let pools = [(1usize, pool(1)), (n, pool(n))];
+    let mut g = c.benchmark_group("attention_16k");
+    for p in Precision::ALL {
+        let kv = kv_config(p, false);
+        let one = tinygpt_cpu::config::Config {
+            n_layers: 1,
+            ..cfg.clone()
+        };
+        let mut cache = KvCache::new(&one, &kv);
+        rows.fill(&mut cache, ATTN_ROWS);
+        let base = cache.layer(0).clone();
+        g.throughput(Throughput::Bytes(base.bytes() as u64));
+        for (t, pl, clock) in pools
+            .iter()
+            .flat_map(|(t, pl)| clocks(*t).iter().map(move |&c| (*t, pl, c)))
+        {
+            let mut layer = base.clone();
+            let mut scratch = AttnScratch::new(&cfg, &kv);
+            let mut out = vec![0.0f32; cfg.q_dim()];
+            let id = format!("{}-{t}t{}", p.name(), clock.suffix());
+            let id = BenchmarkId::from_parameter(id);
+            g.bench_function(id, |b| {
+                b.iter_custom(|iters| {
+                    pl.install(|| {
+                        let mut total = Duration::ZERO;
+                        for _ in 0..iters {
+                            // Every call appends a row: restore every 512 (≤ 3% growth).
+                            if layer.appended() >= ATTN_ROWS + 512 {
+                                layer = base.clone();
+                            }
+                            let pos = layer.appended();
+                            let t = clock.now();
+                            attend(
+                                &cfg,
+                                &rope,
+                                &mut layer,
+                                &q,
+                                rows.k(pos),
+                                rows.v(pos),
+                                pos,
+                                &mut out,
+                                &mut scratch,
+                                None,
+                            );
+                            total += clock.now() - t;
+                        }
+                        total
+                    })
+                });
+            });
+        }
+    }
+    g.finish();
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .sample_size(10)
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = bench_matvec, bench_append, bench_attention
+}
+criterion_main!(benches);
