@@ -280,20 +280,8 @@ pub fn matmul(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
             }
         }
     };
-    if rows * cols * n_tokens < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
-        tr.chunks_mut(row_block * n_tokens)
-            .enumerate()
-            .for_each(body);
-    } else {
-        tr.par_chunks_mut(row_block * n_tokens)
-            .enumerate()
-            .for_each(body);
-    }
-    for r in 0..rows {
-        for t in 0..n_tokens {
-            out[t * rows + r] = tr[r * n_tokens + t];
-        }
-    }
+    run_row_blocks(&mut tr, row_block, rows * cols, n_tokens, body);
+    transpose_into(&tr, rows, n_tokens, out);
 }
 
 /// [`matmul`] for GGML-block weights: each token's activations are quantised once, then
@@ -311,7 +299,20 @@ fn matmul_quantized(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
             }
         }
     };
-    if rows * cols * n_tokens < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
+    run_row_blocks(&mut tr, row_block, rows * cols, n_tokens, body);
+    transpose_into(&tr, rows, n_tokens, out);
+}
+
+/// Runs `body(block_index, block)` over blocks of `row_block` rows of a `(rows, n_tokens)`
+/// buffer, in parallel when the work (`weights · n_tokens`) pays for it.
+fn run_row_blocks(
+    tr: &mut [f32],
+    row_block: usize,
+    weights: usize,
+    n_tokens: usize,
+    body: impl Fn((usize, &mut [f32])) + Sync + Send,
+) {
+    if weights * n_tokens < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
         tr.chunks_mut(row_block * n_tokens)
             .enumerate()
             .for_each(body);
@@ -320,6 +321,10 @@ fn matmul_quantized(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
             .enumerate()
             .for_each(body);
     }
+}
+
+/// `(rows, n_tokens)` → `(n_tokens, rows)`.
+fn transpose_into(tr: &[f32], rows: usize, n_tokens: usize, out: &mut [f32]) {
     for r in 0..rows {
         for t in 0..n_tokens {
             out[t * rows + r] = tr[r * n_tokens + t];
