@@ -39,6 +39,7 @@
 
 use crate::config::Config;
 use crate::kv_cache::{KeyRun, KvConfig, LayerKv, PositionsMode, ValueRun};
+use crate::ops::simd::{load8, store8};
 use rayon::prelude::*;
 use wide::f32x8;
 
@@ -107,12 +108,12 @@ fn rotate_inline(x: &mut [f32], cos: &[f32], sin: &[f32]) {
     let (a, b) = x.split_at_mut(half);
     let mut i = 0;
     while i + 8 <= half {
-        let x1 = load(&a[i..]);
-        let x2 = load(&b[i..]);
-        let c = load(&cos[i..]);
-        let s = load(&sin[i..]);
-        store(&mut a[i..], x1 * c - x2 * s);
-        store(&mut b[i..], x2 * c + x1 * s);
+        let x1 = load8(&a[i..]);
+        let x2 = load8(&b[i..]);
+        let c = load8(&cos[i..]);
+        let s = load8(&sin[i..]);
+        store8(&mut a[i..], x1 * c - x2 * s);
+        store8(&mut b[i..], x2 * c + x1 * s);
         i += 8;
     }
     for j in i..half {
@@ -120,17 +121,6 @@ fn rotate_inline(x: &mut [f32], cos: &[f32], sin: &[f32]) {
         a[j] = x1 * cos[j] - x2 * sin[j];
         b[j] = x2 * cos[j] + x1 * sin[j];
     }
-}
-
-#[inline(always)]
-fn load(x: &[f32]) -> f32x8 {
-    let a: [f32; 8] = x[..8].try_into().expect("8 lanes");
-    f32x8::from(a)
-}
-
-#[inline(always)]
-fn store(x: &mut [f32], v: f32x8) {
-    x[..8].copy_from_slice(&v.to_array());
 }
 
 /// `Σ a[i]·b[i]` (f32x8 lanes, then a scalar tail).
@@ -141,7 +131,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = f32x8::ZERO;
     let mut i = 0;
     while i + 8 <= n {
-        acc += load(&a[i..]) * load(&b[i..]);
+        acc += load8(&a[i..]) * load8(&b[i..]);
         i += 8;
     }
     let mut s = acc.reduce_add();
@@ -167,9 +157,9 @@ fn dot_block(q: &[f32], rows: &[f32], out: &mut [f32]) {
     let mut acc = [f32x8::ZERO; BLOCK];
     let mut i = 0;
     while i + 8 <= hd {
-        let qv = load(&q[i..]);
+        let qv = load8(&q[i..]);
         for (r, a) in acc.iter_mut().enumerate().take(m) {
-            *a = load(&rows[r * hd + i..]).mul_add(qv, *a);
+            *a = load8(&rows[r * hd + i..]).mul_add(qv, *a);
         }
         i += 8;
     }
@@ -193,8 +183,8 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     let av = f32x8::splat(alpha);
     let mut i = 0;
     while i + 8 <= n {
-        let r = load(&y[i..]) + av * load(&x[i..]);
-        store(&mut y[i..], r);
+        let r = load8(&y[i..]) + av * load8(&x[i..]);
+        store8(&mut y[i..], r);
         i += 8;
     }
     for j in i..n {

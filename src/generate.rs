@@ -92,15 +92,15 @@ impl Engine for EngineRun<'_> {
 }
 
 /// The scalar reference with one state.
-pub struct ReferenceRun {
-    pub model: tinygpt_reference::Model,
+pub struct ReferenceRun<'a> {
+    pub model: &'a tinygpt_reference::Model,
     pub state: tinygpt_reference::State,
     logits: Vec<f32>,
     kv: KvConfig,
 }
 
-impl ReferenceRun {
-    pub fn new(model: tinygpt_reference::Model, kv: &KvConfig) -> Self {
+impl<'a> ReferenceRun<'a> {
+    pub fn new(model: &'a tinygpt_reference::Model, kv: &KvConfig) -> Self {
         let state = tinygpt_reference::State::new(&model.cfg, kv);
         ReferenceRun {
             model,
@@ -111,7 +111,7 @@ impl ReferenceRun {
     }
 }
 
-impl Engine for ReferenceRun {
+impl Engine for ReferenceRun<'_> {
     fn forward(&mut self, token: u32, pos: usize) -> Result<&[f32]> {
         if token as usize >= self.model.cfg.vocab_size {
             return Err(Error::Generate(format!(

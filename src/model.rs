@@ -262,17 +262,6 @@ impl Model {
         }
     }
 
-    /// Bytes of weights the forward pass reads per token.
-    pub fn weight_bytes(&self) -> usize {
-        let mut n = self.embed.cols * 4 + self.lm_head.byte_len();
-        for l in &self.layers {
-            for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
-                n += m.byte_len();
-            }
-        }
-        n
-    }
-
     /// Runs token `token` at absolute position `pos`; the logits land in `s.logits`.
     pub fn forward(&self, s: &mut Session, token: u32, pos: usize) -> Result<()> {
         let c = &self.cfg;

@@ -53,7 +53,7 @@ fn check_against_golden(e: &mut dyn tinygpt_cpu::generate::Engine, name: &str) {
 fn reference_matches_transformers() {
     let files = hf_dir();
     let model = reference_model(&files, WeightsDType::Native).unwrap();
-    let mut run = ReferenceRun::new(model, &KvConfig::default());
+    let mut run = ReferenceRun::new(&model, &KvConfig::default());
     check_against_golden(&mut run, "reference");
 }
 
@@ -95,7 +95,7 @@ fn engine_matches_reference_per_step() {
     for p in g["prompts"].as_array().unwrap() {
         let prompt_ids = ids(&p["prompt_ids"]);
         let mut e = EngineRun::new(&model, &KvConfig::default());
-        let mut r = ReferenceRun::new(reference.clone(), &KvConfig::default());
+        let mut r = ReferenceRun::new(&reference, &KvConfig::default());
         let ge = greedy(&mut e, &prompt_ids, 60);
         let gr = greedy(&mut r, &prompt_ids, 60);
         assert_eq!(ge.ids, gr.ids, "prompt {:?}", p["prompt"]);

@@ -73,7 +73,7 @@ fn engine_and_reference_agree_for_every_cache_combination() {
     for kv in combos() {
         for (prompt, ids) in prompts() {
             let mut e = EngineRun::new(&model, &kv);
-            let mut r = ReferenceRun::new(reference.clone(), &kv);
+            let mut r = ReferenceRun::new(&reference, &kv);
             let ge = greedy(&mut e, &ids, STEPS);
             let gr = greedy(&mut r, &ids, STEPS);
             let m = prefix_match(&ge.ids, &gr.ids);

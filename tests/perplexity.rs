@@ -60,7 +60,7 @@ fn cached_path_equals_cache_free_full_sequence_forward() {
                 .0
         }),
         ("reference", {
-            let mut e = ReferenceRun::new(reference.clone(), &KvConfig::default());
+            let mut e = ReferenceRun::new(&reference, &KvConfig::default());
             perplexity(&mut e, &tokens, 1024, false, &mut |_| {})
                 .unwrap()
                 .0
@@ -180,7 +180,7 @@ fn cli_json_and_compare_modes() {
     );
     let svg = std::fs::read_to_string(&plot).unwrap();
     assert!(
-        svg.contains("<svg") && svg.contains("polyline") || svg.contains("path"),
+        svg.contains("<svg") && (svg.contains("polyline") || svg.contains("path")),
         "not a chart"
     );
 }

@@ -88,7 +88,7 @@ fn both_engines_match_transformers_logits_on_unseen_models() {
                 ),
                 (
                     "reference",
-                    Box::new(ReferenceRun::new(reference.clone(), &KvConfig::default())),
+                    Box::new(ReferenceRun::new(&reference, &KvConfig::default())),
                 ),
             ];
             for (which, run) in runs.iter_mut() {

@@ -74,7 +74,7 @@ fn engine_greedy(files: &ModelFiles, w: WeightsDType, prompt: &[u32], n: usize) 
 
 fn reference_greedy(files: &ModelFiles, w: WeightsDType, prompt: &[u32], n: usize) -> Greedy {
     let m = reference_model(files, w).unwrap();
-    let mut r = ReferenceRun::new(m, &KvConfig::default());
+    let mut r = ReferenceRun::new(&m, &KvConfig::default());
     greedy(&mut r, prompt, n)
 }
 

@@ -208,7 +208,7 @@ impl Loaded {
     pub fn run(&self, kv: &KvConfig) -> Box<dyn crate::generate::Engine + '_> {
         match self {
             Loaded::Optimized(m) => Box::new(crate::generate::EngineRun::new(m, kv)),
-            Loaded::Reference(m) => Box::new(crate::generate::ReferenceRun::new(m.clone(), kv)),
+            Loaded::Reference(m) => Box::new(crate::generate::ReferenceRun::new(m, kv)),
         }
     }
 }

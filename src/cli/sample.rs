@@ -131,7 +131,7 @@ pub fn run(a: SampleArgs) -> anyhow::Result<()> {
         EngineKind::Reference => {
             let model = reference_model(&files, wdtype)?;
             let load_secs = t_load.elapsed().as_secs_f64();
-            let mut run = ReferenceRun::new(model, &kv);
+            let mut run = ReferenceRun::new(&model, &kv);
             let lw = run.layers_with_kv();
             (
                 generate(&mut run, &files.tokenizer, &prompt_ids, &opts, &mut on_text)?,

@@ -60,8 +60,7 @@ impl Elem for f32 {
     }
     #[inline(always)]
     fn load8(src: &[Self]) -> f32x8 {
-        let a: [f32; 8] = src[..8].try_into().expect("8 lanes");
-        f32x8::from(a)
+        crate::ops::simd::load8(src)
     }
 }
 
@@ -114,12 +113,6 @@ impl Elem for bf16 {
     }
 }
 
-#[inline(always)]
-fn load_f32(x: &[f32]) -> f32x8 {
-    let a: [f32; 8] = x[..8].try_into().expect("8 lanes");
-    f32x8::from(a)
-}
-
 /// `Σ q[c] · row[c]`, widening `row` in registers (f32x8 lanes, then a scalar tail).
 #[cfg(test)]
 pub(crate) fn dot_elem<E: Elem>(q: &[f32], row: &[E]) -> f32 {
@@ -136,7 +129,7 @@ pub(crate) fn axpy_elem<E: Elem>(alpha: f32, row: &[E], acc: &mut [f32]) {
     let a = f32x8::splat(alpha);
     let mut i = 0;
     while i + 8 <= n {
-        let r = E::load8(&row[i..]).mul_add(a, load_f32(&acc[i..]));
+        let r = E::load8(&row[i..]).mul_add(a, crate::ops::simd::load8(&acc[i..]));
         acc[i..i + 8].copy_from_slice(&r.to_array());
         i += 8;
     }
@@ -155,12 +148,12 @@ fn dot_lanes_elem<E: Elem, const HD: usize>(q: &[f32], row: &[E]) -> (f32x8, f32
     let (mut a0, mut a1) = (f32x8::ZERO, f32x8::ZERO);
     let mut i = 0;
     while i + 16 <= n {
-        a0 = E::load8(&row[i..]).mul_add(load_f32(&q[i..]), a0);
-        a1 = E::load8(&row[i + 8..]).mul_add(load_f32(&q[i + 8..]), a1);
+        a0 = E::load8(&row[i..]).mul_add(crate::ops::simd::load8(&q[i..]), a0);
+        a1 = E::load8(&row[i + 8..]).mul_add(crate::ops::simd::load8(&q[i + 8..]), a1);
         i += 16;
     }
     if i + 8 <= n {
-        a0 = E::load8(&row[i..]).mul_add(load_f32(&q[i..]), a0);
+        a0 = E::load8(&row[i..]).mul_add(crate::ops::simd::load8(&q[i..]), a0);
         i += 8;
     }
     let mut tail = 0.0f32;
@@ -222,7 +215,7 @@ fn axpy_rows_k<E: Elem, const HD: usize>(
     for (j, a) in acc.chunks_exact_mut(HD).enumerate() {
         let mut regs = [f32x8::ZERO; MAX_LANES];
         for (c, v) in regs.iter_mut().enumerate().take(lanes) {
-            *v = load_f32(&a[c * 8..]);
+            *v = crate::ops::simd::load8(&a[c * 8..]);
         }
         for (r, row) in d.chunks_exact(HD).enumerate() {
             let w = p[j * stride + r];

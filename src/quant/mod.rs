@@ -267,16 +267,7 @@ fn widen_hi(b: u8x16) -> f32x8 {
     i32x8::from_u16x8(u16x8::from_u8x16_high(b)).round_float()
 }
 
-#[inline(always)]
-fn load8(x: &[f32]) -> f32x8 {
-    let a: [f32; 8] = x[..8].try_into().expect("8 lanes");
-    f32x8::from(a)
-}
-
-#[inline(always)]
-fn store8(x: &mut [f32], v: f32x8) {
-    x[..8].copy_from_slice(&v.to_array());
-}
+use crate::ops::simd::{load8, store8};
 
 /// `f16[..8]` → f32x8 (`half`'s 8-lane conversion: F16C / NEON when compiled for them).
 #[inline(always)]
