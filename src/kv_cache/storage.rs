@@ -30,88 +30,10 @@
 //! when the group completes, and stay valid for every row of the group that is still
 //! stored, whatever was evicted around it.
 
+pub(crate) use crate::ops::simd::Elem;
 use crate::quant::{self, Bits};
 use half::{bf16, f16, slice::HalfFloatSliceExt};
-use wide::{f32x8, i32x8, u16x8};
-
-/// An element type for plain rows.
-pub(crate) trait Elem: Copy + Default + Send + Sync + 'static {
-    fn from_f32(x: f32) -> Self;
-    fn to_f32(self) -> f32;
-    /// Widens `src[..8]` in registers (exact for every element type).
-    fn load8(src: &[Self]) -> f32x8;
-    /// Widens a slice (exact for every element type).
-    #[inline]
-    fn widen(src: &[Self], out: &mut [f32]) {
-        for (o, &s) in out.iter_mut().zip(src) {
-            *o = s.to_f32();
-        }
-    }
-}
-
-impl Elem for f32 {
-    #[inline]
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-    #[inline]
-    fn to_f32(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn load8(src: &[Self]) -> f32x8 {
-        crate::ops::simd::load8(src)
-    }
-}
-
-impl Elem for f16 {
-    /// Saturating, so a value just beyond f16's range does not become infinite.
-    #[inline]
-    fn from_f32(x: f32) -> Self {
-        quant::f16_saturating(x)
-    }
-    #[inline]
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-    #[inline]
-    fn widen(src: &[Self], out: &mut [f32]) {
-        src.convert_to_f32_slice(out);
-    }
-    /// `half`'s 8-lane conversion (F16C `vcvtph2ps` / NEON `fcvtl` when compiled for them).
-    #[inline(always)]
-    fn load8(src: &[Self]) -> f32x8 {
-        let mut a = [0.0f32; 8];
-        src[..8].convert_to_f32_slice(&mut a);
-        f32x8::from(a)
-    }
-}
-
-impl Elem for bf16 {
-    #[inline]
-    fn from_f32(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
-    #[inline]
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-    /// bf16 is the top half of an f32: widening is a shift, as `bf16::to_f32` does for
-    /// every value `bf16::from_f32` produces (it only differs on signalling NaNs).
-    #[inline]
-    fn widen(src: &[Self], out: &mut [f32]) {
-        for (o, s) in out.iter_mut().zip(src) {
-            *o = f32::from_bits((s.to_bits() as u32) << 16);
-        }
-    }
-    #[inline(always)]
-    fn load8(src: &[Self]) -> f32x8 {
-        let a: [u16; 8] = bytemuck::cast_slice::<bf16, u16>(&src[..8])
-            .try_into()
-            .expect("8 lanes");
-        bytemuck::cast(i32x8::from_u16x8(u16x8::new(a)) << 16)
-    }
-}
+use wide::f32x8;
 
 /// `Σ q[c] · row[c]`, widening `row` in registers (f32x8 lanes, then a scalar tail).
 #[cfg(test)]
@@ -212,7 +134,53 @@ fn axpy_rows_k<E: Elem, const HD: usize>(
         return;
     }
     let lanes = HD / 8;
-    for (j, a) in acc.chunks_exact_mut(HD).enumerate() {
+    let nq = acc.len() / HD;
+    let mut j = 0;
+    while j < nq {
+        // With at most four lanes per row, one query leaves the FMA units half idle
+        // (four dependent chains); two queries of the group share each row load and
+        // run eight chains. Each query's sum keeps its own row order either way.
+        if lanes <= 4 && j + 1 < nq {
+            let (a, b) = acc[j * HD..(j + 2) * HD].split_at_mut(HD);
+            let mut ra = [f32x8::ZERO; 4];
+            let mut rb = [f32x8::ZERO; 4];
+            for c in 0..lanes {
+                ra[c] = crate::ops::simd::load8(&a[c * 8..]);
+                rb[c] = crate::ops::simd::load8(&b[c * 8..]);
+            }
+            for (r, row) in d.chunks_exact(HD).enumerate() {
+                let (wa, wb) = (p[j * stride + r], p[(j + 1) * stride + r]);
+                if wa == 0.0 && wb == 0.0 {
+                    continue;
+                }
+                let rv: [f32x8; 4] = std::array::from_fn(|c| {
+                    if c < lanes {
+                        E::load8(&row[c * 8..])
+                    } else {
+                        f32x8::ZERO
+                    }
+                });
+                if wa != 0.0 {
+                    let wv = f32x8::splat(wa);
+                    for c in 0..lanes {
+                        ra[c] = rv[c].mul_add(wv, ra[c]);
+                    }
+                }
+                if wb != 0.0 {
+                    let wv = f32x8::splat(wb);
+                    for c in 0..lanes {
+                        rb[c] = rv[c].mul_add(wv, rb[c]);
+                    }
+                }
+            }
+            for c in 0..lanes {
+                a[c * 8..c * 8 + 8].copy_from_slice(&ra[c].to_array());
+                b[c * 8..c * 8 + 8].copy_from_slice(&rb[c].to_array());
+            }
+            j += 2;
+            continue;
+        }
+        let a = &mut acc[j * HD..(j + 1) * HD];
         let mut regs = [f32x8::ZERO; MAX_LANES];
         for (c, v) in regs.iter_mut().enumerate().take(lanes) {
             *v = crate::ops::simd::load8(&a[c * 8..]);
@@ -229,6 +197,7 @@ fn axpy_rows_k<E: Elem, const HD: usize>(
         for (c, v) in regs.iter().enumerate().take(lanes) {
             a[c * 8..c * 8 + 8].copy_from_slice(&v.to_array());
         }
+        j += 1;
     }
 }
 

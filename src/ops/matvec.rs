@@ -1,16 +1,27 @@
 //! Matrix-vector products over weights kept in their file dtype.
 //!
 //! A [`Matrix`] is a row-major `(rows, cols)` view of a tensor's bytes (mmap or owned).
-//! f16/bf16 rows are widened to f32 in small stack chunks, so weights are read once in
-//! their stored width. Rows are split across rayon tasks; each row's dot product is
-//! sequential in a fixed order, so the result does not depend on the thread count.
+//! f16/bf16 rows are widened to f32 in registers, so weights are read once in their
+//! stored width. Rows are split across rayon tasks; each row's dot product has one fixed
+//! order (below), so the result does not depend on the thread count or on whether a
+//! token is decoded alone ([`matvec`]) or inside a prefill batch ([`matmul`]).
+//!
+//! The order of a float row's dot product `w · x` (`n = cols`, `n8 = n - n % 8`): one
+//! f32x8 accumulator with lane `l` holding `Σ_{i ≡ l (mod 8), i < n8} w_i·x_i` (fused
+//! multiply-adds in increasing `i`), its lanes summed as
+//! `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, plus the scalar tail
+//! `Σ_{i ≥ n8} w_i·x_i` summed from zero. The kernels keep several rows (or rows ×
+//! tokens) in flight, one accumulator each, and reduce eight of them with one transpose
+//! ([`crate::quant::reduce8`]).
 
 use super::qdot::{self, QuantizedActs};
-use super::simd;
+use super::simd::{load8, Elem};
 use crate::dtype::DType;
+use crate::quant::reduce8;
 use crate::weights::{dequantize_into, Tensor, TensorBytes};
 use half::{bf16, f16};
 use rayon::prelude::*;
+use wide::f32x8;
 
 /// A row-major `(rows, cols)` weight matrix.
 #[derive(Clone)]
@@ -26,9 +37,6 @@ impl std::fmt::Debug for Matrix {
         write!(f, "Matrix({}x{} {})", self.rows, self.cols, self.dtype)
     }
 }
-
-/// Widening chunk: values converted to f32 on the stack at a time.
-const CHUNK: usize = 64;
 
 impl Matrix {
     /// Wraps a 2-D tensor. The loader has checked the shape and byte length.
@@ -62,70 +70,6 @@ impl Matrix {
         let b = &self.bytes()[r * row_bytes..(r + 1) * row_bytes];
         dequantize_into(self.dtype, b, out);
     }
-
-    /// Length of the partial sums a row's dot product is split into: f32 rows are one
-    /// run, f16/bf16 rows are widened 64 values at a time, GGML blocks are 32 values.
-    /// `matvec` and `matmul` use the same split, so a token gets bit-identical results
-    /// whether it is processed alone (decode) or in a batch (prefill).
-    fn dot_chunk(&self) -> usize {
-        match self.dtype {
-            DType::F32 => usize::MAX,
-            DType::F16 | DType::BF16 => CHUNK,
-            _ => self.dtype.block_len(),
-        }
-    }
-
-    /// Row `r` widened/dequantised to f32 into `buf` (`cols` values).
-    fn widen_row(&self, r: usize, buf: &mut [f32]) {
-        let c = self.cols;
-        match self.dtype {
-            DType::F32 => {
-                let w: &[f32] = bytemuck::cast_slice(self.bytes());
-                buf.copy_from_slice(&w[r * c..(r + 1) * c]);
-            }
-            DType::F16 => {
-                let w: &[f16] = bytemuck::cast_slice(self.bytes());
-                widen_f16(&w[r * c..(r + 1) * c], buf);
-            }
-            DType::BF16 => {
-                let w: &[bf16] = bytemuck::cast_slice(self.bytes());
-                widen_bf16(&w[r * c..(r + 1) * c], buf);
-            }
-            _ => self.row_f32(r, buf),
-        }
-    }
-
-    /// Dot product of row `r` with `x`.
-    #[inline]
-    pub fn row_dot(&self, r: usize, x: &[f32]) -> f32 {
-        let c = self.cols;
-        match self.dtype {
-            DType::F32 => {
-                let w: &[f32] = bytemuck::cast_slice(self.bytes());
-                simd::dot(&w[r * c..(r + 1) * c], x)
-            }
-            DType::F16 => {
-                let w: &[f16] = bytemuck::cast_slice(self.bytes());
-                dot_widen(&w[r * c..(r + 1) * c], x, widen_f16)
-            }
-            DType::BF16 => {
-                let w: &[bf16] = bytemuck::cast_slice(self.bytes());
-                dot_widen(&w[r * c..(r + 1) * c], x, widen_bf16)
-            }
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
-                let row_bytes = self.dtype.bytes_for(c).expect("validated at load");
-                let b = &self.bytes()[r * row_bytes..(r + 1) * row_bytes];
-                let mut buf = [0.0f32; 32];
-                let bb = self.dtype.block_bytes();
-                let mut acc = 0.0f32;
-                for (k, blk) in b.chunks_exact(bb).enumerate() {
-                    dequantize_into(self.dtype, blk, &mut buf);
-                    acc += simd::dot(&buf, &x[k * 32..(k + 1) * 32]);
-                }
-                acc
-            }
-        }
-    }
 }
 
 impl Matrix {
@@ -140,6 +84,118 @@ impl Matrix {
             DType::Q4_0 => qdot::dot_q4_0(b, a),
             DType::Q4_1 => qdot::dot_q4_1(b, a),
             other => unreachable!("row_dot_q on {other}"),
+        }
+    }
+}
+
+/// Rows one [`matvec`] kernel call keeps in flight (one accumulator each).
+const RB: usize = 8;
+
+/// `out[k] = row (r0 + k) · x` for `k < out.len() ≤ 8`, in the canonical order. Rows
+/// past the end are computed on a repeat of the last row and dropped, so every row is
+/// reduced the same way wherever it falls.
+#[inline(always)]
+fn rows8<E: Elem>(w: &[E], cols: usize, r0: usize, x: &[f32], out: &mut [f32]) {
+    let last = w.len() / cols - 1;
+    let rows: [&[E]; RB] = std::array::from_fn(|k| {
+        let r = (r0 + k).min(last);
+        &w[r * cols..(r + 1) * cols]
+    });
+    let x = &x[..cols];
+    let n8 = cols - cols % 8;
+    let mut acc = [f32x8::ZERO; RB];
+    let mut i = 0;
+    while i < n8 {
+        let xv = load8(&x[i..]);
+        for (a, row) in acc.iter_mut().zip(&rows) {
+            *a = E::load8(&row[i..]).mul_add(xv, *a);
+        }
+        i += 8;
+    }
+    let part: [(f32x8, f32); RB] = std::array::from_fn(|k| (acc[k], tail(rows[k], x, n8)));
+    let n = out.len();
+    out.copy_from_slice(&reduce8(part).to_array()[..n]);
+}
+
+/// `Σ_{i ≥ n8} w_i · x_i`, summed from zero (the scalar tail of the canonical order).
+#[inline(always)]
+fn tail<E: Elem>(w: &[E], x: &[f32], n8: usize) -> f32 {
+    let mut t = 0.0f32;
+    for (wi, xi) in w[n8..].iter().zip(&x[n8..]) {
+        t += xi * wi.to_f32();
+    }
+    t
+}
+
+/// Rows × tokens of the [`matmul`] micro-kernel (one accumulator each).
+const MR: usize = 4;
+const MT: usize = 2;
+
+/// `out[(t0 + j) * rows + r0 + k] = row (r0 + k) · xs[t0 + j]` for `k < MR`, `j < MT`
+/// within the matrix's rows and the tile's tokens (`xs`: `(tokens, cols)`, `out`:
+/// `(tokens, rows)`). Each value is summed in the canonical order, so it equals
+/// [`rows8`]'s. Each widened weight vector feeds `MT` tokens and each activation vector
+/// `MR` rows.
+#[inline(always)]
+fn tile<E: Elem>(w: &[E], cols: usize, r0: usize, xs: &[f32], t0: usize, out: &mut [f32]) {
+    let rows_total = w.len() / cols;
+    let n = xs.len() / cols;
+    let rows: [&[E]; MR] = std::array::from_fn(|k| {
+        let r = (r0 + k).min(rows_total - 1);
+        &w[r * cols..(r + 1) * cols]
+    });
+    let toks: [&[f32]; MT] = std::array::from_fn(|j| {
+        let t = (t0 + j).min(n - 1);
+        &xs[t * cols..(t + 1) * cols]
+    });
+    let n8 = cols - cols % 8;
+    let mut acc = [[f32x8::ZERO; MT]; MR];
+    let mut i = 0;
+    while i < n8 {
+        let xv: [f32x8; MT] = std::array::from_fn(|j| load8(&toks[j][i..]));
+        for (ar, row) in acc.iter_mut().zip(&rows) {
+            let wv = E::load8(&row[i..]);
+            for (a, x) in ar.iter_mut().zip(&xv) {
+                *a = wv.mul_add(*x, *a);
+            }
+        }
+        i += 8;
+    }
+    let mut sums = [0.0f32; MR * MT];
+    for (c, chunk) in sums.chunks_mut(8).enumerate() {
+        let part: [(f32x8, f32); 8] = std::array::from_fn(|l| {
+            let q = c * 8 + l;
+            if q < MR * MT {
+                let (k, j) = (q / MT, q % MT);
+                (acc[k][j], tail(rows[k], toks[j], n8))
+            } else {
+                (f32x8::ZERO, 0.0)
+            }
+        });
+        let m = chunk.len();
+        chunk.copy_from_slice(&reduce8(part).to_array()[..m]);
+    }
+    for j in 0..MT.min(n - t0) {
+        for k in 0..MR.min(rows_total - r0) {
+            out[(t0 + j) * rows_total + r0 + k] = sums[k * MT + j];
+        }
+    }
+}
+
+/// The weights of a float matrix as their element type.
+enum FloatRows<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+}
+
+impl Matrix {
+    fn float_rows(&self) -> Option<FloatRows<'_>> {
+        match self.dtype {
+            DType::F32 => Some(FloatRows::F32(bytemuck::cast_slice(self.bytes()))),
+            DType::F16 => Some(FloatRows::F16(bytemuck::cast_slice(self.bytes()))),
+            DType::BF16 => Some(FloatRows::Bf16(bytemuck::cast_slice(self.bytes()))),
+            _ => None,
         }
     }
 }
@@ -159,50 +215,26 @@ impl<'a> Input<'a> {
             .then(|| QuantizedActs::from_f32(x));
         Input { x, q }
     }
-    #[inline]
-    fn dot(&self, m: &Matrix, r: usize) -> f32 {
-        match &self.q {
-            Some(q) if m.dtype.is_quantized() => m.row_dot_q(r, q),
-            _ => m.row_dot(r, self.x),
+
+    /// `out[j] = row (r0 + j) · x` for every `j < out.len()`.
+    fn rows(&self, m: &Matrix, r0: usize, out: &mut [f32]) {
+        fn run<E: Elem>(w: &[E], cols: usize, r0: usize, x: &[f32], out: &mut [f32]) {
+            for (b, o) in out.chunks_mut(RB).enumerate() {
+                rows8(w, cols, r0 + b * RB, x, o);
+            }
+        }
+        match (m.float_rows(), &self.q) {
+            (Some(FloatRows::F32(w)), _) => run(w, m.cols, r0, self.x, out),
+            (Some(FloatRows::F16(w)), _) => run(w, m.cols, r0, self.x, out),
+            (Some(FloatRows::Bf16(w)), _) => run(w, m.cols, r0, self.x, out),
+            (None, Some(q)) => {
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = m.row_dot_q(r0 + j, q);
+                }
+            }
+            (None, None) => unreachable!("quantised matrix without quantised input"),
         }
     }
-}
-
-fn widen_f16(src: &[f16], dst: &mut [f32]) {
-    use half::slice::HalfFloatSliceExt;
-    src.convert_to_f32_slice(dst);
-}
-
-fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = f32::from_bits((s.to_bits() as u32) << 16);
-    }
-}
-
-/// `Σ_chunks dot(w_chunk, x_chunk)` over an already-widened row: the same partial sums
-/// as [`Matrix::row_dot`] for that dtype.
-#[inline]
-fn dot_chunked(w: &[f32], x: &[f32], chunk: usize) -> f32 {
-    if chunk >= w.len() {
-        return simd::dot(w, x);
-    }
-    let mut acc = 0.0f32;
-    for (wc, xc) in w.chunks(chunk).zip(x.chunks(chunk)) {
-        acc += simd::dot(wc, xc);
-    }
-    acc
-}
-
-#[inline]
-fn dot_widen<T: Copy>(w: &[T], x: &[f32], widen: fn(&[T], &mut [f32])) -> f32 {
-    let mut buf = [0.0f32; CHUNK];
-    let mut acc = 0.0f32;
-    for (wc, xc) in w.chunks(CHUNK).zip(x.chunks(CHUNK)) {
-        let n = wc.len();
-        widen(wc, &mut buf[..n]);
-        acc += simd::dot(&buf[..n], xc);
-    }
-    acc
 }
 
 /// Below this many multiply-adds a product runs on the calling thread (rayon's wake-up
@@ -222,37 +254,45 @@ pub fn matvec_many(mats: &[&Matrix], x: &[f32], outs: &mut [&mut [f32]]) {
     debug_assert_eq!(mats.len(), outs.len());
     let input = Input::new(x, mats);
     let work: usize = mats.iter().map(|m| m.rows * m.cols).sum();
-    if work < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
+    let threads = rayon::current_num_threads();
+    if work < PAR_MIN_WORK || threads == 1 {
         for (m, o) in mats.iter().zip(outs.iter_mut()) {
-            for (r, v) in o.iter_mut().enumerate() {
-                *v = input.dot(m, r);
-            }
+            input.rows(m, 0, o);
         }
         return;
     }
-    let threads = rayon::current_num_threads();
+    // About two tasks per thread, each a multiple of RB rows.
     let mut tasks: Vec<(&Matrix, usize, &mut [f32])> = Vec::new();
     for (m, o) in mats.iter().zip(outs.iter_mut()) {
-        let chunk = (m.rows / (threads * 4)).clamp(4, 256);
+        let share = m.rows * m.cols * 2 * threads / work.max(1);
+        let chunk = m.rows.div_ceil(share.max(1)).next_multiple_of(RB);
         for (ci, oc) in o.chunks_mut(chunk).enumerate() {
             tasks.push((m, ci * chunk, oc));
         }
     }
-    tasks.into_par_iter().for_each(|(m, base, oc)| {
-        for (j, v) in oc.iter_mut().enumerate() {
-            *v = input.dot(m, base + j);
-        }
-    });
+    tasks
+        .into_par_iter()
+        .for_each(|(m, base, oc)| input.rows(m, base, oc));
 }
 
-/// Tokens per tile in [`matmul`]: a widened weight row is reused across this many
-/// activations while it is in L1.
+/// Most tokens per [`matmul`] task: a tile's activations stay in L2 while each block of
+/// `MR` weight rows (in L1) meets all of them.
 const TOKEN_TILE: usize = 64;
 
+/// Tokens per [`matmul`] task: at most [`TOKEN_TILE`], small enough that every thread
+/// gets a tile, a multiple of `MT`.
+fn token_tile(n_tokens: usize) -> usize {
+    let threads = rayon::current_num_threads();
+    n_tokens
+        .div_ceil(threads)
+        .clamp(MT, TOKEN_TILE)
+        .next_multiple_of(MT)
+}
+
 /// Batched product for prefill: `out[t, r] = Σ_c w[r, c] · xs[t, c]` for `t < n_tokens`,
-/// with `xs` `(n_tokens, cols)` and `out` `(n_tokens, rows)`. Each weight row is read
-/// (and widened) once per tile of tokens; every `(t, r)` value equals what [`matvec`]
-/// gives for token `t` alone.
+/// with `xs` `(n_tokens, cols)` and `out` `(n_tokens, rows)`. Tasks own tiles of tokens
+/// (contiguous in `out`); inside, a register-blocked kernel over 4 rows × 2 tokens.
+/// Every `(t, r)` value equals what [`matvec`] gives for token `t` alone, bit for bit.
 pub fn matmul(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
     debug_assert_eq!(xs.len(), n_tokens * cols);
@@ -260,74 +300,65 @@ pub fn matmul(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
     if n_tokens == 1 {
         return matvec(w, xs, out);
     }
-    if w.dtype.is_quantized() {
+    let Some(fw) = w.float_rows() else {
         return matmul_quantized(w, xs, n_tokens, out);
-    }
-    let chunk = w.dot_chunk();
-    // (rows, n_tokens): each task owns whole rows, so writes stay disjoint.
-    let mut tr = vec![0.0f32; rows * n_tokens];
-    let row_block = 16usize;
-    let body = |(bi, block): (usize, &mut [f32])| {
-        let mut buf = vec![0.0f32; cols];
-        let r0 = bi * row_block;
-        for (j, orow) in block.chunks_mut(n_tokens).enumerate() {
-            w.widen_row(r0 + j, &mut buf);
-            for t0 in (0..n_tokens).step_by(TOKEN_TILE) {
-                let t1 = (t0 + TOKEN_TILE).min(n_tokens);
-                for t in t0..t1 {
-                    orow[t] = dot_chunked(&buf, &xs[t * cols..(t + 1) * cols], chunk);
-                }
+    };
+    fn run<E: Elem>(w: &[E], cols: usize, xs: &[f32], out: &mut [f32]) {
+        let rows = w.len() / cols;
+        for r in (0..rows).step_by(MR) {
+            for t in (0..xs.len() / cols).step_by(MT) {
+                tile(w, cols, r, xs, t, out);
             }
         }
+    }
+    let body = |(xt, ot): (&[f32], &mut [f32])| match fw {
+        FloatRows::F32(w) => run(w, cols, xt, ot),
+        FloatRows::F16(w) => run(w, cols, xt, ot),
+        FloatRows::Bf16(w) => run(w, cols, xt, ot),
     };
-    run_row_blocks(&mut tr, row_block, rows * cols, n_tokens, body);
-    transpose_into(&tr, rows, n_tokens, out);
+    for_each_token_tile(xs, cols, out, rows, rows * cols, body);
 }
 
 /// [`matmul`] for GGML-block weights: each token's activations are quantised once, then
-/// every row meets every token (values equal [`matvec`]'s).
+/// every row meets every token of the tile (values equal [`matvec`]'s).
 fn matmul_quantized(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
     let acts: Vec<QuantizedActs> = xs.chunks_exact(cols).map(QuantizedActs::from_f32).collect();
-    let mut tr = vec![0.0f32; rows * n_tokens];
-    let row_block = 16usize;
-    let body = |(bi, block): (usize, &mut [f32])| {
-        let r0 = bi * row_block;
-        for (j, orow) in block.chunks_mut(n_tokens).enumerate() {
-            for (t, o) in orow.iter_mut().enumerate() {
-                *o = w.row_dot_q(r0 + j, &acts[t]);
+    let tt = token_tile(n_tokens);
+    let body = |(ti, ot): (usize, &mut [f32])| {
+        let acts = &acts[ti * tt..];
+        for r in 0..rows {
+            for (t, orow) in ot.chunks_exact_mut(rows).enumerate() {
+                orow[r] = w.row_dot_q(r, &acts[t]);
             }
         }
     };
-    run_row_blocks(&mut tr, row_block, rows * cols, n_tokens, body);
-    transpose_into(&tr, rows, n_tokens, out);
-}
-
-/// Runs `body(block_index, block)` over blocks of `row_block` rows of a `(rows, n_tokens)`
-/// buffer, in parallel when the work (`weights · n_tokens`) pays for it.
-fn run_row_blocks(
-    tr: &mut [f32],
-    row_block: usize,
-    weights: usize,
-    n_tokens: usize,
-    body: impl Fn((usize, &mut [f32])) + Sync + Send,
-) {
-    if weights * n_tokens < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
-        tr.chunks_mut(row_block * n_tokens)
-            .enumerate()
-            .for_each(body);
+    if rows * cols * n_tokens < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
+        out.chunks_mut(tt * rows).enumerate().for_each(body);
     } else {
-        tr.par_chunks_mut(row_block * n_tokens)
-            .enumerate()
-            .for_each(body);
+        out.par_chunks_mut(tt * rows).enumerate().for_each(body);
     }
 }
 
-/// `(rows, n_tokens)` → `(n_tokens, rows)`.
-fn transpose_into(tr: &[f32], rows: usize, n_tokens: usize, out: &mut [f32]) {
-    for r in 0..rows {
-        for t in 0..n_tokens {
-            out[t * rows + r] = tr[r * n_tokens + t];
-        }
+/// Runs `body(xs_tile, out_tile)` over tiles of [`token_tile`] tokens (`xs`:
+/// `(n, cols)`, `out`: `(n, rows)`), in parallel when the work (`weights · n`) pays.
+fn for_each_token_tile(
+    xs: &[f32],
+    cols: usize,
+    out: &mut [f32],
+    rows: usize,
+    weights: usize,
+    body: impl Fn((&[f32], &mut [f32])) + Sync + Send,
+) {
+    let n = xs.len() / cols;
+    let tt = token_tile(n);
+    if weights * n < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
+        xs.chunks(tt * cols)
+            .zip(out.chunks_mut(tt * rows))
+            .for_each(body);
+    } else {
+        xs.par_chunks(tt * cols)
+            .zip(out.par_chunks_mut(tt * rows))
+            .for_each(body);
     }
 }

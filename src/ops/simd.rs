@@ -1,6 +1,7 @@
 //! Vector primitives over `wide::f32x8`, each with a scalar tail.
 
-use wide::f32x8;
+use half::{bf16, f16, slice::HalfFloatSliceExt};
+use wide::{f32x8, i32x8, u16x8};
 
 const W: usize = 8;
 
@@ -65,4 +66,83 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
 /// Scalar twin of [`dot`] (sequential sum), for tests.
 pub fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// A stored float element type (weights, plain cache rows) widened to f32 for compute.
+pub trait Elem: Copy + Default + Send + Sync + 'static {
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+    /// Widens `src[..8]` in registers (exact for every element type).
+    fn load8(src: &[Self]) -> f32x8;
+    /// Widens a slice (exact for every element type).
+    #[inline]
+    fn widen(src: &[Self], out: &mut [f32]) {
+        for (o, &s) in out.iter_mut().zip(src) {
+            *o = s.to_f32();
+        }
+    }
+}
+
+impl Elem for f32 {
+    #[inline]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn load8(src: &[Self]) -> f32x8 {
+        load8(src)
+    }
+}
+
+impl Elem for f16 {
+    /// Saturating, so a value just beyond f16's range does not become infinite.
+    #[inline]
+    fn from_f32(x: f32) -> Self {
+        crate::quant::f16_saturating(x)
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline]
+    fn widen(src: &[Self], out: &mut [f32]) {
+        src.convert_to_f32_slice(out);
+    }
+    /// `half`'s 8-lane conversion (F16C `vcvtph2ps` / NEON `fcvtl` when compiled for them).
+    #[inline(always)]
+    fn load8(src: &[Self]) -> f32x8 {
+        let mut a = [0.0f32; 8];
+        src[..8].convert_to_f32_slice(&mut a);
+        f32x8::from(a)
+    }
+}
+
+impl Elem for bf16 {
+    #[inline]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    /// bf16 is the top half of an f32: widening is a shift, as `bf16::to_f32` does for
+    /// every value `bf16::from_f32` produces (it only differs on signalling NaNs).
+    #[inline]
+    fn widen(src: &[Self], out: &mut [f32]) {
+        for (o, s) in out.iter_mut().zip(src) {
+            *o = f32::from_bits((s.to_bits() as u32) << 16);
+        }
+    }
+    #[inline(always)]
+    fn load8(src: &[Self]) -> f32x8 {
+        let a: [u16; 8] = bytemuck::cast_slice::<bf16, u16>(&src[..8])
+            .try_into()
+            .expect("8 lanes");
+        bytemuck::cast(i32x8::from_u16x8(u16x8::new(a)) << 16)
+    }
 }
