@@ -265,6 +265,29 @@ fn rmsnorm_swiglu_argmax_match_reference() {
             assert!((g[i] - want).abs() <= 1e-6 * want.abs().max(1.0));
         }
     }
+    // Extreme gates: beyond the SIMD exp's range (|g| > 87) on both sides, tiny values,
+    // signed zeros; every length around the 8-lane boundary.
+    let extremes = [
+        -1000.0f32, -200.0, -88.5, -87.5, -87.0, -86.9, -30.0, -1e-30, -0.0, 0.0, 1e-30, 30.0,
+        86.9, 87.5, 88.5, 200.0, 1000.0,
+    ];
+    for n in 1..=extremes.len() {
+        let x = &extremes[..n];
+        let up: Vec<f32> = (0..n).map(|i| 0.5 + i as f32 * 0.25).collect();
+        let mut g = x.to_vec();
+        ops::swiglu(&mut g, &up);
+        for i in 0..n {
+            let want = tinygpt_reference::model::silu(x[i]) * up[i];
+            assert!(
+                (g[i] - want).abs() <= 1e-6 * want.abs() + 1e-30,
+                "swiglu({}) * {}: {} vs {}",
+                x[i],
+                up[i],
+                g[i],
+                want
+            );
+        }
+    }
     assert_eq!(
         ops::argmax(&[1.0, 3.0, 3.0, 2.0]),
         1,
