@@ -150,21 +150,30 @@ impl EngineArgs {
         }
     }
 
-    /// Sets up the global rayon pool.
-    pub fn init_threads(&self) -> Result<()> {
+    /// Runs `f` on a worker of a rayon pool of `--threads` threads (default: all cores).
+    /// The decode loop then runs *inside* the pool, so each kernel's parallel region is
+    /// a hot fork-join among awake workers instead of a job injected from the main
+    /// thread and waited for on a sleeping latch (which cost more than a tiny model's
+    /// whole matvec).
+    pub fn in_pool<T: Send>(
+        &self,
+        f: impl FnOnce() -> anyhow::Result<T> + Send,
+    ) -> anyhow::Result<T> {
+        let mut b = rayon::ThreadPoolBuilder::new();
         if let Some(n) = self.threads {
             if n == 0 || n > 1024 {
                 return Err(Error::flag(
                     "--threads",
                     format!("must be between 1 and 1024, got {n}"),
-                ));
+                )
+                .into());
             }
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(n)
-                .build_global()
-                .map_err(|e| Error::flag("--threads", e.to_string()))?;
+            b = b.num_threads(n);
         }
-        Ok(())
+        let pool = b
+            .build()
+            .map_err(|e| Error::flag("--threads", e.to_string()))?;
+        pool.install(f)
     }
 }
 

@@ -34,7 +34,11 @@ pub struct CompareArgs {
 }
 
 pub fn run(a: CompareArgs) -> anyhow::Result<()> {
-    a.engine.init_threads()?;
+    let engine = a.engine.clone();
+    engine.in_pool(move || run_in_pool(a))
+}
+
+fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
     let base = a.cache.kv_config()?;
     let text = crate::eval::read_text(&a.prompts)?;
     let prompts: Vec<&str> = text

@@ -65,7 +65,26 @@ pub fn write_tinygpt(f: &ModelFiles, out: &std::path::Path) -> crate::Result<()>
             .map_err(|e| Error::tensor(&f.path, &t.name, e.to_string()))?;
         views.push((t.name.clone(), view));
     }
-    safetensors::serialize_to_file(views, Some(meta), out)
+    let bytes = safetensors::serialize(views, Some(meta))
         .map_err(|e| Error::format(out, format!("cannot write: {e}")))?;
+    std::fs::write(out, align_data_section(&bytes)).map_err(|e| Error::io(out, e))?;
     Ok(())
+}
+
+/// Data-section alignment of the files `convert` writes: a cache line, so mmapped rows
+/// whose byte length is a multiple of 64 start on one and SIMD loads never straddle two.
+const DATA_ALIGN: usize = 64;
+
+/// Pads a serialised safetensors header with trailing spaces (JSON whitespace, which
+/// every safetensors reader accepts) so the data section starts `DATA_ALIGN`-aligned.
+/// Tensor offsets are relative to the data section, so they stay valid.
+fn align_data_section(st: &[u8]) -> Vec<u8> {
+    let n = u64::from_le_bytes(st[..8].try_into().expect("8-byte length prefix")) as usize;
+    let pad = (DATA_ALIGN - (8 + n) % DATA_ALIGN) % DATA_ALIGN;
+    let mut out = Vec::with_capacity(st.len() + pad);
+    out.extend_from_slice(&((n + pad) as u64).to_le_bytes());
+    out.extend_from_slice(&st[8..8 + n]);
+    out.resize(out.len() + pad, b' ');
+    out.extend_from_slice(&st[8 + n..]);
+    out
 }

@@ -43,7 +43,11 @@ pub struct PerplexityArgs {
 }
 
 pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
-    a.engine.init_threads()?;
+    let engine = a.engine.clone();
+    engine.in_pool(move || run_in_pool(a))
+}
+
+fn run_in_pool(a: PerplexityArgs) -> anyhow::Result<()> {
     let base = a.cache.kv_config()?;
     if a.chunk == 0 {
         return Err(Error::flag("--chunk", "must be > 0").into());

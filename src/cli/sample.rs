@@ -51,7 +51,11 @@ pub struct SampleArgs {
 }
 
 pub fn run(a: SampleArgs) -> anyhow::Result<()> {
-    a.engine.init_threads()?;
+    let engine = a.engine.clone();
+    engine.in_pool(move || run_in_pool(a))
+}
+
+fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
     let kv = a.cache.kv_config()?;
     let t_load = Instant::now();
     let files = open_model(&a.model)?;
