@@ -29,8 +29,9 @@ pub enum Backing {
     Mmap(memmap2::Mmap),
     /// Bytes compiled into the binary (the bundled default model).
     Static(&'static [u8]),
-    /// An owned buffer; `u64` words keep it 8-byte aligned. `.1` is the byte length.
-    Owned(Vec<u64>, usize),
+    /// An owned buffer of SIMD vectors, so rows start on a vector boundary (no load
+    /// straddles two cache lines). `.1` is the byte length.
+    Owned(Vec<wide::f32x8>, usize),
     /// A GGUF file (itself an mmap), shared by the tensors that borrow from it.
     Gguf(Arc<crate::gguf::GgufFile>),
 }
@@ -45,10 +46,11 @@ impl Backing {
         }
     }
 
-    /// Copies `bytes` into an 8-byte-aligned owned buffer.
+    /// Copies `bytes` into a vector-aligned owned buffer.
     pub fn owned(bytes: &[u8]) -> Backing {
-        let mut words = vec![0u64; bytes.len().div_ceil(8)];
-        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+        let mut words = vec![wide::f32x8::ZERO; bytes.len().div_ceil(32)];
+        bytemuck::cast_slice_mut::<wide::f32x8, u8>(&mut words)[..bytes.len()]
+            .copy_from_slice(bytes);
         Backing::Owned(words, bytes.len())
     }
 
@@ -221,8 +223,10 @@ impl std::fmt::Debug for ModelFiles {
     }
 }
 
-/// The bundled default model: a `.tinygpt` compiled into the binary (8-byte aligned).
-#[repr(C, align(8))]
+/// The bundled default model: a `.tinygpt` compiled into the binary, 64-byte aligned.
+/// Its header is padded so the data section starts on a 64-byte boundary (see
+/// `fixtures/make_fixtures.py`), so every weight row starts on a cache line.
+#[repr(C, align(64))]
 struct Aligned<T: ?Sized>(T);
 static BUNDLED: &Aligned<[u8]> = &Aligned(*include_bytes!("../fixtures/tiny.tinygpt"));
 

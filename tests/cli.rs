@@ -208,6 +208,25 @@ fn inspect_and_convert_round_trip() {
             .clone()
     };
     assert_eq!(go(out_path.to_str().unwrap()), go(tiny.to_str().unwrap()));
+    // the data section starts on a cache line, so mmapped rows are 64-byte aligned
+    let bytes = std::fs::read(&out_path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    assert_eq!(
+        (8 + n) % 64,
+        0,
+        "data section of the converted file at {}",
+        8 + n
+    );
+    let files = tinygpt_cpu::weights::ModelFiles::open(Some(&out_path)).unwrap();
+    for t in files.tensors.values() {
+        let addr = t.data.bytes().as_ptr() as usize;
+        assert_eq!(
+            addr % 64,
+            0,
+            "{} is not 64-byte aligned in the mmap",
+            t.name
+        );
+    }
 }
 
 #[test]

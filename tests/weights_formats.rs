@@ -147,6 +147,19 @@ fn weights_dtype_conversions() {
     assert!(err < 0.25, "bf16 weights moved logits by {err}");
 }
 
+/// The bundled model's header is padded (fixtures/make_fixtures.py) and the binary's copy
+/// is 64-byte aligned, so every weight row starts on a cache line: SIMD loads of the
+/// 128-float rows never straddle two lines.
+#[test]
+fn bundled_weights_are_cache_line_aligned_and_not_copied() {
+    let files = ModelFiles::open(None).unwrap();
+    for t in files.tensors.values() {
+        assert!(t.data.is_mapped(), "{} was copied at load", t.name);
+        let addr = t.data.bytes().as_ptr() as usize;
+        assert_eq!(addr % 64, 0, "{} starts at {addr:#x}", t.name);
+    }
+}
+
 #[test]
 fn f32_weights_are_memory_mapped_not_copied() {
     let files = ModelFiles::open(Some(&fixtures().join("tiny"))).unwrap();
