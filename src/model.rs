@@ -208,7 +208,7 @@ impl Model {
         let t = ModelTensors::collect(files)?;
         let cfg = files.config.clone();
         let vecf = |t: &Tensor| t.to_f32();
-        let layers = t
+        let layers: Vec<Layer> = t
             .layers
             .iter()
             .map(|l| Layer {
@@ -226,11 +226,31 @@ impl Model {
                 w_down: matrix(l.w_down, wdtype),
             })
             .collect();
+        let mut layers: Vec<Layer> = layers;
         let embed = matrix(t.embed, wdtype);
-        let lm_head = match t.lm_head {
+        let mut lm_head = match t.lm_head {
             Some(h) => matrix(h, wdtype),
             None => embed.clone(),
         };
+        // Weights that do not fit in cache are re-read from DRAM every token: walk their
+        // rows as one sequential stream (values are the same either way). The embedding
+        // is only looked up by row, so it does not count.
+        let mut mats: Vec<&mut Matrix> = vec![&mut lm_head];
+        for l in layers.iter_mut() {
+            mats.extend([
+                &mut l.wq,
+                &mut l.wk,
+                &mut l.wv,
+                &mut l.wo,
+                &mut l.w_gate,
+                &mut l.w_up,
+                &mut l.w_down,
+            ]);
+        }
+        let total: usize = mats.iter().map(|m| m.byte_len()).sum();
+        for m in mats {
+            m.set_streamed(total > ops::matvec::STREAM_BYTES);
+        }
         Ok(Model {
             rope: RopeTable::new(&cfg),
             layers,

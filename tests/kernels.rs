@@ -114,6 +114,20 @@ fn float_matvec_matches_reference_and_matmul_matches_matvec() {
                     let x = &xs[t * cols..(t + 1) * cols];
                     let mut got = vec![0.0f32; rows];
                     matvec(&m, x, &mut got);
+                    // Rows streamed one at a time (DRAM-sized models) give the same bits.
+                    let mut streamed = m.clone();
+                    streamed.set_streamed(true);
+                    let mut got_streamed = vec![0.0f32; rows];
+                    matvec(&streamed, x, &mut got_streamed);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    prop_assert_eq!(
+                        bits(&got),
+                        bits(&got_streamed),
+                        "{} {}x{}",
+                        dtype,
+                        rows,
+                        cols
+                    );
                     let mut want = vec![0.0f32; rows];
                     tinygpt_reference::model::matvec(&wq, x, &mut want);
                     for r in 0..rows {
