@@ -470,8 +470,11 @@ impl LayerKv {
 
     /// Calls `f` on the runs that make up KV head `h`'s stored rows, in logical order
     /// (their `first` fields are `0, len_0, len_0 + len_1, ...` up to `len()`). Runs break
-    /// at the sink/recent seam, the prefix/body border, the ring's wrap, K group borders
-    /// and the start of the K residual, so O(stored / G + 1) runs.
+    /// at the sink/recent seam, the prefix/body border, the ring's wrap and the start of
+    /// the K residual; under a group ring (StreamingLLM) also at every K group border,
+    /// whereas a dense cache's complete groups share one run (its parameter slots are
+    /// consecutive; `ChannelRun` walks the groups itself), so a 16K-row dense step costs a
+    /// handful of runs instead of 512 per head.
     pub(crate) fn for_each_run<'a>(&'a self, h: usize, mut f: impl FnMut(Run<'a>)) {
         let t = self.appended;
         let p = self.prefix;
@@ -500,7 +503,13 @@ impl LayerKv {
                     end = end.min((bi / m + 1) * m);
                 }
                 if kivi {
-                    end = end.min((bi / g + 1) * g);
+                    // Complete K groups share a run while their parameter slots are
+                    // consecutive (no group ring); the incomplete group is its own run.
+                    end = if bi / g < done && self.group_ring.is_none() {
+                        end.min(done * g)
+                    } else {
+                        end.min((bi / g + 1) * g)
+                    };
                 }
                 let len = end - bi;
                 let slot = self.body_slot(bi);
@@ -508,7 +517,7 @@ impl LayerKv {
                 let key = match &self.body_k {
                     BodyK::Plain(q) => KeyRun::Plain(q.run(h, slots.clone())),
                     BodyK::Kivi(q) if bi / g < done => {
-                        KeyRun::Channel(q.run(h, slots.clone(), self.group_slot(bi / g)))
+                        KeyRun::Channel(q.run(h, slots.clone(), self.group_slot(bi / g), bi % g))
                     }
                     BodyK::Kivi(q) => KeyRun::Plain(q.residual_run(h, bi..end)),
                 };
@@ -649,8 +658,8 @@ impl KvCache {
 mod tests {
     use super::*;
 
-    /// The runs tile the stored rows in logical order, never cross a ring wrap or a K
-    /// group, and their rows (read through the run views) are bit-identical to
+    /// The runs tile the stored rows in logical order, never cross a ring wrap (nor a K
+    /// group under a group ring; dense KIVI runs span many complete groups), and their rows (read through the run views) are bit-identical to
     /// `key(i)` / `value(i)`, across prefix, sinks, ring wraps, complete groups and the
     /// residual, for every precision.
     #[test]

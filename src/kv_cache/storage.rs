@@ -665,23 +665,29 @@ impl ChannelQuant {
         out.copy_from_slice(&self.residual[h][r * hd..(r + 1) * hd]);
     }
 
-    /// A view of the quantised rows in slots `slots` of KV head `h`, all of K group
-    /// slot `group_slot`.
+    /// A view of the quantised rows in slots `slots` of KV head `h`: complete groups in
+    /// consecutive group slots from `group_slot` on, the first row being row `offset` of
+    /// its group (earlier rows of that group may have been evicted).
     #[inline]
     pub(crate) fn run(
         &self,
         h: usize,
         slots: std::ops::Range<usize>,
         group_slot: usize,
+        offset: usize,
     ) -> ChannelRun<'_> {
-        let (hd, p) = (self.head_dim, self.packed);
+        let (hd, p, g) = (self.head_dim, self.packed, self.group_size);
+        let groups = (offset + slots.len()).div_ceil(g);
+        let params = group_slot * hd..(group_slot + groups) * hd;
         ChannelRun {
             bits: self.bits,
             hd,
             packed: p,
+            group: g,
+            offset,
             codes: &self.codes[h][slots.start * p..slots.end * p],
-            scale: &self.scale[h][group_slot * hd..(group_slot + 1) * hd],
-            zero: &self.zero[h][group_slot * hd..(group_slot + 1) * hd],
+            scale: &self.scale[h][params.clone()],
+            zero: &self.zero[h][params],
         }
     }
 
@@ -718,11 +724,15 @@ pub(crate) struct ChannelRun<'a> {
     bits: Bits,
     hd: usize,
     packed: usize,
+    /// rows per group
+    group: usize,
+    /// row of the first group at which the run starts
+    offset: usize,
     /// (len, packed)
     codes: &'a [u8],
-    /// (head_dim)
+    /// (groups, head_dim)
     scale: &'a [f16],
-    /// (head_dim)
+    /// (groups, head_dim)
     zero: &'a [f16],
 }
 
@@ -732,11 +742,23 @@ impl ChannelRun<'_> {
         self.codes.len() / self.packed
     }
 
-    /// Scores `out[j * stride + r] = q_j · k_r` with the group's scales folded into the
+    /// The run cut at group boundaries: `(k, rows)` for its `k`-th group, `rows` the
+    /// run-relative row range in it.
+    fn segments(&self) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> + '_ {
+        let (g, off, n) = (self.group, self.offset, self.len());
+        (0..(off + n).div_ceil(g)).map(move |k| {
+            let a = (k * g).saturating_sub(off);
+            let b = ((k + 1) * g - off).min(n);
+            (k, a..b)
+        })
+    }
+
+    /// Scores `out[j * stride + r] = q_j · k_r`: per group, its scales folded into the
     /// queries once (`fold`: `(queries, head_dim)` scratch), then one code dot product
-    /// per row and query: `q·k = Σ_c (q_c s_c) u_c + Σ_c q_c z_c`.
+    /// per row and query: `q·k = Σ_c (q_c s_c) u_c + Σ_c q_c z_c`. A row's score does not
+    /// depend on how many groups the run spans.
     pub(crate) fn dot_rows(&self, qs: &[f32], fold: &mut [f32], out: &mut [f32], stride: usize) {
-        let hd = self.hd;
+        let (hd, p) = (self.hd, self.packed);
         let nq = qs.len() / hd;
         let mut bias = [0.0f32; 16];
         let mut heap = Vec::new();
@@ -747,19 +769,33 @@ impl ChannelRun<'_> {
             &mut heap
         };
         let fold = &mut fold[..nq * hd];
-        for ((q, f), b) in qs
-            .chunks_exact(hd)
-            .zip(fold.chunks_exact_mut(hd))
-            .zip(bias.iter_mut())
-        {
-            *b = quant::fold_channels(q, self.scale, self.zero, f);
+        for (k, rows) in self.segments() {
+            let (scale, zero) = (
+                &self.scale[k * hd..(k + 1) * hd],
+                &self.zero[k * hd..(k + 1) * hd],
+            );
+            for ((q, f), b) in qs
+                .chunks_exact(hd)
+                .zip(fold.chunks_exact_mut(hd))
+                .zip(bias.iter_mut())
+            {
+                *b = quant::fold_channels(q, scale, zero, f);
+            }
+            quant::dot_codes_rows(
+                &self.codes[rows.start * p..rows.end * p],
+                fold,
+                bias,
+                self.bits,
+                &mut out[rows.start..],
+                stride,
+            );
         }
-        quant::dot_codes_rows(self.codes, fold, bias, self.bits, out, stride);
     }
 
     /// Calls `f(r0, rows)` with the rows dequantised into `buf` (exactly what `read_key`
-    /// returns), a block of up to `buf.len() / head_dim` rows at a time (`rows`:
-    /// `(m, head_dim)`, rows `r0..r0 + m`). `params` is `2 * head_dim` scratch.
+    /// returns), a block of up to `buf.len() / head_dim` rows of one group at a time
+    /// (`rows`: `(m, head_dim)`, run rows `r0..r0 + m`). `params` is `2 * head_dim`
+    /// scratch.
     pub(crate) fn for_each_block(
         &self,
         buf: &mut [f32],
@@ -770,15 +806,18 @@ impl ChannelRun<'_> {
         let block = buf.len() / hd;
         debug_assert!(block > 0);
         let (s, z) = params[..2 * hd].split_at_mut(hd);
-        self.scale.convert_to_f32_slice(s);
-        self.zero.convert_to_f32_slice(z);
-        for (b, codes) in self.codes.chunks(block * p).enumerate() {
-            let m = codes.len() / p;
-            let out = &mut buf[..m * hd];
-            for (row, c) in out.chunks_exact_mut(hd).zip(codes.chunks_exact(p)) {
-                quant::dequantize_channels_simd(c, s, z, self.bits, row);
+        for (k, rows) in self.segments() {
+            self.scale[k * hd..(k + 1) * hd].convert_to_f32_slice(s);
+            self.zero[k * hd..(k + 1) * hd].convert_to_f32_slice(z);
+            let codes = &self.codes[rows.start * p..rows.end * p];
+            for (b, codes) in codes.chunks(block * p).enumerate() {
+                let m = codes.len() / p;
+                let out = &mut buf[..m * hd];
+                for (row, c) in out.chunks_exact_mut(hd).zip(codes.chunks_exact(p)) {
+                    quant::dequantize_channels_simd(c, s, z, self.bits, row);
+                }
+                f(rows.start + b * block, out);
             }
-            f(b * block, out);
         }
     }
 }
