@@ -12,6 +12,11 @@
 //!   weighted sum, all 8 heads) over a layer holding 16K rows, throughput = bytes the
 //!   cache holds (what attention has to read per step).
 //!
+//! * `read_bandwidth/{size}-{threads}t`: the machine's read bandwidth, independent of our
+//!   kernels: summing an f32 buffer with eight f32x8 accumulators (threads split it).
+//!   `5.5MiB` is the bundled model's weight size (stays in L3 between passes), `64MiB`
+//!   streams from DRAM. The denominators of the bandwidth bound in benches/README.md.
+//!
 //! Names ending in `-cpu` are single-threaded runs timed with the thread's CPU-time clock
 //! (robust to other processes sharing the machine); the others are wall-clock time.
 //!
@@ -219,9 +224,54 @@ fn config() -> Criterion {
         .sample_size(10)
 }
 
+/// Sum of `x` with eight independent f32x8 accumulators: a pure streaming read.
+fn sum_read(x: &[f32]) -> f32 {
+    use wide::f32x8;
+    let mut acc = [f32x8::ZERO; 8];
+    for c in x.chunks_exact(64) {
+        for (j, a) in acc.iter_mut().enumerate() {
+            let v: [f32; 8] = c[j * 8..j * 8 + 8].try_into().expect("8 lanes");
+            *a += f32x8::from(v);
+        }
+    }
+    acc.iter().fold(f32x8::ZERO, |s, a| s + *a).reduce_add()
+}
+
+fn bench_read_bandwidth(c: &mut Criterion) {
+    use rayon::prelude::*;
+    let n = all_cores();
+    let pools = [(1usize, pool(1)), (n, pool(n))];
+    let mut g = c.benchmark_group("read_bandwidth");
+    for (label, bytes) in [("5.5MiB", 5_767_168usize), ("64MiB", 64 << 20)] {
+        // f32x8 elements: 32-byte aligned, so no load straddles a cache line.
+        let buf: Vec<wide::f32x8> = vec![wide::f32x8::splat(1e-3); bytes / 32];
+        let x: &[f32] = bytemuck::cast_slice(&buf);
+        g.throughput(Throughput::Bytes(bytes as u64));
+        for (t, p) in &pools {
+            for &clock in clocks(*t) {
+                let id = BenchmarkId::from_parameter(format!("{label}-{t}t{}", clock.suffix()));
+                g.bench_function(id, |b| {
+                    b.iter_custom(|iters| {
+                        p.install(|| {
+                            let chunk = x.len().div_ceil(*t).next_multiple_of(64);
+                            let t0 = clock.now();
+                            for _ in 0..iters {
+                                let s: f32 = x.par_chunks(chunk).map(sum_read).sum();
+                                black_box(s);
+                            }
+                            clock.now() - t0
+                        })
+                    })
+                });
+            }
+        }
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = config();
-    targets = bench_matvec, bench_append, bench_attention
+    targets = bench_read_bandwidth, bench_matvec, bench_append, bench_attention
 }
 criterion_main!(benches);

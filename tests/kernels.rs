@@ -92,7 +92,7 @@ fn float_matvec_matches_reference_and_matmul_matches_matvec() {
     let shapes = (
         1usize..70,
         prop::sample::select(LENGTHS.to_vec()),
-        1usize..6,
+        1usize..15,
     );
     runner
         .run(&(shapes, any::<u64>()), |((rows, cols, ntok), seed)| {

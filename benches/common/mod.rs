@@ -109,7 +109,10 @@ pub fn write_flagship(dir: &Path) -> PathBuf {
         (META_TOKENIZER.to_string(), tokenizer_json()),
     ]);
     let path = dir.join("flagship-huge.tinygpt");
-    safetensors::serialize_to_file(views, Some(meta), &path).expect("write .tinygpt");
+    // Laid out as `tinygpt-cpu convert` writes it: data section on a 64-byte boundary.
+    let st = safetensors::serialize(views, Some(meta)).expect("serialise .tinygpt");
+    let st = tinygpt_cpu::cli::convert::align_data_section(&st);
+    std::fs::write(&path, st).expect("write .tinygpt");
     path
 }
 

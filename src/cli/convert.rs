@@ -77,8 +77,9 @@ const DATA_ALIGN: usize = 64;
 
 /// Pads a serialised safetensors header with trailing spaces (JSON whitespace, which
 /// every safetensors reader accepts) so the data section starts `DATA_ALIGN`-aligned.
-/// Tensor offsets are relative to the data section, so they stay valid.
-fn align_data_section(st: &[u8]) -> Vec<u8> {
+/// Tensor offsets are relative to the data section, so they stay valid. `st` must be what
+/// `safetensors::serialize` returned (an 8-byte header length, the header, the data).
+pub fn align_data_section(st: &[u8]) -> Vec<u8> {
     let n = u64::from_le_bytes(st[..8].try_into().expect("8-byte length prefix")) as usize;
     let pad = (DATA_ALIGN - (8 + n) % DATA_ALIGN) % DATA_ALIGN;
     let mut out = Vec::with_capacity(st.len() + pad);
