@@ -208,7 +208,7 @@ impl Model {
         let t = ModelTensors::collect(files)?;
         let cfg = files.config.clone();
         let vecf = |t: &Tensor| t.to_f32();
-        let layers: Vec<Layer> = t
+        let mut layers: Vec<Layer> = t
             .layers
             .iter()
             .map(|l| Layer {
@@ -226,7 +226,6 @@ impl Model {
                 w_down: matrix(l.w_down, wdtype),
             })
             .collect();
-        let mut layers: Vec<Layer> = layers;
         let embed = matrix(t.embed, wdtype);
         let mut lm_head = match t.lm_head {
             Some(h) => matrix(h, wdtype),

@@ -121,7 +121,6 @@ fn axpy_rows_k<E: Elem, const HD: usize>(
     stride: usize,
     acc: &mut [f32],
 ) {
-    const MAX_LANES: usize = 16;
     if HD == 0 || !HD.is_multiple_of(8) || HD / 8 > MAX_LANES {
         for (j, a) in acc.chunks_exact_mut(hd).enumerate() {
             for (r, row) in d.chunks_exact(hd).enumerate() {
@@ -133,71 +132,68 @@ fn axpy_rows_k<E: Elem, const HD: usize>(
         }
         return;
     }
-    let lanes = HD / 8;
+    // With at most four lanes per row, one query leaves the FMA units half idle (four
+    // dependent chains): two queries of the group then share each row load and run
+    // eight chains. Each query's sum keeps its own row order either way.
     let nq = acc.len() / HD;
     let mut j = 0;
     while j < nq {
-        // With at most four lanes per row, one query leaves the FMA units half idle
-        // (four dependent chains); two queries of the group share each row load and
-        // run eight chains. Each query's sum keeps its own row order either way.
-        if lanes <= 4 && j + 1 < nq {
-            let (a, b) = acc[j * HD..(j + 2) * HD].split_at_mut(HD);
-            let mut ra = [f32x8::ZERO; 4];
-            let mut rb = [f32x8::ZERO; 4];
-            for c in 0..lanes {
-                ra[c] = crate::ops::simd::load8(&a[c * 8..]);
-                rb[c] = crate::ops::simd::load8(&b[c * 8..]);
-            }
-            for (r, row) in d.chunks_exact(HD).enumerate() {
-                let (wa, wb) = (p[j * stride + r], p[(j + 1) * stride + r]);
-                if wa == 0.0 && wb == 0.0 {
-                    continue;
-                }
-                let rv: [f32x8; 4] = std::array::from_fn(|c| {
-                    if c < lanes {
-                        E::load8(&row[c * 8..])
-                    } else {
-                        f32x8::ZERO
-                    }
-                });
-                if wa != 0.0 {
-                    let wv = f32x8::splat(wa);
-                    for c in 0..lanes {
-                        ra[c] = rv[c].mul_add(wv, ra[c]);
-                    }
-                }
-                if wb != 0.0 {
-                    let wv = f32x8::splat(wb);
-                    for c in 0..lanes {
-                        rb[c] = rv[c].mul_add(wv, rb[c]);
-                    }
-                }
-            }
-            for c in 0..lanes {
-                a[c * 8..c * 8 + 8].copy_from_slice(&ra[c].to_array());
-                b[c * 8..c * 8 + 8].copy_from_slice(&rb[c].to_array());
-            }
+        if HD / 8 <= 4 && j + 1 < nq {
+            axpy_rows_regs::<E, HD, 2, 4>(d, &p[j * stride..], stride, &mut acc[j * HD..]);
             j += 2;
+        } else {
+            axpy_rows_regs::<E, HD, 1, MAX_LANES>(d, &p[j * stride..], stride, &mut acc[j * HD..]);
+            j += 1;
+        }
+    }
+}
+
+/// Most f32x8 lanes per row kept in registers by [`axpy_rows_regs`].
+const MAX_LANES: usize = 16;
+
+/// [`axpy_rows_k`] for `Q` consecutive queries (`acc`: their `(Q, HD)` rows first,
+/// `p[q * stride + r]` their weights), accumulators in registers (`L ≥ HD / 8` lanes
+/// each), each row loaded once.
+#[inline(always)]
+fn axpy_rows_regs<E: Elem, const HD: usize, const Q: usize, const L: usize>(
+    d: &[E],
+    p: &[f32],
+    stride: usize,
+    acc: &mut [f32],
+) {
+    let lanes = HD / 8;
+    debug_assert!(lanes <= L);
+    let mut regs = [[f32x8::ZERO; L]; Q];
+    for (q, rq) in regs.iter_mut().enumerate() {
+        for (c, v) in rq.iter_mut().enumerate().take(lanes) {
+            *v = crate::ops::simd::load8(&acc[q * HD + c * 8..]);
+        }
+    }
+    for (r, row) in d.chunks_exact(HD).enumerate() {
+        let w: [f32; Q] = std::array::from_fn(|q| p[q * stride + r]);
+        if w.iter().all(|&x| x == 0.0) {
             continue;
         }
-        let a = &mut acc[j * HD..(j + 1) * HD];
-        let mut regs = [f32x8::ZERO; MAX_LANES];
-        for (c, v) in regs.iter_mut().enumerate().take(lanes) {
-            *v = crate::ops::simd::load8(&a[c * 8..]);
-        }
-        for (r, row) in d.chunks_exact(HD).enumerate() {
-            let w = p[j * stride + r];
-            if w != 0.0 {
-                let wv = f32x8::splat(w);
-                for (c, v) in regs.iter_mut().enumerate().take(lanes) {
-                    *v = E::load8(&row[c * 8..]).mul_add(wv, *v);
+        let rv: [f32x8; L] = std::array::from_fn(|c| {
+            if c < lanes {
+                E::load8(&row[c * 8..])
+            } else {
+                f32x8::ZERO
+            }
+        });
+        for (rq, &wq) in regs.iter_mut().zip(&w) {
+            if wq != 0.0 {
+                let wv = f32x8::splat(wq);
+                for c in 0..lanes {
+                    rq[c] = rv[c].mul_add(wv, rq[c]);
                 }
             }
         }
-        for (c, v) in regs.iter().enumerate().take(lanes) {
-            a[c * 8..c * 8 + 8].copy_from_slice(&v.to_array());
+    }
+    for (q, rq) in regs.iter().enumerate() {
+        for (c, v) in rq.iter().enumerate().take(lanes) {
+            crate::ops::simd::store8(&mut acc[q * HD + c * 8..], *v);
         }
-        j += 1;
     }
 }
 

@@ -87,9 +87,7 @@ impl Matrix {
         let b = &self.bytes()[r * row_bytes..(r + 1) * row_bytes];
         dequantize_into(self.dtype, b, out);
     }
-}
 
-impl Matrix {
     /// Dot product of quantised row `r` with activations quantised by
     /// [`QuantizedActs::quantize`] (GGML block types only).
     #[inline]
@@ -361,7 +359,7 @@ pub fn matmul(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
         return matvec(w, xs, out);
     }
     let Some(fw) = w.float_rows() else {
-        return matmul_quantized(w, xs, n_tokens, out);
+        return matmul_quantized(w, xs, out);
     };
     fn run<E: Elem>(w: &[E], cols: usize, xs: &[f32], out: &mut [f32]) {
         let rows = w.len() / cols;
@@ -379,25 +377,19 @@ pub fn matmul(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
     for_each_token_tile(xs, cols, out, rows, rows * cols, body);
 }
 
-/// [`matmul`] for GGML-block weights: each token's activations are quantised once, then
-/// every row meets every token of the tile (values equal [`matvec`]'s).
-fn matmul_quantized(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
+/// [`matmul`] for GGML-block weights: each tile's tokens are quantised once, then every
+/// row meets every token of the tile (values equal [`matvec`]'s).
+fn matmul_quantized(w: &Matrix, xs: &[f32], out: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
-    let acts: Vec<QuantizedActs> = xs.chunks_exact(cols).map(QuantizedActs::from_f32).collect();
-    let tt = token_tile(n_tokens);
-    let body = |(ti, ot): (usize, &mut [f32])| {
-        let acts = &acts[ti * tt..];
+    let body = |(xt, ot): (&[f32], &mut [f32])| {
+        let acts: Vec<QuantizedActs> = xt.chunks_exact(cols).map(QuantizedActs::from_f32).collect();
         for r in 0..rows {
-            for (t, orow) in ot.chunks_exact_mut(rows).enumerate() {
-                orow[r] = w.row_dot_q(r, &acts[t]);
+            for (a, orow) in acts.iter().zip(ot.chunks_exact_mut(rows)) {
+                orow[r] = w.row_dot_q(r, a);
             }
         }
     };
-    if rows * cols * n_tokens < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
-        out.chunks_mut(tt * rows).enumerate().for_each(body);
-    } else {
-        out.par_chunks_mut(tt * rows).enumerate().for_each(body);
-    }
+    for_each_token_tile(xs, cols, out, rows, rows * cols, body);
 }
 
 /// Runs `body(xs_tile, out_tile)` over tiles of [`token_tile`] tokens (`xs`:
