@@ -11,8 +11,8 @@
 //! * Q4_1 block: `(d_w·d_x) · Σ q_w q_x + m_w · s_x`
 //!
 //! The integer sums are exact. Each row's float terms are accumulated block by block in
-//! the order written below (`acc += isum · (d_w · d_x)`, for Q4_1 `acc += isum · (d_w · d_x)
-//! + m_w · s_x`), with separate multiplies and adds; the engine's kernels (every run-time
+//! the order written in the functions below (for Q4_1, `acc += isum · (d_w · d_x) +
+//! m_w · s_x`), with separate multiplies and adds; the engine's kernels (every run-time
 //! variant) do the same steps in vector lanes, one row per lane, so they equal this twin
 //! bit for bit.
 

@@ -371,31 +371,44 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// Row `k`'s code for element `i` of an 8-row block of codes (Q4: 0..15, not offset).
+/// The eight rows' codes of one 8-row block as signed values (Q4_0: `nibble − 8`).
 #[inline(always)]
-fn code(dtype: DType, qs: &[u8], k: usize, i: usize) -> i32 {
-    let byte = qs[code_pos(dtype, k, i)];
-    match dtype {
-        DType::Q8_0 => byte as i8 as i32,
-        _ if i < 16 => (byte & 0x0F) as i32,
-        _ => (byte >> 4) as i32,
+fn unpack_block(dtype: DType, qs: &[u8], w: &mut [[i8; QK]; GROUP]) {
+    for (k, wk) in w.iter_mut().enumerate() {
+        match dtype {
+            DType::Q8_0 => {
+                for (i, v) in wk.iter_mut().enumerate() {
+                    *v = qs[code_pos(dtype, k, i)] as i8;
+                }
+            }
+            _ => {
+                let off = if dtype == DType::Q4_0 { 8 } else { 0 };
+                let base = code_pos(dtype, k, 0);
+                let (lo, hi) = wk.split_at_mut(16);
+                for ((l, h), &byte) in lo.iter_mut().zip(hi).zip(&qs[base..base + 16]) {
+                    *l = (byte & 0x0F) as i8 - off;
+                    *h = (byte >> 4) as i8 - off;
+                }
+            }
+        }
     }
 }
 
-/// The portable variant: per row, per block, the reference's exact steps.
+/// The portable variant: per row, per block, the reference's exact steps (integer dots
+/// written so the compiler can vectorise them).
 pub fn group_scalar(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 8]) {
     let qsb = qs_bytes(dtype);
     let mut acc = [0.0f32; GROUP];
+    let mut w = [[0i8; QK]; GROUP];
     for b in 0..g.nb {
-        let qs = &g.qs[b * qsb..(b + 1) * qsb];
-        let q = &a.q[b * QK..(b + 1) * QK];
+        unpack_block(dtype, &g.qs[b * qsb..(b + 1) * qsb], &mut w);
+        let q: &[i8; QK] = a.q[b * QK..(b + 1) * QK].try_into().expect("one block");
         for (k, acc_k) in acc.iter_mut().enumerate() {
-            let mut isum = 0i32;
-            for (i, &qx) in q.iter().enumerate() {
-                let w = code(dtype, qs, k, i);
-                let w = if dtype == DType::Q4_0 { w - 8 } else { w };
-                isum += w * qx as i32;
-            }
+            let isum: i32 = w[k]
+                .iter()
+                .zip(q)
+                .map(|(&wi, &qi)| wi as i32 * qi as i32)
+                .sum();
             let dw = f16_at(g.d, b * 16 + k * 2);
             let t = isum as f32 * (dw * a.d[b]);
             *acc_k += if dtype == DType::Q4_1 {
