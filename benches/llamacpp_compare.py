@@ -142,6 +142,9 @@ class LlamaC:
         import llama_cpp
 
         self.L = llama_cpp
+        # Silence llama.cpp's load/context logs (kept alive: the library holds the pointer).
+        self._quiet = llama_cpp.llama_log_callback(lambda level, text, user: None)
+        llama_cpp.llama_log_set(self._quiet, None)
         llama_cpp.llama_backend_init()
         self.models = {}
 

@@ -112,7 +112,49 @@ pub unsafe fn group_avx2(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [
     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
 }
 
-/// AVX-512 BW + VNNI group kernel: one 512-bit `vpdpbusd` covers four rows × 16 values.
+/// One block's integer partial sums for eight rows: `(rows 0..4, rows 4..8)`, 128-bit
+/// lane `j` of each holding four partial sums of row `j` (resp. `4 + j`).
+///
+/// # Safety
+/// AVX-512 F/BW/VNNI must be available; `qp` must point at a block of `qs_bytes` codes and
+/// `ap` at 32 activation codes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn block_sums_512(q8: bool, qp: *const u8, ap: *const i8) -> (__m512i, __m512i) {
+    // SAFETY: the caller guarantees both ranges; loads are unaligned.
+    unsafe {
+        let alo = _mm512_broadcast_i32x4(_mm_loadu_si128(ap.cast()));
+        let ahi = _mm512_broadcast_i32x4(_mm_loadu_si128(ap.add(16).cast()));
+        let z = _mm512_setzero_si512();
+        if q8 {
+            let flip = _mm512_set1_epi8(-128);
+            let w0 = _mm512_xor_si512(_mm512_loadu_si512(qp.cast()), flip);
+            let w1 = _mm512_xor_si512(_mm512_loadu_si512(qp.add(64).cast()), flip);
+            let w2 = _mm512_xor_si512(_mm512_loadu_si512(qp.add(128).cast()), flip);
+            let w3 = _mm512_xor_si512(_mm512_loadu_si512(qp.add(192).cast()), flip);
+            (
+                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, w0, alo), w1, ahi),
+                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, w2, alo), w3, ahi),
+            )
+        } else {
+            let mask = _mm512_set1_epi8(0x0F);
+            let w0 = _mm512_loadu_si512(qp.cast());
+            let w1 = _mm512_loadu_si512(qp.add(64).cast());
+            let lo0 = _mm512_and_si512(w0, mask);
+            let hi0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), mask);
+            let lo1 = _mm512_and_si512(w1, mask);
+            let hi1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), mask);
+            (
+                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, lo0, alo), hi0, ahi),
+                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, lo1, alo), hi1, ahi),
+            )
+        }
+    }
+}
+
+/// AVX-512 BW + VNNI group kernel: one 512-bit `vpdpbusd` covers four rows × 16 values;
+/// two blocks share one reduction and one 16-lane pass of the float steps (lanes 0..8
+/// block `b`, 8..16 block `b + 1`, added to the accumulator in that order).
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW/VL/VNNI and F16C; `g` as for [`group_avx2`].
@@ -120,44 +162,51 @@ pub unsafe fn group_avx2(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [
 pub unsafe fn group_avx512vnni(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 8]) {
     let q8 = dtype == DType::Q8_0;
     let qsb = if q8 { 256 } else { 128 };
-    assert!(g.qs.len() >= g.nb * qsb && a.q.len() >= g.nb * QK);
-    let mask = _mm512_set1_epi8(0x0F);
-    let flip = _mm512_set1_epi8(-128);
+    let nb = g.nb;
+    assert!(g.qs.len() >= nb * qsb && a.q.len() >= nb * QK);
+    assert!(g.d.len() >= nb * 16 && (dtype != DType::Q4_1 || g.m.len() >= nb * 16));
+    // lane 4j = row j, lane 4j + 1 = row 4 + j, lanes 4j + 2/3 the same for the 2nd block
     let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     let off = offset(dtype);
     let mut acc = _mm256_setzero_ps();
-    for b in 0..g.nb {
-        // SAFETY: every pointer below stays inside block `b` of `g.qs` (qsb bytes) and
-        // of `a.q` (32 bytes), checked by the assert above; loads are unaligned.
+    let mut b = 0;
+    while b + 2 <= nb {
+        // SAFETY: blocks `b` and `b + 1` are in bounds of `g.qs`, `g.d`, `g.m` and `a.q`
+        // (asserts above); loads are unaligned.
         unsafe {
             let qp = g.qs.as_ptr().add(b * qsb);
             let ap = a.q.as_ptr().add(b * QK);
-            let alo = _mm512_broadcast_i32x4(_mm_loadu_si128(ap.cast()));
-            let ahi = _mm512_broadcast_i32x4(_mm_loadu_si128(ap.add(16).cast()));
-            let z = _mm512_setzero_si512();
-            // s0: rows 0..4, s1: rows 4..8; 128-bit lane j = row j, four partial sums.
-            let (s0, s1) = if q8 {
-                let w0 = _mm512_xor_si512(_mm512_loadu_si512(qp.cast()), flip);
-                let w1 = _mm512_xor_si512(_mm512_loadu_si512(qp.add(64).cast()), flip);
-                let w2 = _mm512_xor_si512(_mm512_loadu_si512(qp.add(128).cast()), flip);
-                let w3 = _mm512_xor_si512(_mm512_loadu_si512(qp.add(192).cast()), flip);
-                (
-                    _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, w0, alo), w1, ahi),
-                    _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, w2, alo), w3, ahi),
-                )
-            } else {
-                let w0 = _mm512_loadu_si512(qp.cast());
-                let w1 = _mm512_loadu_si512(qp.add(64).cast());
-                let lo0 = _mm512_and_si512(w0, mask);
-                let hi0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), mask);
-                let lo1 = _mm512_and_si512(w1, mask);
-                let hi1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), mask);
-                (
-                    _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, lo0, alo), hi0, ahi),
-                    _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, lo1, alo), hi1, ahi),
-                )
-            };
-            // per 128-bit lane j: [r_j, r_j+4, r_j, r_j+4] after two folds
+            let (s0, s1) = block_sums_512(q8, qp, ap);
+            let (p0, p1) = block_sums_512(q8, qp.add(qsb), ap.add(QK));
+            // per 128-bit lane j: [r_j, r_4+j, r'_j, r'_4+j] after two folds
+            let t = _mm512_add_epi32(_mm512_unpacklo_epi32(s0, s1), _mm512_unpackhi_epi32(s0, s1));
+            let tp = _mm512_add_epi32(_mm512_unpacklo_epi32(p0, p1), _mm512_unpackhi_epi32(p0, p1));
+            let v = _mm512_add_epi32(_mm512_unpacklo_epi64(t, tp), _mm512_unpackhi_epi64(t, tp));
+            let mut isum = _mm512_permutexvar_epi32(order, v);
+            let hi = 0xFF00;
+            if off != 0 {
+                let c0 = _mm512_set1_epi32(off * a.qsum[b]);
+                let c1 = _mm512_set1_epi32(off * a.qsum[b + 1]);
+                isum = _mm512_sub_epi32(isum, _mm512_mask_blend_epi32(hi, c0, c1));
+            }
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(g.d.as_ptr().add(b * 16).cast()));
+            let dx = _mm512_mask_blend_ps(hi, _mm512_set1_ps(a.d[b]), _mm512_set1_ps(a.d[b + 1]));
+            let mut t = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx));
+            if dtype == DType::Q4_1 {
+                let mw = _mm512_cvtph_ps(_mm256_loadu_si256(g.m.as_ptr().add(b * 16).cast()));
+                let sx =
+                    _mm512_mask_blend_ps(hi, _mm512_set1_ps(a.s[b]), _mm512_set1_ps(a.s[b + 1]));
+                t = _mm512_add_ps(t, _mm512_mul_ps(mw, sx));
+            }
+            let t_hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(t)));
+            acc = _mm256_add_ps(_mm256_add_ps(acc, _mm512_castps512_ps256(t)), t_hi);
+        }
+        b += 2;
+    }
+    if b < nb {
+        // SAFETY: block `b` is in bounds (asserts above).
+        unsafe {
+            let (s0, s1) = block_sums_512(q8, g.qs.as_ptr().add(b * qsb), a.q.as_ptr().add(b * QK));
             let t = _mm512_add_epi32(_mm512_unpacklo_epi32(s0, s1), _mm512_unpackhi_epi32(s0, s1));
             let u = _mm512_add_epi32(t, _mm512_shuffle_epi32::<0x4E>(t));
             let mut isum = _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, u));
