@@ -4,6 +4,11 @@
 //!   weights read (so criterion prints GB/s). Shapes: `768x256` (the flagship's gate/up
 //!   projection, cache-resident) and `4096x4096` (64 MiB in f32: streams from DRAM).
 //!   Q8_0/Q4_1 include quantising the activation to 8 bits per block, as the model does.
+//! * `qdot/{shape}/{dtype}-{kernel}-1t-cpu`: one quantised matvec through each kernel
+//!   variant this CPU supports (`qdot::Kernel::supported`), one thread, CPU-time clock,
+//!   throughput = bytes of weights read. `1536x576` is SmolLM2-135M's gate/up projection
+//!   (stays in L2); `16384x8192` is 80 MiB in Q4_1 (streams from DRAM: compare with
+//!   `read_bandwidth/64MiB-1t-cpu`). Includes quantising the activation.
 //! * `kv_append/{kv}`: appending one token's K and V rows to one layer of the flagship
 //!   shape (8 KV heads × head dim 32), including KIVI quantisation (V per token at append,
 //!   K per channel once a 32-token group completes), throughput = tokens (per layer; a
@@ -38,6 +43,7 @@ use tinygpt_cpu::attention::{attend, AttnScratch, RopeTable};
 use tinygpt_cpu::config::HfConfig;
 use tinygpt_cpu::dtype::DType;
 use tinygpt_cpu::kv_cache::{KvCache, LayerKv, Precision};
+use tinygpt_cpu::ops::qdot::{self, Kernel, Packed, QuantizedActs, GROUP};
 use tinygpt_cpu::ops::{matvec, Matrix};
 use tinygpt_cpu::weights::{Tensor, TensorBytes};
 
@@ -109,6 +115,65 @@ fn bench_matvec(c: &mut Criterion) {
                         })
                     });
                 }
+            }
+        }
+        g.finish();
+    }
+}
+
+/// Random GGML blocks (codes uniform, scales ~1e-3): speed does not depend on values.
+fn random_blocks(dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    let mut out: Vec<u8> = (0..rows * dtype.bytes_for(cols).expect("whole blocks"))
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 24) as u8
+        })
+        .collect();
+    let scale = f16::from_f32(1e-3).to_le_bytes();
+    for blk in out.chunks_exact_mut(dtype.block_bytes()) {
+        blk[..2].copy_from_slice(&scale);
+        if dtype == DType::Q4_1 {
+            blk[2..4].copy_from_slice(&scale);
+        }
+    }
+    out
+}
+
+fn bench_qdot(c: &mut Criterion) {
+    let one = pool(1);
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    for (rows, cols) in [(1536usize, 576usize), (16384, 8192)] {
+        let x = uniform(&mut rng, cols, 1.0);
+        let mut out = vec![0.0f32; rows];
+        let mut g = c.benchmark_group(format!("qdot/{rows}x{cols}"));
+        for dtype in [DType::Q8_0, DType::Q4_1] {
+            let bytes = random_blocks(dtype, rows, cols);
+            g.throughput(Throughput::Bytes(bytes.len() as u64));
+            let p = Packed::new(dtype, rows, cols, &bytes);
+            drop(bytes);
+            for k in Kernel::supported() {
+                let id = format!("{dtype}-{}-1t-cpu", k.name());
+                g.bench_function(BenchmarkId::from_parameter(id), |b| {
+                    b.iter_custom(|iters| {
+                        one.install(|| {
+                            let t0 = Clock::ThreadCpu.now();
+                            let mut a = QuantizedActs::default();
+                            let mut buf = [0.0f32; GROUP];
+                            for _ in 0..iters {
+                                a.quantize(black_box(&x));
+                                for (gi, o) in out.chunks_mut(GROUP).enumerate() {
+                                    qdot::dot_group(k, &p, gi, &a, &mut buf);
+                                    o.copy_from_slice(&buf[..o.len()]);
+                                }
+                            }
+                            black_box(&out);
+                            Clock::ThreadCpu.now() - t0
+                        })
+                    })
+                });
             }
         }
         g.finish();
@@ -272,6 +337,6 @@ fn bench_read_bandwidth(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = config();
-    targets = bench_read_bandwidth, bench_matvec, bench_append, bench_attention
+    targets = bench_read_bandwidth, bench_qdot, bench_matvec, bench_append, bench_attention
 }
 criterion_main!(benches);

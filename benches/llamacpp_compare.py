@@ -1,28 +1,29 @@
 #!/usr/bin/env python3
-"""Decode tok/s of llama.cpp (via llama-cpp-python) beside tinygpt-cpu on the same GGUF.
+"""Decode and prefill tok/s of llama.cpp (through its C API) beside tinygpt-cpu on the same GGUF.
 
 Same model file (SmolLM2-135M-Instruct Q4_1 from scripts/fetch-smollm2.sh), same thread
 count, same prompt text, greedy, at contexts of about 128, 1K and 4K tokens: the prompt is
 `context - decode` tokens of fixtures/heldout.txt, then `decode` (64) tokens are decoded
 one at a time and only that decode phase is timed. KV cache: llama.cpp f16/q8_0/q4_0
 (flash attention on, which llama.cpp requires for a quantised V cache) against
-tinygpt-cpu fp16/int8/int4.
+tinygpt-cpu fp16/int8/int4. A separate row per thread count times the prefill of a
+256-token prompt (f16 / fp16 cache) on both.
 
-  * llama.cpp: `Llama(model, n_ctx, n_threads, n_threads_batch, type_k, type_v,
-    flash_attn)`, `eval(prompt)`, then `decode` times: argmax of the last logits,
-    `eval([token])`. The timer covers those steps only.
+  * llama.cpp: through its C API, as llama-bench does: llama-cpp-python's low-level ctypes
+    bindings call `llama_init_from_model`, `llama_decode` (prompt in batches of 512, then
+    one token per call) and llama.cpp's native greedy sampler (`llama_sampler_sample`).
+    No logits are copied into Python and no Python argmax runs. OpenMP's wait policy is
+    left at its default (the script warns when OMP_WAIT_POLICY is set).
   * tinygpt-cpu: `target/release/tinygpt-cpu sample MODEL --prompt P --tokens decode+1
     --temperature 0 --ignore-eos --json --threads T --kv-quantize K`; its
     `timing.decode_tok_s` covers the `decode` forward passes after the first sampled
     token (the first comes from the prefill logits, as for llama.cpp).
 
-Each row is run `--repeats` times, alternating the two engines, and the best run of each
-is kept (the machine may be shared). `match` is how many of the greedy tokens agree
-(a sanity check that both run the same model on the same prompt; quantised caches may
-legitimately diverge after a while). `load` is the 1-minute load average after the row:
-on a machine busier than its core count, llama.cpp's OpenMP threads spin at barriers
-while their partner waits for a core, and multi-threaded llama.cpp collapses (run with
-OMP_WAIT_POLICY=passive to see how much of the gap that is; the header prints it).
+Before each row the script waits (up to --idle-timeout seconds) for the 1-minute load
+average to fall to --idle-load, and prints the load it saw. Each row is run `--repeats`
+times, alternating the two engines, and the best run of each is kept. `match` is how many
+of the greedy tokens agree (a sanity check that both run the same model on the same
+prompt; quantised caches may legitimately diverge after a while).
 
 Usage:
     python3 -m venv /root/benchenv
@@ -31,13 +32,16 @@ Usage:
     /root/benchenv/bin/python benches/llamacpp_compare.py [--threads 1,2] \
         [--contexts 128,1024,4096] [--repeats 2] [--json rows.json]
 
-Without llama-cpp-python installed the llama.cpp column is left empty (`--ours-only`
-does the same on purpose).
+On Intel hosts with AMX, a `-DGGML_NATIVE=ON` build can fault in ggml's AMX path inside a
+VM; build with GGML_NATIVE=OFF and the AVX/AVX2/AVX-512 flags listed in
+benches/README.md instead. Without llama-cpp-python installed the llama.cpp column is
+left empty (`--ours-only` does the same on purpose).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -83,24 +87,22 @@ def source_text() -> str:
 class Tokens:
     """Counts prompt tokens: llama.cpp's tokenizer when available, else our binary."""
 
-    def __init__(self, model: str, binary: str, llama_cls):
+    def __init__(self, model: str, binary: str, llama):
         self.model = model
         self.binary = binary
-        self.llm = None
-        if llama_cls is not None:
-            self.llm = llama_cls(model_path=model, vocab_only=True, verbose=False)
+        self.llama = llama
         self.chars_per_token = None
 
     def count(self, text: str) -> int:
-        if self.llm is not None:
-            return len(self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=False))
+        if self.llama is not None:
+            return len(self.llama.tokenize(self.model, text))
         res = run_ours(self.binary, self.model, text, 1, 1, "fp32")
         return len(res["prompt_ids"])
 
     def prompt_of(self, n_tokens: int, text: str) -> str:
         """The longest prefix of `text`, cut at a space, of at most `n_tokens` tokens."""
         lo, hi = 0, min(len(text), n_tokens * 8)
-        if self.llm is None:
+        if self.llama is None:
             # Calibrate characters per token once, then cut (each count is a prefill).
             if self.chars_per_token is None:
                 sample = text[:4000]
@@ -129,61 +131,96 @@ def run_ours(binary: str, model: str, prompt: str, tokens: int, threads: int, kv
     return json.loads(out.stdout)
 
 
-def last_logits(llm):
-    """The last evaluated token's logits (a view; `eval` keeps them only in the context
-    unless logits_all is set)."""
-    import llama_cpp
-    import numpy as np
+class LlamaC:
+    """llama.cpp through its C API (llama-cpp-python's low-level ctypes bindings call the
+    shared library directly): `llama_decode` on `llama_batch_get_one`, and llama.cpp's
+    own greedy sampler (`llama_sampler_init_greedy` + `llama_sampler_sample`, which reads
+    the logits inside the library). No logits are copied to Python and no Python argmax
+    runs: per decoded token Python makes two foreign calls, as a C program would."""
 
-    n_vocab = llm.n_vocab()
-    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-    return np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+    def __init__(self):
+        import llama_cpp
+
+        self.L = llama_cpp
+        # Silence llama.cpp's load/context logs (kept alive: the library holds the pointer).
+        self._quiet = llama_cpp.llama_log_callback(lambda level, text, user: None)
+        llama_cpp.llama_log_set(self._quiet, None)
+        llama_cpp.llama_backend_init()
+        self.models = {}
+
+    def model(self, path: str):
+        if path not in self.models:
+            params = self.L.llama_model_default_params()
+            m = self.L.llama_model_load_from_file(path.encode(), params)
+            if not m:
+                raise RuntimeError(f"llama.cpp could not load {path}")
+            self.models[path] = m
+        return self.models[path]
+
+    def tokenize(self, path: str, text: str) -> list:
+        vocab = self.L.llama_model_get_vocab(self.model(path))
+        raw = text.encode("utf-8")
+        cap = len(raw) + 16
+        arr = (self.L.llama_token * cap)()
+        n = self.L.llama_tokenize(vocab, raw, len(raw), arr, cap, True, False)
+        if n < 0:
+            raise RuntimeError("llama_tokenize: buffer too small")
+        return list(arr[:n])
+
+    def run(self, path: str, toks: list, ctx: int, decode: int, threads: int,
+            kv_type: int) -> dict:
+        L = self.L
+        cp = L.llama_context_default_params()
+        cp.n_ctx = ctx
+        cp.n_batch = 512
+        cp.n_ubatch = 512
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        cp.type_k = kv_type
+        cp.type_v = kv_type
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED  # needed for a quantised V cache
+        lctx = L.llama_init_from_model(self.model(path), cp)
+        if not lctx:
+            raise RuntimeError("llama_init_from_model failed")
+        smpl = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        L.llama_sampler_chain_add(smpl, L.llama_sampler_init_greedy())
+        n = len(toks)
+        arr = (L.llama_token * n)(*toks)
+        one = (L.llama_token * 1)()
+        t0 = time.perf_counter()
+        for start in range(0, n, 512):  # n_batch tokens per llama_decode
+            m = min(512, n - start)
+            view = ctypes.cast(ctypes.addressof(arr) + 4 * start, ctypes.POINTER(L.llama_token))
+            if L.llama_decode(lctx, L.llama_batch_get_one(view, m)) != 0:
+                raise RuntimeError("llama_decode (prompt) failed")
+        nxt = L.llama_sampler_sample(smpl, lctx, -1)
+        prefill_s = time.perf_counter() - t0
+        generated = [nxt]
+        t1 = time.perf_counter()
+        for _ in range(decode):
+            one[0] = nxt
+            if L.llama_decode(lctx, L.llama_batch_get_one(one, 1)) != 0:
+                raise RuntimeError("llama_decode failed")
+            nxt = L.llama_sampler_sample(smpl, lctx, -1)
+            generated.append(nxt)
+        decode_s = time.perf_counter() - t1
+        L.llama_sampler_free(smpl)
+        L.llama_free(lctx)
+        return {
+            "prompt_tokens": n,
+            "generated_ids": generated,
+            "prefill_tok_s": n / prefill_s,
+            "decode_tok_s": decode / decode_s,
+        }
 
 
-def run_llama(llama_cls, model: str, prompt: str, ctx: int, decode: int, threads: int,
-              kv_type: int, flash_kw: dict) -> dict:
-    import numpy as np
-
-    llm = llama_cls(
-        model_path=model, n_ctx=ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-        n_threads_batch=threads, type_k=kv_type, type_v=kv_type, verbose=False,
-        **flash_kw,
-    )
-    toks = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False)
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(toks)
-    nxt = int(np.argmax(last_logits(llm)))
-    prefill_s = time.perf_counter() - t0
-    generated = [nxt]
-    t1 = time.perf_counter()
-    for _ in range(decode):
-        llm.eval([nxt])
-        nxt = int(np.argmax(last_logits(llm)))
-        generated.append(nxt)
-    decode_s = time.perf_counter() - t1
-    n_prompt = len(toks)
-    if hasattr(llm, "close"):
-        llm.close()
-    del llm
-    return {
-        "prompt_tokens": n_prompt,
-        "generated_ids": generated,
-        "prefill_tok_s": n_prompt / prefill_s,
-        "decode_tok_s": decode / decode_s,
-    }
-
-
-def flash_kwargs(llama_cls) -> dict:
-    """`flash_attn=True` (needed for a quantised V cache), however this version spells it."""
-    import inspect
-
-    params = inspect.signature(llama_cls.__init__).parameters
-    if "flash_attn_type" in params:
-        return {"flash_attn_type": 1}  # LLAMA_FLASH_ATTN_TYPE_ENABLED
-    if "flash_attn" in params:
-        return {"flash_attn": True}
-    return {}
+def wait_idle(max_load: float, timeout_s: float) -> float:
+    """Waits until the 1-minute load average is at most `max_load` (or `timeout_s`
+    passes); returns the load average it stopped at."""
+    t0 = time.time()
+    while os.getloadavg()[0] > max_load and time.time() - t0 < timeout_s:
+        time.sleep(5)
+    return os.getloadavg()[0]
 
 
 def prefix_match(a: list, b: list) -> int:
@@ -195,6 +232,10 @@ def prefix_match(a: list, b: list) -> int:
     return n
 
 
+def best_of(runs: list, key) -> dict:
+    return max(runs, key=key)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="GGUF file (default: scripts/fetch-smollm2.sh)")
@@ -204,16 +245,22 @@ def main() -> int:
     ap.add_argument("--contexts", default="128,1024,4096")
     ap.add_argument("--decode", type=int, default=64, help="decoded tokens per run")
     ap.add_argument("--kv", default="f16,q8_0,q4_0", help="llama.cpp KV types")
+    ap.add_argument("--prefill", type=int, default=256,
+                    help="prompt tokens of the prefill rows (0: no prefill rows)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--idle-load", type=float, default=0.5,
+                    help="wait for the 1-minute load average to fall to this before a row")
+    ap.add_argument("--idle-timeout", type=float, default=120.0,
+                    help="seconds to wait for --idle-load at most (then run anyway)")
     ap.add_argument("--ours-only", action="store_true")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
 
-    llama_cls, llama_version, llama_error = None, None, None
+    llama, llama_version, llama_error = None, None, None
     if not args.ours_only:
         try:
             import llama_cpp
-            llama_cls, llama_version = llama_cpp.Llama, llama_cpp.__version__
+            llama, llama_version = LlamaC(), llama_cpp.__version__
         except Exception as e:  # noqa: BLE001 - report whatever stopped the import
             llama_error = f"{type(e).__name__}: {e}"
     if not Path(args.binary).is_file():
@@ -226,7 +273,6 @@ def main() -> int:
         if k not in KV_TYPES:
             print(f"--kv {k}: expected one of {', '.join(KV_TYPES)}", file=sys.stderr)
             return 2
-    flash_kw = flash_kwargs(llama_cls) if llama_cls else {}
 
     threads_list = [int(t) for t in args.threads.split(",")]
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  cpu: {cpu_name()}  ({os.cpu_count()} cores)  "
@@ -235,61 +281,74 @@ def main() -> int:
         llama_state = "skipped (--ours-only)"
     else:
         llama_state = llama_version or f"not available ({llama_error})"
-    print(f"# llama-cpp-python: {llama_state}"
-          f"  flash-attn args: {flash_kw}  decode: {args.decode} tokens  best of "
-          f"{args.repeats}  OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}",
-          flush=True)
+    omp = os.environ.get("OMP_WAIT_POLICY")
+    print(f"# llama-cpp-python: {llama_state} (C API: llama_decode + greedy llama_sampler)"
+          f"  decode: {args.decode} tokens  best of {args.repeats}"
+          f"  OMP_WAIT_POLICY={omp or '(unset: OpenMP default)'}", flush=True)
+    if omp:
+        print("# warning: OMP_WAIT_POLICY is set; llama.cpp's default is to leave it unset",
+              flush=True)
 
-    tok = Tokens(model, args.binary, llama_cls)
+    tok = Tokens(model, args.binary, llama)
     text = source_text()
     rows = []
     header = (f"{'threads':>7} {'context':>7} {'prompt':>6} {'kv (llama.cpp/ours)':>20} "
-              f"{'llama.cpp tok/s':>15} {'ours tok/s':>10} {'ratio':>6} {'match':>6} {'prefill l/o tok/s':>19} "
-              f"{'load':>5}")
+              f"{'llama.cpp tok/s':>15} {'ours tok/s':>10} {'ratio':>6} {'match':>6} "
+              f"{'prefill l/o tok/s':>19} {'load':>5}")
     print(header, flush=True)
     prompts = {ctx: tok.prompt_of(ctx - args.decode, text) for ctx in contexts}
-    for threads, ctx, k in ((t, c, k) for t in threads_list for c in contexts for k in kvs):
+    if args.prefill:
+        prompts["prefill"] = tok.prompt_of(args.prefill, text)
+    jobs = [(t, c, k) for t in threads_list for c in contexts for k in kvs]
+    if args.prefill:
+        jobs += [(t, "prefill", "f16") for t in threads_list]
+    for threads, ctx, k in jobs:
         prompt = prompts[ctx]
+        is_prefill = ctx == "prefill"
+        decode = 1 if is_prefill else args.decode
+        n_ctx = args.prefill + 64 if is_prefill else ctx
         kv_type, ours_kv = KV_TYPES[k]
-        best_l, best_o = None, None
+        load = wait_idle(args.idle_load, args.idle_timeout)
+        runs_l, runs_o = [], []
+        toks = llama.tokenize(model, prompt) if llama is not None else None
         for _ in range(args.repeats):
-            if llama_cls is not None:
-                r = run_llama(llama_cls, model, prompt, ctx, args.decode, threads,
-                              kv_type, flash_kw)
-                if best_l is None or r["decode_tok_s"] > best_l["decode_tok_s"]:
-                    best_l = r
-            r = run_ours(args.binary, model, prompt, args.decode + 1, threads, ours_kv)
-            if best_o is None or (r["timing"]["decode_tok_s"]
-                                  > best_o["timing"]["decode_tok_s"]):
-                best_o = r
-        ours = best_o["timing"]["decode_tok_s"]
+            if llama is not None:
+                runs_l.append(llama.run(model, toks, n_ctx, decode, threads, kv_type))
+            runs_o.append(run_ours(args.binary, model, prompt, decode + 1, threads, ours_kv))
+        metric = "prefill_tok_s" if is_prefill else "decode_tok_s"
+        best_o = best_of(runs_o, lambda r: r["timing"][metric])
+        best_l = best_of(runs_l, lambda r: r[metric]) if runs_l else None
+        ours = best_o["timing"][metric]
         row = {
-            "context": ctx,
+            "kind": "prefill" if is_prefill else "decode",
+            "context": n_ctx,
             "prompt_tokens_ours": len(best_o["prompt_ids"]),
             "kv_llama": k,
             "kv_ours": ours_kv,
-            "ours_decode_tok_s": ours,
+            "ours_decode_tok_s": best_o["timing"]["decode_tok_s"],
             "ours_prefill_tok_s": best_o["timing"]["prefill_tok_s"],
             "threads": threads,
-            "load_avg_1min": os.getloadavg()[0],
+            "load_avg_1min_before": load,
+            "load_avg_1min_after": os.getloadavg()[0],
         }
         if best_l is not None:
             row.update({
                 "prompt_tokens_llama": best_l["prompt_tokens"],
                 "llama_decode_tok_s": best_l["decode_tok_s"],
                 "llama_prefill_tok_s": best_l["prefill_tok_s"],
-                "ratio": ours / best_l["decode_tok_s"],
+                "ratio": ours / best_l[metric],
                 "match": prefix_match(best_l["generated_ids"], best_o["generated_ids"]),
             })
         rows.append(row)
-        lt = f"{row['llama_decode_tok_s']:.1f}" if best_l else "-"
+        lt = f"{best_l[metric]:.1f}" if best_l else "-"
         ratio = f"{row['ratio']:.2f}" if best_l else "-"
-        match = f"{row['match']}/{args.decode + 1}" if best_l else "-"
+        match = f"{row['match']}/{decode + 1}" if best_l else "-"
         lp = f"{row['llama_prefill_tok_s']:.0f}" if best_l else "-"
-        print(f"{threads:>7} {ctx:>7} {row['prompt_tokens_ours']:>6} {k + '/' + ours_kv:>20} "
+        label = "prefill" if is_prefill else str(ctx)
+        print(f"{threads:>7} {label:>7} {row['prompt_tokens_ours']:>6} {k + '/' + ours_kv:>20} "
               f"{lt:>15} {ours:>10.1f} {ratio:>6} {match:>6} "
               f"{lp + '/' + format(row['ours_prefill_tok_s'], '.0f'):>19} "
-              f"{row['load_avg_1min']:>5.1f}", flush=True)
+              f"{load:>5.1f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "rows": rows}, indent=1))
     return 0

@@ -3,13 +3,9 @@
 mod common;
 use common::*;
 use std::path::Path;
-use std::process::Command;
 
 fn fails_with(args: &[&str], needles: &[&str]) {
-    let out = Command::new(env!("CARGO_BIN_EXE_tinygpt-cpu"))
-        .args(args)
-        .output()
-        .unwrap();
+    let out = common::cli().args(args).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{args:?} succeeded");
     assert!(matches!(out.status.code(), Some(1) | Some(2)), "{err}");

@@ -5,7 +5,7 @@ use common::*;
 use std::process::{Command, Output};
 
 fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_tinygpt-cpu"))
+    common::cli()
 }
 
 fn run(args: &[&str]) -> Output {

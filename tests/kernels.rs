@@ -212,7 +212,8 @@ fn quantised_dots_match_scalar_twins() {
                         let ra = ggml_dot::quantize_acts(x);
                         let ea = qdot::QuantizedActs::from_f32(x);
                         prop_assert_eq!(&ra.d, &ea.d);
-                        prop_assert!(ra.q.iter().zip(&ea.q).all(|(a, b)| *a as i16 == *b));
+                        prop_assert_eq!(&ra.q, &ea.q);
+                        prop_assert_eq!(&ra.s, &ea.s);
                         let mut got = vec![0.0f32; rows];
                         matvec(&m, x, &mut got);
                         for r in 0..rows {
@@ -222,15 +223,21 @@ fn quantised_dots_match_scalar_twins() {
                                 DType::Q4_0 => ggml_dot::dot_q4_0(row, &ra),
                                 _ => ggml_dot::dot_q4_1(row, &ra),
                             };
-                            // magnitude: the dequantised |w|·|x| sum
+                            // bit for bit: exact integer sums, the twin's float order
+                            prop_assert_eq!(
+                                got[r].to_bits(),
+                                want.to_bits(),
+                                "{} rows={} cols={} r={}: {} vs {}",
+                                dtype,
+                                rows,
+                                cols,
+                                r,
+                                got[r],
+                                want
+                            );
                             let mut wf = vec![0.0f32; cols];
                             tinygpt_cpu::weights::dequantize_into(dtype, row, &mut wf);
                             let mag: f32 = wf.iter().zip(x).map(|(a, b)| (a * b).abs()).sum();
-                            prop_assert!(
-                                close(got[r], want, mag, 1e-5),
-                                "{dtype} rows={rows} cols={cols} r={r}: {} vs {want}",
-                                got[r]
-                            );
                             prop_assert_eq!(got[r].to_bits(), batched[t * rows + r].to_bits());
                             // and 8-bit activations stay close to the exact product
                             let exact: f32 = wf.iter().zip(x).map(|(a, b)| a * b).sum();
@@ -253,8 +260,9 @@ fn zero_activation_block_gives_zero_scale_not_nan() {
     let a = qdot::QuantizedActs::from_f32(&[0.0; 64]);
     assert!(a.d.iter().all(|&d| d == 0.0));
     let bytes = random_blocks(DType::Q4_1, 1, 64, 5);
-    let v = qdot::dot_q4_1(&bytes, &a);
-    assert_eq!(v, 0.0);
+    let mut v = [1.0f32];
+    matvec(&matrix(DType::Q4_1, 1, 64, bytes), &[0.0; 64], &mut v);
+    assert_eq!(v[0], 0.0);
 }
 
 #[test]

@@ -3,7 +3,6 @@
 
 mod common;
 use common::*;
-use std::process::Command;
 use tinygpt_cpu::eval::{nll_of, perplexity};
 use tinygpt_cpu::generate::{EngineRun, ReferenceRun};
 use tinygpt_cpu::kv_cache::KvConfig;
@@ -104,10 +103,7 @@ fn streaming_perplexity_matches_the_pytorch_eviction() {
 }
 
 fn cli(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_tinygpt-cpu"))
-        .args(args)
-        .output()
-        .unwrap()
+    common::cli().args(args).output().unwrap()
 }
 
 #[test]

@@ -195,7 +195,7 @@ fn every_cache_mode_runs_200_tokens_and_int8_matches_fp32() {
 #[test]
 fn chat_template_wraps_the_prompt() {
     let Some(path) = model_path() else { return };
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tinygpt-cpu"))
+    let out = common::cli()
         .args([
             "sample",
             path.to_str().unwrap(),

@@ -5,7 +5,6 @@
 
 mod common;
 use common::*;
-use std::process::Command;
 use tinygpt_cpu::generate::{Engine, EngineRun, ReferenceRun};
 use tinygpt_cpu::kv_cache::KvConfig;
 use tinygpt_cpu::model::{reference_model, Model, WeightsDType};
@@ -32,7 +31,7 @@ fn cli_greedy_matches_transformers_on_unseen_models() {
         let dir = fixtures().join("unseen").join(name);
         for e in entries.as_array().unwrap() {
             let want = ids(&e["greedy_ids"]);
-            let out = Command::new(env!("CARGO_BIN_EXE_tinygpt-cpu"))
+            let out = common::cli()
                 .args([
                     "sample",
                     dir.to_str().unwrap(),

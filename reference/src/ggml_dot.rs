@@ -10,8 +10,11 @@
 //! * Q4_0 block: `(d_w·d_x) · Σ (q_w − 8) q_x`
 //! * Q4_1 block: `(d_w·d_x) · Σ q_w q_x + m_w · s_x`
 //!
-//! The integer sums are exact; the engine accumulates the per-block float terms in vector
-//! lanes, so engine and twin agree to float rounding, not bit for bit.
+//! The integer sums are exact. Each row's float terms are accumulated block by block in
+//! the order written in the functions below (for Q4_1, `acc += isum · (d_w · d_x) +
+//! m_w · s_x`), with separate multiplies and adds; the engine's kernels (every run-time
+//! variant) do the same steps in vector lanes, one row per lane, so they equal this twin
+//! bit for bit.
 
 use crate::ggml::f16_at;
 

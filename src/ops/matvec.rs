@@ -14,13 +14,14 @@
 //! tokens) in flight, one accumulator each, and reduce eight of them with one transpose
 //! ([`crate::quant::reduce8`]).
 
-use super::qdot::{self, QuantizedActs};
+use super::qdot::{self, Packed, QuantizedActs, GROUP};
 use super::simd::{load8, Elem};
 use crate::dtype::DType;
 use crate::quant::reduce8;
 use crate::weights::{dequantize_into, Tensor, TensorBytes};
 use half::{bf16, f16};
 use rayon::prelude::*;
+use std::sync::Arc;
 use wide::f32x8;
 
 /// A row-major `(rows, cols)` weight matrix.
@@ -30,6 +31,9 @@ pub struct Matrix {
     pub cols: usize,
     pub dtype: DType,
     data: TensorBytes,
+    /// GGML-block weights repacked at load into interleaved row groups (see
+    /// [`qdot::Packed`]); the kernels read only this.
+    packed: Option<Arc<Packed>>,
     /// Read rows one at a time (see [`Matrix::set_streamed`]).
     streamed: bool,
 }
@@ -42,15 +46,22 @@ impl std::fmt::Debug for Matrix {
 
 impl Matrix {
     /// Wraps a 2-D tensor. The loader has checked the shape and byte length. Matrices
-    /// over [`STREAM_BYTES`] start out streamed.
+    /// over [`STREAM_BYTES`] start out streamed. GGML-block matrices are repacked here
+    /// (one copy of their bytes, made once at load).
     pub fn from_tensor(t: &Tensor) -> Matrix {
         debug_assert_eq!(t.shape.len(), 2);
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        let packed = t
+            .dtype
+            .is_quantized()
+            .then(|| Arc::new(Packed::new(t.dtype, rows, cols, t.data.bytes())));
         Matrix {
-            rows: t.shape[0],
-            cols: t.shape[1],
+            rows,
+            cols,
             dtype: t.dtype,
             streamed: t.data.bytes().len() > STREAM_BYTES,
             data: t.data.clone(),
+            packed,
         }
     }
 
@@ -80,25 +91,34 @@ impl Matrix {
         self.data.is_mapped()
     }
 
-    /// Row `r` as f32 (embedding lookup).
+    /// Bytes of the load-time repacked copy (0 for float matrices).
+    pub fn packed_bytes(&self) -> usize {
+        self.packed.as_ref().map_or(0, |p| p.byte_len())
+    }
+
+    /// Row `r` as f32 (embedding lookup). A repacked matrix is read from its packed copy,
+    /// so the file's pages are not touched again after load.
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.cols);
         let row_bytes = self.dtype.bytes_for(self.cols).expect("validated at load");
+        if let Some(p) = &self.packed {
+            let mut b = vec![0u8; row_bytes];
+            p.row_bytes(r, &mut b);
+            return dequantize_into(self.dtype, &b, out);
+        }
         let b = &self.bytes()[r * row_bytes..(r + 1) * row_bytes];
         dequantize_into(self.dtype, b, out);
     }
 
-    /// Dot product of quantised row `r` with activations quantised by
-    /// [`QuantizedActs::quantize`] (GGML block types only).
-    #[inline]
-    pub fn row_dot_q(&self, r: usize, a: &QuantizedActs) -> f32 {
-        let row_bytes = self.dtype.bytes_for(self.cols).expect("validated at load");
-        let b = &self.bytes()[r * row_bytes..(r + 1) * row_bytes];
-        match self.dtype {
-            DType::Q8_0 => qdot::dot_q8_0(b, a),
-            DType::Q4_0 => qdot::dot_q4_0(b, a),
-            DType::Q4_1 => qdot::dot_q4_1(b, a),
-            other => unreachable!("row_dot_q on {other}"),
+    /// `out[j] = row (r0 + j) · a` for a repacked matrix, `r0` a multiple of [`GROUP`].
+    fn rows_q(&self, r0: usize, a: &QuantizedActs, out: &mut [f32]) {
+        let p = self.packed.as_ref().expect("quantised matrices are packed");
+        debug_assert_eq!(r0 % GROUP, 0);
+        let kernel = qdot::active();
+        let mut buf = [0.0f32; GROUP];
+        for (i, o) in out.chunks_mut(GROUP).enumerate() {
+            qdot::dot_group(kernel, p, r0 / GROUP + i, a, &mut buf);
+            o.copy_from_slice(&buf[..o.len()]);
         }
     }
 }
@@ -260,11 +280,7 @@ impl<'a> Input<'a> {
         };
         match (m.float_rows(), &self.q) {
             (Some(w), _) => run(w),
-            (None, Some(q)) => {
-                for (j, o) in out.iter_mut().enumerate() {
-                    *o = m.row_dot_q(r0 + j, q);
-                }
-            }
+            (None, Some(q)) => m.rows_q(r0, q, out),
             (None, None) => unreachable!("quantised matrix without quantised input"),
         }
     }
@@ -383,9 +399,14 @@ fn matmul_quantized(w: &Matrix, xs: &[f32], out: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
     let body = |(xt, ot): (&[f32], &mut [f32])| {
         let acts: Vec<QuantizedActs> = xt.chunks_exact(cols).map(QuantizedActs::from_f32).collect();
-        for r in 0..rows {
+        let p = w.packed.as_ref().expect("quantised matrices are packed");
+        let kernel = qdot::active();
+        let mut buf = [0.0f32; GROUP];
+        for g in 0..p.groups() {
+            let n = GROUP.min(rows - g * GROUP);
             for (a, orow) in acts.iter().zip(ot.chunks_exact_mut(rows)) {
-                orow[r] = w.row_dot_q(r, a);
+                qdot::dot_group(kernel, p, g, a, &mut buf);
+                orow[g * GROUP..g * GROUP + n].copy_from_slice(&buf[..n]);
             }
         }
     };

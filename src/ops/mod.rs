@@ -2,9 +2,13 @@
 //! tails, parallel across independent outputs with rayon (never across a float
 //! reduction, so results do not depend on the thread count).
 
+#[cfg(target_arch = "aarch64")]
+mod aarch64;
 pub mod matvec;
 pub mod qdot;
 pub mod simd;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 pub use matvec::{matmul, matvec, matvec_many, Matrix};
 use wide::f32x8;

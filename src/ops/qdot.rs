@@ -1,30 +1,58 @@
-//! Dot products of GGML-quantised weight rows (Q8_0, Q4_0, Q4_1) with an activation vector
+//! Dot products of GGML-quantised weights (Q8_0, Q4_0, Q4_1) with an activation vector
 //! quantised to 8 bits per block, as llama.cpp does: a 4-bit model reads 4-bit weights.
 //!
-//! Numerics are those of `tinygpt_reference::ggml_dot` (read its header); the only
-//! difference is summation order: per block, the integer products are summed exactly in
-//! `i16x16::dot` lanes (`pmaddwd`), then each block's eight lane sums are scaled and
-//! accumulated in an `f32x8`, reduced once per row.
+//! Numerics are exactly those of `tinygpt_reference::ggml_dot` (read its header): every
+//! block's integer sum is exact, and each row's float terms are combined in the same
+//! order, with the same operations (no fused multiply-add), so every kernel variant here
+//! equals the scalar twin **bit for bit**.
 //!
-//! Block layouts (little-endian): Q8_0 = f16 d, 32 × i8; Q4_0 = f16 d, 16 nibble bytes;
-//! Q4_1 = f16 d, f16 m, 16 nibble bytes. Nibbles: byte `i` holds element `i` in its low
-//! nibble and element `i + 16` in its high nibble.
+//! # Layout: eight rows interleaved per block ([`Packed`])
+//!
+//! At load, a matrix is repacked into groups of eight rows. Within a group, block `b` of
+//! the eight rows is stored together, so one activation block meets eight weight rows and
+//! the eight per-block integer sums are reduced together into one vector whose lane `k`
+//! is row `k` (one row's float chain per lane: the reference's order). Per group:
+//!
+//! * `qs`: `nb` 8-row blocks of codes, 128 bytes (Q4_0/Q4_1) or 256 bytes (Q8_0) each;
+//! * `d`: `nb × 8` f16 scales (16 bytes per block);
+//! * `m`: `nb × 8` f16 minimums (Q4_1 only);
+//!
+//! padded to a 64-byte boundary. Inside an 8-row block of codes, rows 0–3 come first,
+//! then rows 4–7, so a 64-byte vector holds four rows:
+//!
+//! * Q4: bytes `[(r / 4)·64 + (r % 4)·16 ..][..16]` are row `r`'s 16 nibble bytes as in
+//!   the file (element `i < 16` in the low nibble of byte `i`, element `i + 16` in its
+//!   high nibble);
+//! * Q8: byte `(r / 4)·128 + (i / 16)·64 + (r % 4)·16 + i % 16` is row `r`'s element `i`.
+//!
+//! # Kernels, chosen once at run time
+//!
+//! [`Kernel`] names the variants; [`active`] is the one the engine uses: the best the CPU
+//! supports (`is_x86_feature_detected!` / `is_aarch64_feature_detected!`), or the one
+//! named by the environment variable `TINYGPT_KERNEL` (`scalar`, `avx2`, `avx512vnni`,
+//! `neon-dotprod`) when the CPU supports it. Tests call every supported variant directly
+//! through [`dot_group`].
 
+use crate::dtype::DType;
 use half::f16;
-use wide::{f32x8, i16x16, i32x8, i8x16};
+use std::sync::OnceLock;
 
 /// Values per block.
 pub const QK: usize = 32;
+/// Rows per interleaved group.
+pub const GROUP: usize = 8;
 
-/// An activation vector quantised to 8 bits per block, widened to i16 for `pmaddwd`.
+/// An activation vector quantised to 8 bits per block.
 #[derive(Debug, Clone, Default)]
 pub struct QuantizedActs {
     /// Per block: scale `d_x`.
     pub d: Vec<f32>,
     /// Per block: `d_x · Σ q_x` (for Q4_1's min term).
     pub s: Vec<f32>,
-    /// Codes in `[-127, 127]`, one per value, as i16.
-    pub q: Vec<i16>,
+    /// Per block: `Σ q_x` (integer; the kernels' offset corrections use it).
+    pub qsum: Vec<i32>,
+    /// Codes in `[-127, 127]`, one per value.
+    pub q: Vec<i8>,
 }
 
 impl QuantizedActs {
@@ -34,6 +62,7 @@ impl QuantizedActs {
         let nb = x.len() / QK;
         self.d.resize(nb, 0.0);
         self.s.resize(nb, 0.0);
+        self.qsum.resize(nb, 0);
         self.q.resize(x.len(), 0);
         for (b, blk) in x.chunks_exact(QK).enumerate() {
             let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -43,10 +72,11 @@ impl QuantizedActs {
             for (o, &v) in self.q[b * QK..(b + 1) * QK].iter_mut().zip(blk) {
                 let q = ((v * id).round() as i32).clamp(-127, 127);
                 sum += q;
-                *o = q as i16;
+                *o = q as i8;
             }
             self.d[b] = d;
             self.s[b] = d * sum as f32;
+            self.qsum[b] = sum;
         }
     }
 
@@ -55,6 +85,285 @@ impl QuantizedActs {
         a.quantize(x);
         a
     }
+
+    /// Number of blocks.
+    pub fn blocks(&self) -> usize {
+        self.d.len()
+    }
+}
+
+/// A kernel variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// Plain Rust loops over the packed layout (every CPU).
+    Scalar,
+    /// x86_64 AVX2 (`vpmaddubsw` + `vpmaddwd`), F16C for the scales.
+    Avx2,
+    /// x86_64 AVX-512 BW + VNNI (`vpdpbusd` on 512-bit vectors).
+    Avx512Vnni,
+    /// aarch64 NEON with the dot-product extension (`sdot`).
+    NeonDotprod,
+}
+
+impl Kernel {
+    /// Every variant, slowest first.
+    pub const ALL: [Kernel; 4] = [
+        Kernel::Scalar,
+        Kernel::Avx2,
+        Kernel::Avx512Vnni,
+        Kernel::NeonDotprod,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Scalar => "scalar",
+            Kernel::Avx2 => "avx2",
+            Kernel::Avx512Vnni => "avx512vnni",
+            Kernel::NeonDotprod => "neon-dotprod",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<Kernel> {
+        Kernel::ALL.into_iter().find(|k| k.name() == s)
+    }
+
+    /// Whether this CPU can run the variant (run-time detection).
+    pub fn is_supported(self) -> bool {
+        match self {
+            Kernel::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni => {
+                is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "aarch64")]
+            Kernel::NeonDotprod => std::arch::is_aarch64_feature_detected!("dotprod"),
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
+    /// The variants this CPU supports, slowest first.
+    pub fn supported() -> Vec<Kernel> {
+        Kernel::ALL
+            .into_iter()
+            .filter(|k| k.is_supported())
+            .collect()
+    }
+
+    /// The fastest supported variant.
+    pub fn best() -> Kernel {
+        *Kernel::supported()
+            .last()
+            .expect("scalar is always supported")
+    }
+}
+
+/// The variant the engine uses, chosen once: `TINYGPT_KERNEL` if it names a supported
+/// variant, else [`Kernel::best`].
+pub fn active() -> Kernel {
+    static ACTIVE: OnceLock<Kernel> = OnceLock::new();
+    *ACTIVE.get_or_init(|| {
+        std::env::var("TINYGPT_KERNEL")
+            .ok()
+            .and_then(|s| Kernel::from_name(s.trim()))
+            .filter(|k| k.is_supported())
+            .unwrap_or_else(Kernel::best)
+    })
+}
+
+/// One 64-byte line of a packed matrix (keeps every group 64-byte aligned).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+// SAFETY: `Line` is a byte array with alignment 64 and size 64: no padding, every bit
+// pattern valid, all-zero valid.
+unsafe impl bytemuck::Zeroable for Line {}
+// SAFETY: as above; `Copy` and `'static`.
+unsafe impl bytemuck::Pod for Line {}
+
+/// Bytes of one 8-row block of codes.
+fn qs_bytes(dtype: DType) -> usize {
+    match dtype {
+        DType::Q8_0 => 256,
+        DType::Q4_0 | DType::Q4_1 => 128,
+        other => unreachable!("packed {other}"),
+    }
+}
+
+/// Position of row `r`'s element `i` (Q8_0) or of the byte holding it (Q4: element `i`
+/// and `i + 16` share a byte) inside an 8-row block of codes.
+#[inline(always)]
+fn code_pos(dtype: DType, r: usize, i: usize) -> usize {
+    match dtype {
+        DType::Q8_0 => (r / 4) * 128 + (i / 16) * 64 + (r % 4) * 16 + i % 16,
+        _ => (r / 4) * 64 + (r % 4) * 16 + i % 16,
+    }
+}
+
+/// A GGML-block matrix repacked into interleaved groups of [`GROUP`] rows (module docs).
+pub struct Packed {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    /// Blocks per row.
+    nb: usize,
+    /// Bytes per group (a multiple of 64).
+    group_bytes: usize,
+    data: Vec<Line>,
+}
+
+/// One group's regions.
+pub struct Group<'a> {
+    pub qs: &'a [u8],
+    pub d: &'a [u8],
+    pub m: &'a [u8],
+    pub nb: usize,
+}
+
+impl Packed {
+    /// Repacks row-major GGML rows (`rows × cols`, validated lengths). Rows past the end
+    /// of the last group are zero (scale 0) and their results are never read.
+    pub fn new(dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Packed {
+        let nb = cols / QK;
+        let bs = dtype.block_bytes();
+        let row_bytes = nb * bs;
+        debug_assert_eq!(bytes.len(), rows * row_bytes);
+        let qsb = qs_bytes(dtype);
+        let mins = dtype == DType::Q4_1;
+        let raw = nb * (qsb + 16 + if mins { 16 } else { 0 });
+        let group_bytes = raw.next_multiple_of(64);
+        let groups = rows.div_ceil(GROUP);
+        let mut data = vec![Line([0; 64]); groups * group_bytes / 64];
+        let out: &mut [u8] = bytemuck::cast_slice_mut(&mut data);
+        for r in 0..rows {
+            let (g, k) = (r / GROUP, r % GROUP);
+            let dst = &mut out[g * group_bytes..(g + 1) * group_bytes];
+            let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
+            for (b, blk) in row.chunks_exact(bs).enumerate() {
+                let qs = &mut dst[b * qsb..(b + 1) * qsb];
+                match dtype {
+                    DType::Q8_0 => {
+                        for i in 0..QK {
+                            qs[code_pos(dtype, k, i)] = blk[2 + i];
+                        }
+                    }
+                    _ => {
+                        let off = if mins { 4 } else { 2 };
+                        for i in 0..16 {
+                            qs[code_pos(dtype, k, i)] = blk[off + i];
+                        }
+                    }
+                }
+                let d_at = nb * qsb + b * 16 + k * 2;
+                dst[d_at..d_at + 2].copy_from_slice(&blk[0..2]);
+                if mins {
+                    let m_at = nb * qsb + nb * 16 + b * 16 + k * 2;
+                    dst[m_at..m_at + 2].copy_from_slice(&blk[2..4]);
+                }
+            }
+        }
+        Packed {
+            dtype,
+            rows,
+            cols,
+            nb,
+            group_bytes,
+            data,
+        }
+    }
+
+    /// Number of groups.
+    pub fn groups(&self) -> usize {
+        self.rows.div_ceil(GROUP)
+    }
+
+    /// Bytes held (the load-time copy).
+    pub fn byte_len(&self) -> usize {
+        self.data.len() * 64
+    }
+
+    pub fn group(&self, g: usize) -> Group<'_> {
+        let all: &[u8] = bytemuck::cast_slice(&self.data);
+        let dst = &all[g * self.group_bytes..(g + 1) * self.group_bytes];
+        let qsb = qs_bytes(self.dtype);
+        let nb = self.nb;
+        let (qs, rest) = dst.split_at(nb * qsb);
+        let (d, rest) = rest.split_at(nb * 16);
+        let m = if self.dtype == DType::Q4_1 {
+            &rest[..nb * 16]
+        } else {
+            &rest[..0]
+        };
+        Group { qs, d, m, nb }
+    }
+
+    /// Row `r` in the file's block layout (for embedding lookups).
+    pub fn row_bytes(&self, r: usize, out: &mut [u8]) {
+        let g = self.group(r / GROUP);
+        let k = r % GROUP;
+        let bs = self.dtype.block_bytes();
+        let qsb = qs_bytes(self.dtype);
+        for (b, blk) in out.chunks_exact_mut(bs).enumerate() {
+            let qs = &g.qs[b * qsb..(b + 1) * qsb];
+            blk[0..2].copy_from_slice(&g.d[b * 16 + k * 2..b * 16 + k * 2 + 2]);
+            match self.dtype {
+                DType::Q8_0 => {
+                    for i in 0..QK {
+                        blk[2 + i] = qs[code_pos(self.dtype, k, i)];
+                    }
+                }
+                DType::Q4_0 => {
+                    for i in 0..16 {
+                        blk[2 + i] = qs[code_pos(self.dtype, k, i)];
+                    }
+                }
+                _ => {
+                    blk[2..4].copy_from_slice(&g.m[b * 16 + k * 2..b * 16 + k * 2 + 2]);
+                    for i in 0..16 {
+                        blk[4 + i] = qs[code_pos(self.dtype, k, i)];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `out[k] = row (8g + k) · a` for the group's eight rows, with kernel `k` (which must
+/// be supported: see [`Kernel::is_supported`]; an unsupported one runs the scalar loop).
+pub fn dot_group(kernel: Kernel, p: &Packed, g: usize, a: &QuantizedActs, out: &mut [f32; 8]) {
+    let grp = p.group(g);
+    debug_assert_eq!(grp.nb, a.blocks());
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 if kernel.is_supported() => {
+            // SAFETY: AVX2, FMA and F16C were detected at run time just above (cached by
+            // std); the kernel reads only inside `grp` and `a` (lengths checked by
+            // debug assertions and by construction of `Packed`).
+            unsafe { super::x86::group_avx2(p.dtype, &grp, a, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512Vnni if kernel.is_supported() => {
+            // SAFETY: AVX-512 F/BW/VL/VNNI and F16C were detected at run time just above.
+            unsafe { super::x86::group_avx512vnni(p.dtype, &grp, a, out) }
+        }
+        #[cfg(target_arch = "aarch64")]
+        Kernel::NeonDotprod if kernel.is_supported() => {
+            // SAFETY: NEON is baseline on aarch64 and `dotprod` was detected just above.
+            unsafe { super::aarch64::group_neon_dotprod(p.dtype, &grp, a, out) }
+        }
+        _ => group_scalar(p.dtype, &grp, a, out),
+    }
 }
 
 #[inline(always)]
@@ -62,68 +371,52 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
+/// The eight rows' codes of one 8-row block as signed values (Q4_0: `nibble − 8`).
 #[inline(always)]
-fn load_i16(q: &[i16]) -> i16x16 {
-    i16x16::new(q[..16].try_into().expect("16 lanes"))
-}
-
-#[inline(always)]
-fn load_i8_as_i16(b: &[u8]) -> i16x16 {
-    let a: [u8; 16] = b[..16].try_into().expect("16 bytes");
-    i16x16::from_i8x16(i8x16::new(bytemuck::cast(a)))
-}
-
-#[inline(always)]
-fn reduce(acc: f32x8) -> f32 {
-    acc.reduce_add()
-}
-
-/// Q8_0 row · activations.
-pub fn dot_q8_0(row: &[u8], a: &QuantizedActs) -> f32 {
-    let mut acc = f32x8::ZERO;
-    for (b, blk) in row.chunks_exact(34).enumerate() {
-        let scale = f16_at(blk, 0) * a.d[b];
-        let q = &a.q[b * QK..];
-        let s: i32x8 = load_i8_as_i16(&blk[2..]).dot(load_i16(q))
-            + load_i8_as_i16(&blk[18..]).dot(load_i16(&q[16..]));
-        acc = f32x8::from_i32x8(s).mul_add(f32x8::splat(scale), acc);
+fn unpack_block(dtype: DType, qs: &[u8], w: &mut [[i8; QK]; GROUP]) {
+    for (k, wk) in w.iter_mut().enumerate() {
+        match dtype {
+            DType::Q8_0 => {
+                for (i, v) in wk.iter_mut().enumerate() {
+                    *v = qs[code_pos(dtype, k, i)] as i8;
+                }
+            }
+            _ => {
+                let off = if dtype == DType::Q4_0 { 8 } else { 0 };
+                let base = code_pos(dtype, k, 0);
+                let (lo, hi) = wk.split_at_mut(16);
+                for ((l, h), &byte) in lo.iter_mut().zip(hi).zip(&qs[base..base + 16]) {
+                    *l = (byte & 0x0F) as i8 - off;
+                    *h = (byte >> 4) as i8 - off;
+                }
+            }
+        }
     }
-    reduce(acc)
 }
 
-/// Splits 16 nibble bytes into (elements 0..16, elements 16..32) as i16 codes 0..15.
-#[inline(always)]
-fn nibbles(qs: &[u8]) -> (i16x16, i16x16) {
-    let v = load_i8_as_i16(qs); // sign-extended bytes: the low 8 bits are intact
-    let m = i16x16::splat(0x0F);
-    (v & m, (v >> 4) & m)
-}
-
-/// Q4_0 row · activations.
-pub fn dot_q4_0(row: &[u8], a: &QuantizedActs) -> f32 {
-    let mut acc = f32x8::ZERO;
-    let eight = i16x16::splat(8);
-    for (b, blk) in row.chunks_exact(18).enumerate() {
-        let scale = f16_at(blk, 0) * a.d[b];
-        let q = &a.q[b * QK..];
-        let (lo, hi) = nibbles(&blk[2..18]);
-        let s = (lo - eight).dot(load_i16(q)) + (hi - eight).dot(load_i16(&q[16..]));
-        acc = f32x8::from_i32x8(s).mul_add(f32x8::splat(scale), acc);
+/// The portable variant: per row, per block, the reference's exact steps (integer dots
+/// written so the compiler can vectorise them).
+pub fn group_scalar(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 8]) {
+    let qsb = qs_bytes(dtype);
+    let mut acc = [0.0f32; GROUP];
+    let mut w = [[0i8; QK]; GROUP];
+    for b in 0..g.nb {
+        unpack_block(dtype, &g.qs[b * qsb..(b + 1) * qsb], &mut w);
+        let q: &[i8; QK] = a.q[b * QK..(b + 1) * QK].try_into().expect("one block");
+        for (k, acc_k) in acc.iter_mut().enumerate() {
+            let isum: i32 = w[k]
+                .iter()
+                .zip(q)
+                .map(|(&wi, &qi)| wi as i32 * qi as i32)
+                .sum();
+            let dw = f16_at(g.d, b * 16 + k * 2);
+            let t = isum as f32 * (dw * a.d[b]);
+            *acc_k += if dtype == DType::Q4_1 {
+                t + f16_at(g.m, b * 16 + k * 2) * a.s[b]
+            } else {
+                t
+            };
+        }
     }
-    reduce(acc)
-}
-
-/// Q4_1 row · activations.
-pub fn dot_q4_1(row: &[u8], a: &QuantizedActs) -> f32 {
-    let mut acc = f32x8::ZERO;
-    let mut mins = 0.0f32;
-    for (b, blk) in row.chunks_exact(20).enumerate() {
-        let scale = f16_at(blk, 0) * a.d[b];
-        mins += f16_at(blk, 2) * a.s[b];
-        let q = &a.q[b * QK..];
-        let (lo, hi) = nibbles(&blk[4..20]);
-        let s = lo.dot(load_i16(q)) + hi.dot(load_i16(&q[16..]));
-        acc = f32x8::from_i32x8(s).mul_add(f32x8::splat(scale), acc);
-    }
-    reduce(acc) + mins
+    *out = acc;
 }

@@ -85,3 +85,27 @@ pub fn greedy(e: &mut dyn Engine, prompt: &[u32], n: usize) -> Greedy {
 pub fn prefix_match(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
+
+/// A command running the CLI binary. On a cross-compiled test run (the test binary itself
+/// started through a runner such as `qemu-aarch64`), the binary is started through the
+/// same runner: cargo's `CARGO_TARGET_<TRIPLE>_RUNNER` (e.g. set by
+/// scripts/test-aarch64.sh) is read from the environment.
+pub fn cli() -> std::process::Command {
+    let bin = env!("CARGO_BIN_EXE_tinygpt-cpu");
+    let runner_var = match std::env::consts::ARCH {
+        "aarch64" => Some("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER"),
+        _ => None,
+    };
+    let runner = runner_var.and_then(|v| std::env::var(v).ok());
+    match runner.as_deref().map(str::split_whitespace) {
+        Some(mut parts) => match parts.next() {
+            Some(first) => {
+                let mut c = std::process::Command::new(first);
+                c.args(parts).arg(bin);
+                c
+            }
+            None => std::process::Command::new(bin),
+        },
+        None => std::process::Command::new(bin),
+    }
+}

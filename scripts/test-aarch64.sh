@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Cross-compiles the test suite for aarch64 (Apple M1 CPU features: NEON + dot product)
+# and runs it under qemu user-mode emulation. Installs what it needs when missing
+# (rustup target, the aarch64 cross gcc and qemu-user from apt).
+#
+#   scripts/test-aarch64.sh                      # kernel tests (lib, kernels, qdot_dispatch)
+#   scripts/test-aarch64.sh --test golden_tiny   # any `cargo test` selection instead
+#
+# Tests that start the CLI binary start it through the same qemu runner
+# (tests/common/mod.rs `cli()` reads CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TARGET=aarch64-unknown-linux-gnu
+if ! rustup target list --installed | grep -qx "$TARGET"; then
+    rustup target add "$TARGET"
+fi
+if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user >/dev/null
+fi
+
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu"
+export CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc
+export CXX_aarch64_unknown_linux_gnu=aarch64-linux-gnu-g++
+# Overrides .cargo/config.toml's target-cpu=native (the host's CPU, not the target's).
+export RUSTFLAGS="-C target-cpu=apple-m1"
+
+if [ "$#" -eq 0 ]; then
+    set -- --lib --test kernels --test qdot_dispatch
+fi
+cargo test --release --target "$TARGET" "$@"

@@ -1,0 +1,90 @@
+//! aarch64 variant of [`super::qdot`]'s group kernel: NEON with the dot-product
+//! extension (`sdot`, every Apple M-series core and Armv8.4+ has it).
+//!
+//! Per block, each row's 32 codes meet the activation block in two `sdot`s (four lanes of
+//! four products each), pairwise adds fold the eight rows' lanes into two vectors of
+//! four row sums, and the reference's float steps run on those lanes with separate
+//! multiplies and adds (never fused): each lane equals the scalar twin bit for bit.
+//! Q4 codes (0..15) are signed bytes already; Q4_0's `− 8` is applied as `− 8 · Σ q_x`.
+
+use super::qdot::{Group, QuantizedActs, QK};
+use crate::dtype::DType;
+use half::f16;
+use std::arch::aarch64::*;
+
+/// Eight f16 values at `b[at..at + 16]` as two f32x4 (exact conversion).
+#[inline(always)]
+fn f16x8(b: &[u8], at: usize) -> [f32; 8] {
+    std::array::from_fn(|k| f16::from_le_bytes([b[at + 2 * k], b[at + 2 * k + 1]]).to_f32())
+}
+
+/// NEON + dotprod group kernel.
+///
+/// # Safety
+/// The CPU must support `dotprod`; `g` must be a group of a [`super::qdot::Packed`] of
+/// `dtype` with as many blocks as `a`.
+#[target_feature(enable = "neon,dotprod")]
+pub unsafe fn group_neon_dotprod(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 8]) {
+    let q8 = dtype == DType::Q8_0;
+    let qsb = if q8 { 256 } else { 128 };
+    assert!(g.qs.len() >= g.nb * qsb && a.q.len() >= g.nb * QK);
+    let mut acc = [vdupq_n_f32(0.0); 2];
+    for b in 0..g.nb {
+        // SAFETY: every pointer stays inside block `b` of `g.qs` (qsb bytes) and of
+        // `a.q` (32 bytes), checked by the assert above; NEON loads need no alignment.
+        let isum = unsafe {
+            let qp = g.qs.as_ptr().add(b * qsb);
+            let ap = a.q.as_ptr().add(b * QK);
+            let alo = vld1q_s8(ap);
+            let ahi = vld1q_s8(ap.add(16));
+            let z = vdupq_n_s32(0);
+            let row = |k: usize| -> int32x4_t {
+                if q8 {
+                    let base = (k / 4) * 128 + (k % 4) * 16;
+                    let wl = vld1q_s8(qp.add(base).cast());
+                    let wh = vld1q_s8(qp.add(base + 64).cast());
+                    vdotq_s32(vdotq_s32(z, wl, alo), wh, ahi)
+                } else {
+                    let v = vld1q_u8(qp.add((k / 4) * 64 + (k % 4) * 16));
+                    let lo = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F)));
+                    let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
+                    vdotq_s32(vdotq_s32(z, lo, alo), hi, ahi)
+                }
+            };
+            let half = |k0: usize| -> int32x4_t {
+                let p01 = vpaddq_s32(row(k0), row(k0 + 1));
+                let p23 = vpaddq_s32(row(k0 + 2), row(k0 + 3));
+                let s = vpaddq_s32(p01, p23);
+                if dtype == DType::Q4_0 {
+                    vsubq_s32(s, vdupq_n_s32(8 * a.qsum[b]))
+                } else {
+                    s
+                }
+            };
+            [half(0), half(4)]
+        };
+        let dw = f16x8(g.d, b * 16);
+        let mw = if dtype == DType::Q4_1 {
+            f16x8(g.m, b * 16)
+        } else {
+            [0.0; 8]
+        };
+        for h in 0..2 {
+            // SAFETY: the loads read 4 f32s from 8-element arrays at offset 0 or 4.
+            unsafe {
+                let scale = vmulq_f32(vld1q_f32(dw.as_ptr().add(4 * h)), vdupq_n_f32(a.d[b]));
+                let mut t = vmulq_f32(vcvtq_f32_s32(isum[h]), scale);
+                if dtype == DType::Q4_1 {
+                    let m = vld1q_f32(mw.as_ptr().add(4 * h));
+                    t = vaddq_f32(t, vmulq_f32(m, vdupq_n_f32(a.s[b])));
+                }
+                acc[h] = vaddq_f32(acc[h], t);
+            }
+        }
+    }
+    // SAFETY: `out` is 8 f32s: two stores of 4.
+    unsafe {
+        vst1q_f32(out.as_mut_ptr(), acc[0]);
+        vst1q_f32(out.as_mut_ptr().add(4), acc[1]);
+    }
+}

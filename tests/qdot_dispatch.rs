@@ -1,0 +1,191 @@
+//! Every quantised-weight kernel variant this CPU supports (`qdot::Kernel::supported`)
+//! against the scalar twin in the reference crate, bit for bit: odd row counts (partial
+//! row groups), 1 to 9 blocks per row, extreme codes (Q8_0 −128 and 127, Q4 nibbles 0
+//! and 15), extreme f16 scales (0, subnormal, ±65504) and extreme activations (zero
+//! blocks, 1e30, subnormal values, one large value among tiny ones).
+
+use half::f16;
+use proptest::prelude::*;
+use tinygpt_cpu::dtype::DType;
+use tinygpt_cpu::ops::qdot::{self, Kernel, Packed, QuantizedActs, GROUP};
+use tinygpt_reference::ggml_dot;
+
+fn cfg() -> ProptestConfig {
+    ProptestConfig {
+        cases: 200,
+        failure_persistence: None,
+        rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha,
+        ..ProptestConfig::default()
+    }
+}
+
+/// f16 scale bit patterns: ordinary, zero, subnormal, largest finite, either sign.
+fn scale() -> impl Strategy<Value = u16> {
+    prop_oneof![
+        4 => 0x2000u16..0x3C00,
+        1 => Just(0x0000u16),
+        1 => 0x0001u16..0x0400,
+        1 => Just(0x7BFFu16),
+        1 => 0u16..0x7C00,
+    ]
+    .prop_flat_map(|b| prop_oneof![Just(b), Just(b | 0x8000)])
+}
+
+/// Code bytes: random, or all at an extreme.
+fn code_bytes(n: usize) -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        4 => prop::collection::vec(any::<u8>(), n),
+        1 => Just(vec![0x80u8; n]),
+        1 => Just(vec![0x7Fu8; n]),
+        1 => Just(vec![0xFFu8; n]),
+        1 => Just(vec![0x00u8; n]),
+    ]
+}
+
+/// Activations: ordinary, huge, subnormal, zero blocks, or one spike among tiny values.
+fn acts(n: usize) -> impl Strategy<Value = Vec<f32>> {
+    prop_oneof![
+        3 => prop::collection::vec(-4.0f32..4.0, n),
+        1 => prop::collection::vec(-1e30f32..1e30, n),
+        1 => prop::collection::vec(-1e-38f32..1e-38, n),
+        1 => Just(vec![0.0f32; n]),
+        1 => (0..n, -1e6f32..1e6).prop_map(move |(i, v)| {
+            let mut x: Vec<f32> = (0..n).map(|j| (j as f32 - 7.0) * 1e-7).collect();
+            x[i] = v;
+            x
+        }),
+    ]
+}
+
+/// GGML rows built from code bytes and scale patterns.
+fn rows_bytes(dtype: DType, rows: usize, nb: usize, codes: &[u8], scales: &[u16]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let ncode = dtype.block_bytes() - if dtype == DType::Q4_1 { 4 } else { 2 };
+    for blk in 0..rows * nb {
+        out.extend_from_slice(&scales[2 * blk].to_le_bytes());
+        if dtype == DType::Q4_1 {
+            out.extend_from_slice(&scales[2 * blk + 1].to_le_bytes());
+        }
+        out.extend_from_slice(&codes[blk * ncode..(blk + 1) * ncode]);
+    }
+    out
+}
+
+fn reference_row(dtype: DType, row: &[u8], a: &ggml_dot::QuantizedActs) -> f32 {
+    match dtype {
+        DType::Q8_0 => ggml_dot::dot_q8_0(row, a),
+        DType::Q4_0 => ggml_dot::dot_q4_0(row, a),
+        _ => ggml_dot::dot_q4_1(row, a),
+    }
+}
+
+#[test]
+fn reports_supported_variants() {
+    let s = Kernel::supported();
+    println!(
+        "supported kernels: {:?}; active: {}",
+        s.iter().map(|k| k.name()).collect::<Vec<_>>(),
+        qdot::active().name()
+    );
+    assert_eq!(s[0], Kernel::Scalar);
+    assert!(s.contains(&qdot::active()));
+    for k in Kernel::ALL {
+        assert_eq!(Kernel::from_name(k.name()), Some(k));
+    }
+}
+
+#[test]
+fn every_variant_equals_the_scalar_twin_bit_for_bit() {
+    let kernels = Kernel::supported();
+    let mut runner = proptest::test_runner::TestRunner::new(cfg());
+    let strat = (1usize..20, 1usize..10).prop_flat_map(|(rows, nb)| {
+        (
+            Just(rows),
+            Just(nb),
+            code_bytes(rows * nb * 32),
+            prop::collection::vec(scale(), rows * nb * 2),
+            acts(nb * 32),
+        )
+    });
+    runner
+        .run(&strat, |(rows, nb, codes, scales, x)| {
+            let ra = ggml_dot::quantize_acts(&x);
+            let ea = QuantizedActs::from_f32(&x);
+            prop_assert_eq!(&ra.q, &ea.q);
+            prop_assert_eq!(&ra.d, &ea.d);
+            for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+                let bytes = rows_bytes(dtype, rows, nb, &codes, &scales);
+                let rb = dtype.block_bytes() * nb;
+                let p = Packed::new(dtype, rows, nb * 32, &bytes);
+                // the packed copy gives the file's rows back
+                let mut back = vec![0u8; rb];
+                for r in 0..rows {
+                    p.row_bytes(r, &mut back);
+                    prop_assert_eq!(&back[..], &bytes[r * rb..(r + 1) * rb]);
+                }
+                for &k in &kernels {
+                    for g in 0..p.groups() {
+                        let mut out = [0.0f32; GROUP];
+                        qdot::dot_group(k, &p, g, &ea, &mut out);
+                        for (j, &got) in out.iter().enumerate().take(rows - g * GROUP) {
+                            let r = g * GROUP + j;
+                            let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], &ra);
+                            prop_assert_eq!(
+                                got.to_bits(),
+                                want.to_bits(),
+                                "{} {} rows={} nb={} r={}: {} vs {}",
+                                k.name(),
+                                dtype,
+                                rows,
+                                nb,
+                                r,
+                                got,
+                                want
+                            );
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// The largest integer sums a block can produce (Q8_0 −128 × −127 everywhere, Q4 15 ×
+/// 127) and their negatives, with scales that keep the float result finite.
+#[test]
+fn saturating_extremes_stay_exact() {
+    let nb = 3;
+    let x_pos = vec![1.0f32; nb * 32];
+    let x_neg = vec![-1.0f32; nb * 32];
+    for x in [&x_pos, &x_neg] {
+        let ra = ggml_dot::quantize_acts(x);
+        let ea = QuantizedActs::from_f32(x);
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            for code in [0x80u8, 0x7F, 0xFF, 0x00, 0x88] {
+                let rows = 9;
+                let codes = vec![code; rows * nb * 32];
+                let scales = vec![f16::from_f32(0.5).to_bits(); rows * nb * 2];
+                let bytes = rows_bytes(dtype, rows, nb, &codes, &scales);
+                let rb = dtype.block_bytes() * nb;
+                let p = Packed::new(dtype, rows, nb * 32, &bytes);
+                for k in Kernel::supported() {
+                    for g in 0..p.groups() {
+                        let mut out = [0.0f32; GROUP];
+                        qdot::dot_group(k, &p, g, &ea, &mut out);
+                        for (j, &got) in out.iter().enumerate().take(rows - g * GROUP) {
+                            let r = g * GROUP + j;
+                            let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], &ra);
+                            assert_eq!(
+                                got.to_bits(),
+                                want.to_bits(),
+                                "{} {dtype} code {code:#x}: {got} vs {want}",
+                                k.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
