@@ -99,6 +99,9 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
     loop {
         if seqs.is_empty() {
             m.set_decode_tok_s(0.0);
+            m.active.store(0, Ordering::Relaxed);
+            m.prefilling.store(0, Ordering::Relaxed);
+            m.kv_bytes_in_use.store(0, Ordering::Relaxed);
             recent.clear();
             match jobs.recv() {
                 Ok(j) => seqs.push(start(model, j)),
@@ -171,7 +174,7 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
         }
 
         let mut produced = 0usize;
-        let mut finished: Vec<usize> = Vec::new();
+        let mut finished: Vec<(usize, Event)> = Vec::new();
         for &(i, n) in &ran {
             let s = &mut seqs[i];
             let prompt_len = s.job.prompt_ids.len();
@@ -186,30 +189,33 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
                 s.pos += 1;
             }
             if s.session.logits.iter().any(|x| !x.is_finite()) {
-                let _ = s.job.events.send(Event::Error(format!(
+                let e = Event::Error(format!(
                     "the model produced non-finite logits at position {}",
                     s.pos - 1
-                )));
-                finished.push(i);
+                ));
+                finished.push((i, e));
                 continue;
             }
             let t = s.sampler.sample(&s.session.logits);
             produced += 1;
             if let Some(done) = accept(s, t, tok) {
-                let _ = s.job.events.send(done);
                 m.requests_finished.fetch_add(1, Ordering::Relaxed);
-                finished.push(i);
+                finished.push((i, done));
             }
         }
         m.tokens_generated
             .fetch_add(produced as u64, Ordering::Relaxed);
         m.steps.fetch_add(1, Ordering::Relaxed);
-        if !finished.is_empty() {
-            let mut idx = 0;
-            seqs.retain(|_| {
-                idx += 1;
-                !finished.contains(&(idx - 1))
-            });
+        // Leave the batch, give the admission back, then tell the client: a client that
+        // sends its next request on seeing the end finds the slot free.
+        for (i, last) in finished.into_iter().rev() {
+            let Job {
+                events,
+                reservation,
+                ..
+            } = seqs.remove(i).job;
+            drop(reservation);
+            let _ = events.send(last);
         }
 
         // Gauges.
