@@ -16,7 +16,8 @@ Per round:
     token of any stream): decode throughput with every stream running (prefill excluded);
   * inter-token latency p50/p99 = gaps between consecutive chunks of one stream, pooled
     over streams;
-  * server RSS (VmRSS from /proc) at the end of the round, and the peak (VmHWM).
+  * server RSS (VmRSS from /proc) at the end of the round, and the peak (VmHWM); the peak
+    KV bytes held and reserved (worst case) over the round, polled from /metrics.
 """
 
 import argparse
@@ -59,6 +60,19 @@ def stream_one(host, port, prompt, tokens, out, i, start_barrier):
             n_tokens = v["usage"]["completion_tokens"]
     conn.close()
     out[i] = {"times": times, "tokens": n_tokens}
+
+
+def metrics(host, port, names):
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    out = {}
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if k in names:
+            out[k] = float(v)
+    return out
 
 
 def percentile(xs, p):
@@ -115,6 +129,12 @@ def main():
             t0 = time.perf_counter()
             for t in ths:
                 t.start()
+            # Poll /metrics while the round runs: peak KV bytes held and reserved.
+            kv = {"tinygpt_kv_bytes_in_use": 0, "tinygpt_kv_bytes_reserved": 0}
+            while any(t.is_alive() for t in ths):
+                for k, v in metrics(host, port, kv).items():
+                    kv[k] = max(kv[k], v)
+                time.sleep(0.2)
             for t in ths:
                 t.join()
             wall = time.perf_counter() - t0
@@ -136,11 +156,14 @@ def main():
                 "wall_s": wall,
                 "rss_mib": mem["VmRSS"] / 1024,
                 "peak_rss_mib": mem["VmHWM"] / 1024,
+                "peak_kv_bytes_in_use": kv["tinygpt_kv_bytes_in_use"],
+                "peak_kv_bytes_reserved": kv["tinygpt_kv_bytes_reserved"],
             }
             rows.append(row)
             print(f"{c:3d} streams: {row['aggregate_tok_s']:7.1f} tok/s aggregate, "
                   f"ITL p50 {row['itl_p50_ms']:6.1f} ms p99 {row['itl_p99_ms']:6.1f} ms, "
-                  f"wall {wall:5.1f} s, RSS {row['rss_mib']:.1f} MiB (peak {row['peak_rss_mib']:.1f})",
+                  f"wall {wall:5.1f} s, RSS {row['rss_mib']:.1f} MiB (peak {row['peak_rss_mib']:.1f}), "
+                  f"KV in use {row['peak_kv_bytes_in_use'] / 2**20:.1f} MiB, reserved {row['peak_kv_bytes_reserved'] / 2**20:.1f} MiB",
                   flush=True)
         if rows and rows[0]["streams"] == 1:
             for r in rows[1:]:

@@ -511,10 +511,6 @@ pub fn reference_model(
     Ok(tinygpt_reference::Model::new(files.config.clone(), weights))
 }
 
-/// Batches of fewer tokens than this are split into one group per thread by
-/// [`Model::forward_sequences`] (see there).
-const SPLIT_BATCH_BELOW: usize = 24;
-
 /// One sequence's share of a [`Model::forward_sequences`] step: `tokens` run at positions
 /// `start..start + tokens.len()` against `session`'s own cache (a prompt chunk, or the one
 /// token a decoding sequence sampled last).
@@ -536,39 +532,6 @@ impl Model {
     /// token after token, bit for bit ([`matmul`] computes each token's row as [`matvec`]
     /// does), so a sequence's output does not depend on what else is in the batch.
     pub fn forward_sequences(&self, steps: &mut [SeqStep<'_>]) -> Result<()> {
-        use rayon::prelude::*;
-        let threads = rayon::current_num_threads();
-        let n: usize = steps.iter().map(|st| st.tokens.len()).sum();
-        // `matmul` parallelises over tiles of tokens (a multiple of 6, so 2 to 23 tokens
-        // make one tile or two unequal ones): a small batch would leave cores idle. Split
-        // it into one group of consecutive sequences per thread instead, each group
-        // reading the weights once. Values do not change: every token's row is computed
-        // the same way whatever else is in its group.
-        if threads > 1 && steps.len() > 1 && n < SPLIT_BATCH_BELOW {
-            let target = n.div_ceil(threads.min(steps.len()));
-            let mut parts: Vec<&mut [SeqStep<'_>]> = Vec::new();
-            let mut rest = steps;
-            while !rest.is_empty() {
-                let (mut k, mut t) = (0, 0);
-                while k < rest.len() && (k == 0 || t + rest[k].tokens.len() <= target) {
-                    t += rest[k].tokens.len();
-                    k += 1;
-                }
-                let (a, b) = rest.split_at_mut(k);
-                parts.push(a);
-                rest = b;
-            }
-            return parts
-                .into_par_iter()
-                .map(|p| self.forward_group(p))
-                .collect::<Result<Vec<()>>>()
-                .map(|_| ());
-        }
-        self.forward_group(steps)
-    }
-
-    /// [`forward_sequences`](Self::forward_sequences) for one group, all in one batch.
-    fn forward_group(&self, steps: &mut [SeqStep<'_>]) -> Result<()> {
         use rayon::prelude::*;
         let c = &self.cfg;
         let (hd, qd, kvd, ff) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
