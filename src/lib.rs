@@ -10,7 +10,8 @@
 //! [`tokenizer`] (+ [`chat`] templates) →
 //! [`model`] (forward pass) → [`attention`] → [`kv_cache`] (policy: which rows survive;
 //! storage: how they are held) → [`quant`] (KIVI quantisers) → [`ops`] (SIMD kernels +
-//! rayon) → [`sampler`] → [`generate`] (prefill/decode loop, stats) → [`cli`].
+//! rayon) → [`sampler`] → [`generate`] (prefill/decode loop, stats) → [`cli`];
+//! [`server`] runs many sequences at once behind an OpenAI-shaped HTTP API.
 
 pub mod attention;
 pub mod chat;
@@ -27,6 +28,7 @@ pub mod ops;
 pub mod plot;
 pub mod quant;
 pub mod sampler;
+pub mod server;
 pub mod tokenizer;
 pub mod weights;
 

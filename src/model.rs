@@ -510,3 +510,149 @@ pub fn reference_model(
     };
     Ok(tinygpt_reference::Model::new(files.config.clone(), weights))
 }
+
+/// One sequence's share of a [`Model::forward_sequences`] step: `tokens` run at positions
+/// `start..start + tokens.len()` against `session`'s own cache (a prompt chunk, or the one
+/// token a decoding sequence sampled last).
+pub struct SeqStep<'s> {
+    pub session: &'s mut Session,
+    pub tokens: &'s [u32],
+    pub start: usize,
+}
+
+impl Model {
+    /// Continuous batching: advances several independent sequences in one forward pass.
+    /// The tokens of every sequence are stacked into one `(n, hidden)` activation, so each
+    /// projection and MLP matrix is read once per step for all of them ([`matmul`]);
+    /// attention runs per sequence, token by token in order, against that sequence's cache
+    /// at its own positions (sequences in parallel: they share nothing). Each session's
+    /// `logits` receive the logits of its last token.
+    ///
+    /// Every value equals what [`forward`](Self::forward) gives for that sequence alone,
+    /// token after token, bit for bit ([`matmul`] computes each token's row as [`matvec`]
+    /// does), so a sequence's output does not depend on what else is in the batch.
+    pub fn forward_sequences(&self, steps: &mut [SeqStep<'_>]) -> Result<()> {
+        use rayon::prelude::*;
+        let c = &self.cfg;
+        let (hd, qd, kvd, ff) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        // Row offset of each sequence's first token in the stacked activations.
+        let mut offsets = Vec::with_capacity(steps.len());
+        let mut n = 0usize;
+        for st in steps.iter() {
+            offsets.push(n);
+            n += st.tokens.len();
+        }
+        if steps.iter().any(|st| st.tokens.is_empty()) {
+            return Err(Error::Generate(
+                "a sequence in a batched step has no token to run".into(),
+            ));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        // (n, hidden) stacked residual stream
+        let mut x = vec![0.0f32; n * hd];
+        for (st, &o) in steps.iter().zip(&offsets) {
+            for (i, &t) in st.tokens.iter().enumerate() {
+                if t as usize >= c.vocab_size {
+                    return Err(Error::Generate(format!(
+                        "token id {t} is outside the model's vocabulary ({})",
+                        c.vocab_size
+                    )));
+                }
+                self.embed
+                    .row_f32(t as usize, &mut x[(o + i) * hd..(o + i + 1) * hd]);
+            }
+        }
+        let mut h = vec![0.0f32; n * hd]; // (n, hidden)
+        let mut q = vec![0.0f32; n * qd]; // (n, n_heads * head_dim)
+        let mut k = vec![0.0f32; n * kvd]; // (n, n_kv_heads * head_dim)
+        let mut v = vec![0.0f32; n * kvd];
+        let mut att = vec![0.0f32; n * qd];
+        let mut proj = vec![0.0f32; n * hd];
+        let mut gate = vec![0.0f32; n * ff]; // (n, intermediate)
+        let mut up = vec![0.0f32; n * ff];
+        let norm_rows = |x: &[f32], w: &[f32], h: &mut [f32]| {
+            for (xr, hr) in x.chunks_exact(hd).zip(h.chunks_exact_mut(hd)) {
+                ops::rmsnorm(xr, w, c.rms_norm_eps, hr);
+            }
+        };
+        for (l, lw) in self.layers.iter().enumerate() {
+            norm_rows(&x, &lw.attn_norm, &mut h);
+            matmul(&lw.wq, &h, n, &mut q);
+            matmul(&lw.wk, &h, n, &mut k);
+            matmul(&lw.wv, &h, n, &mut v);
+            for (b, buf, d) in [
+                (&lw.bq, &mut q, qd),
+                (&lw.bk, &mut k, kvd),
+                (&lw.bv, &mut v, kvd),
+            ] {
+                if let Some(b) = b {
+                    buf.chunks_exact_mut(d).for_each(|r| ops::add_assign(r, b));
+                }
+            }
+            // Split `att` into each sequence's rows, then attend per sequence.
+            let mut att_parts: Vec<&mut [f32]> = Vec::with_capacity(steps.len());
+            let mut rest: &mut [f32] = &mut att;
+            for st in steps.iter() {
+                let (a, r) = rest.split_at_mut(st.tokens.len() * qd);
+                att_parts.push(a);
+                rest = r;
+            }
+            let (q, k, v) = (&q, &k, &v);
+            let one = |(st, (o, a)): (&mut SeqStep<'_>, (&usize, &mut &mut [f32]))| {
+                let s = &mut *st.session;
+                for i in 0..st.tokens.len() {
+                    let r = o + i;
+                    attend(
+                        c,
+                        &self.rope,
+                        s.cache.layer_mut(l),
+                        &q[r * qd..(r + 1) * qd],
+                        &k[r * kvd..(r + 1) * kvd],
+                        &v[r * kvd..(r + 1) * kvd],
+                        st.start + i,
+                        &mut a[i * qd..(i + 1) * qd],
+                        &mut s.scratch,
+                        None,
+                    );
+                }
+            };
+            if steps.len() > 1 && rayon::current_num_threads() > 1 {
+                steps
+                    .par_iter_mut()
+                    .zip(offsets.par_iter().zip(att_parts.par_iter_mut()))
+                    .for_each(one);
+            } else {
+                steps
+                    .iter_mut()
+                    .zip(offsets.iter().zip(att_parts.iter_mut()))
+                    .for_each(one);
+            }
+            matmul(&lw.wo, &att, n, &mut proj);
+            ops::add_assign(&mut x, &proj);
+            norm_rows(&x, &lw.ffn_norm, &mut h);
+            matmul(&lw.w_gate, &h, n, &mut gate);
+            matmul(&lw.w_up, &h, n, &mut up);
+            // Row by row, so the SIMD/tail split of each row is the one `forward` sees.
+            gate.chunks_exact_mut(ff)
+                .zip(up.chunks_exact(ff))
+                .for_each(|(g, u)| ops::swiglu(g, u));
+            matmul(&lw.w_down, &gate, n, &mut proj);
+            ops::add_assign(&mut x, &proj);
+        }
+        // The LM head for each sequence's last token only: (B, hidden) -> (B, vocab).
+        let b = steps.len();
+        let mut last = vec![0.0f32; b * hd];
+        for ((st, &o), hr) in steps.iter().zip(&offsets).zip(last.chunks_exact_mut(hd)) {
+            let r = o + st.tokens.len() - 1;
+            ops::rmsnorm(&x[r * hd..(r + 1) * hd], &self.norm, c.rms_norm_eps, hr);
+        }
+        let mut logits = vec![0.0f32; b * c.vocab_size];
+        matmul(&self.lm_head, &last, b, &mut logits);
+        for (st, lg) in steps.iter_mut().zip(logits.chunks_exact(c.vocab_size)) {
+            st.session.logits.copy_from_slice(lg);
+        }
+        Ok(())
+    }
+}

@@ -7,6 +7,7 @@ pub mod convert;
 pub mod inspect;
 pub mod perplexity;
 pub mod sample;
+pub mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -35,6 +36,8 @@ pub enum Command {
     Convert(convert::ConvertArgs),
     /// Print a model's config, parameter count, dtypes and file size.
     Inspect(inspect::InspectArgs),
+    /// OpenAI-compatible HTTP server with continuous batching.
+    Serve(serve::ServeArgs),
 }
 
 /// Runs the parsed command.
@@ -46,5 +49,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::CacheTable(a) => cache_table::run(a),
         Command::Convert(a) => convert::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Serve(a) => serve::run(a),
     }
 }

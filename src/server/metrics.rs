@@ -1,0 +1,124 @@
+//! Counters and gauges for `GET /metrics`, in the Prometheus text exposition format.
+//! The scheduler writes them once per step; handlers read them.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Server metrics; all relaxed atomics (each value is independent).
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// Sequences past their prompt, generating.
+    pub active: AtomicU64,
+    /// Sequences admitted whose prompt is not fully prefilled yet.
+    pub prefilling: AtomicU64,
+    pub tokens_generated: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub requests_finished: AtomicU64,
+    pub requests_cancelled: AtomicU64,
+    /// Answered 429 (budget or sequence limit).
+    pub requests_rejected: AtomicU64,
+    pub steps: AtomicU64,
+    /// f64 bits: generated tokens per second over the last ~2 s of steps.
+    pub decode_tok_s: AtomicU64,
+    /// Bytes the active sequences' caches hold now (counted from their buffers).
+    pub kv_bytes_in_use: AtomicU64,
+}
+
+impl Metrics {
+    pub fn set_decode_tok_s(&self, v: f64) {
+        self.decode_tok_s.store(v.to_bits(), Ordering::Relaxed);
+    }
+
+    /// The exposition text. `reserved` = (sequences, bytes) admitted now.
+    pub fn render(&self, reserved: (usize, usize), max_sequences: usize, budget: usize) -> String {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let rows: [(&str, &str, &str, String); 13] = [
+            (
+                "tinygpt_active_sequences",
+                "gauge",
+                "Sequences generating tokens.",
+                g(&self.active).to_string(),
+            ),
+            (
+                "tinygpt_queued_sequences",
+                "gauge",
+                "Sequences admitted and waiting for or in prompt prefill.",
+                g(&self.prefilling).to_string(),
+            ),
+            (
+                "tinygpt_admitted_sequences",
+                "gauge",
+                "Sequences holding an admission (queued + active).",
+                reserved.0.to_string(),
+            ),
+            (
+                "tinygpt_max_sequences",
+                "gauge",
+                "--max-sequences.",
+                max_sequences.to_string(),
+            ),
+            (
+                "tinygpt_tokens_generated_total",
+                "counter",
+                "Tokens sampled.",
+                g(&self.tokens_generated).to_string(),
+            ),
+            (
+                "tinygpt_prompt_tokens_total",
+                "counter",
+                "Prompt tokens prefilled.",
+                g(&self.prompt_tokens).to_string(),
+            ),
+            (
+                "tinygpt_requests_finished_total",
+                "counter",
+                "Requests that ran to a stop condition.",
+                g(&self.requests_finished).to_string(),
+            ),
+            (
+                "tinygpt_requests_cancelled_total",
+                "counter",
+                "Requests whose client went away before the end.",
+                g(&self.requests_cancelled).to_string(),
+            ),
+            (
+                "tinygpt_requests_rejected_total",
+                "counter",
+                "Requests answered 429 (sequence limit or KV budget full).",
+                g(&self.requests_rejected).to_string(),
+            ),
+            (
+                "tinygpt_decode_tokens_per_second",
+                "gauge",
+                "Tokens generated per second, all sequences, over the last ~2 s.",
+                format!("{:.3}", f64::from_bits(g(&self.decode_tok_s))),
+            ),
+            (
+                "tinygpt_kv_bytes_in_use",
+                "gauge",
+                "Bytes the active sequences' KV caches hold now.",
+                g(&self.kv_bytes_in_use).to_string(),
+            ),
+            (
+                "tinygpt_kv_bytes_reserved",
+                "gauge",
+                "Worst-case KV bytes of the admitted sequences.",
+                reserved.1.to_string(),
+            ),
+            (
+                "tinygpt_kv_budget_bytes",
+                "gauge",
+                "--kv-budget.",
+                budget.to_string(),
+            ),
+        ];
+        let mut out = String::new();
+        for (name, kind, help, value) in rows {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+            );
+        }
+        out
+    }
+}

@@ -1,0 +1,368 @@
+//! The continuous-batching step loop (runs on its own thread, inside the compute pool).
+//!
+//! Each step:
+//! 1. new jobs join (they were admitted by the handler, so their cache fits);
+//! 2. sequences whose client went away (event receiver dropped) leave;
+//! 3. every decoding sequence contributes its last sampled token, and sequences still
+//!    reading their prompt share [`ServerConfig::prefill_tokens_per_step`] prompt tokens
+//!    (oldest first), so a long prompt is prefilled over several steps while the others
+//!    keep decoding;
+//! 4. one [`Model::forward_sequences`] runs them all;
+//! 5. every sequence that produced logits samples its next token with its own sampler,
+//!    and finished sequences (EOS, `max_tokens`, a stop string) leave.
+//!
+//! Per sequence, this is exactly `generate`'s loop (prefill, sample, feed back), and the
+//! batched forward is bit-identical to the solo one, so a greedy request returns what
+//! `sample --temperature 0` prints.
+//!
+//! [`ServerConfig::prefill_tokens_per_step`]: super::ServerConfig::prefill_tokens_per_step
+
+use super::{Reservation, Shared};
+use crate::kv_cache::KvConfig;
+use crate::model::{Model, SeqStep, Session};
+use crate::sampler::{Sampler, SamplerConfig};
+use crate::tokenizer::StreamDecoder;
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// A validated, tokenized, admitted request.
+pub struct Job {
+    pub prompt_ids: Vec<u32>,
+    pub kv: KvConfig,
+    pub sampler: SamplerConfig,
+    pub max_tokens: usize,
+    pub ignore_eos: bool,
+    pub stop: Vec<String>,
+    pub reservation: Reservation,
+    pub events: UnboundedSender<Event>,
+}
+
+/// Why a sequence ended (OpenAI's `finish_reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn name(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// What the scheduler tells a handler.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// New text (never splits a UTF-8 character; held back while it could be the start
+    /// of a stop string).
+    Text(String),
+    Done {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    Error(String),
+}
+
+/// One sequence in the batch.
+struct Seq {
+    job: Job,
+    session: Session,
+    sampler: Sampler,
+    /// Prompt tokens already run.
+    prefilled: usize,
+    /// Position of the next token fed to the model.
+    pos: usize,
+    /// The token sampled last, to be fed at `pos` (decoding sequences).
+    next: u32,
+    generated: Vec<u32>,
+    decoder: StreamDecoder,
+    /// Text of `generated` so far, and how much of it was sent.
+    text: String,
+    sent: usize,
+}
+
+/// Runs until the job channel is closed and every sequence has finished.
+pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>) {
+    let m = &shared.metrics;
+    let tok = &shared.tokenizer;
+    let mut seqs: Vec<Seq> = Vec::new();
+    // (end of step, tokens generated in it), last ~2 s, for the tok/s gauge.
+    let mut recent: VecDeque<(Instant, usize)> = VecDeque::new();
+    loop {
+        if seqs.is_empty() {
+            m.set_decode_tok_s(0.0);
+            m.active.store(0, Ordering::Relaxed);
+            m.prefilling.store(0, Ordering::Relaxed);
+            m.kv_bytes_in_use.store(0, Ordering::Relaxed);
+            recent.clear();
+            match jobs.recv() {
+                Ok(j) => seqs.push(start(model, j)),
+                Err(_) => return,
+            }
+        }
+        while let Ok(j) = jobs.try_recv() {
+            seqs.push(start(model, j));
+        }
+        seqs.retain(|s| {
+            let gone = s.job.events.is_closed();
+            if gone {
+                m.requests_cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            !gone
+        });
+        if seqs.is_empty() {
+            continue;
+        }
+
+        // Which tokens each sequence runs this step.
+        let mut budget = shared.cfg.prefill_tokens_per_step.max(1);
+        let mut ran: Vec<(usize, usize)> = Vec::new(); // (seq index, tokens run)
+        let mut steps: Vec<SeqStep<'_>> = Vec::new();
+        for (i, s) in seqs.iter_mut().enumerate() {
+            let Seq {
+                job,
+                session,
+                prefilled,
+                pos,
+                next,
+                ..
+            } = s;
+            let prompt_left = job.prompt_ids.len() - *prefilled;
+            if prompt_left > 0 {
+                if budget == 0 {
+                    continue;
+                }
+                let take = prompt_left.min(budget);
+                budget -= take;
+                steps.push(SeqStep {
+                    session,
+                    tokens: &job.prompt_ids[*prefilled..*prefilled + take],
+                    start: *prefilled,
+                });
+                ran.push((i, take));
+            } else {
+                steps.push(SeqStep {
+                    session,
+                    tokens: std::slice::from_ref(next),
+                    start: *pos,
+                });
+                ran.push((i, 1));
+            }
+        }
+        let result = model.forward_sequences(&mut steps);
+        drop(steps);
+        if let Err(e) = result {
+            // A model-level failure concerns every sequence of the step.
+            for &(i, _) in &ran {
+                let _ = seqs[i].job.events.send(Event::Error(e.to_string()));
+            }
+            let failed: Vec<usize> = ran.iter().map(|&(i, _)| i).collect();
+            let mut idx = 0;
+            seqs.retain(|_| {
+                idx += 1;
+                !failed.contains(&(idx - 1))
+            });
+            continue;
+        }
+
+        let mut produced = 0usize;
+        let mut finished: Vec<(usize, Event)> = Vec::new();
+        for &(i, n) in &ran {
+            let s = &mut seqs[i];
+            let prompt_len = s.job.prompt_ids.len();
+            if s.prefilled < prompt_len {
+                s.prefilled += n;
+                m.prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
+                if s.prefilled < prompt_len {
+                    continue;
+                }
+                s.pos = prompt_len;
+            } else {
+                s.pos += 1;
+            }
+            if s.session.logits.iter().any(|x| !x.is_finite()) {
+                let e = Event::Error(format!(
+                    "the model produced non-finite logits at position {}",
+                    s.pos - 1
+                ));
+                finished.push((i, e));
+                continue;
+            }
+            let t = s.sampler.sample(&s.session.logits);
+            produced += 1;
+            if let Some(done) = accept(s, t, tok) {
+                m.requests_finished.fetch_add(1, Ordering::Relaxed);
+                finished.push((i, done));
+            }
+        }
+        m.tokens_generated
+            .fetch_add(produced as u64, Ordering::Relaxed);
+        m.steps.fetch_add(1, Ordering::Relaxed);
+        // Leave the batch, give the admission back, then tell the client: a client that
+        // sends its next request on seeing the end finds the slot free.
+        for (i, last) in finished.into_iter().rev() {
+            let Job {
+                events,
+                reservation,
+                ..
+            } = seqs.remove(i).job;
+            drop(reservation);
+            let _ = events.send(last);
+        }
+
+        // Gauges.
+        let now = Instant::now();
+        recent.push_back((now, produced));
+        while recent
+            .front()
+            .is_some_and(|&(t, _)| now.duration_since(t) > Duration::from_secs(2))
+        {
+            recent.pop_front();
+        }
+        if let (Some(&(first, _)), true) = (recent.front(), recent.len() > 1) {
+            let secs = now.duration_since(first).as_secs_f64();
+            let toks: usize = recent.iter().skip(1).map(|&(_, n)| n).sum();
+            if secs > 0.0 {
+                m.set_decode_tok_s(toks as f64 / secs);
+            }
+        }
+        let prefilling = seqs
+            .iter()
+            .filter(|s| s.prefilled < s.job.prompt_ids.len())
+            .count();
+        m.prefilling.store(prefilling as u64, Ordering::Relaxed);
+        m.active
+            .store((seqs.len() - prefilling) as u64, Ordering::Relaxed);
+        let bytes: usize = seqs.iter().map(|s| s.session.cache.bytes()).sum();
+        m.kv_bytes_in_use.store(bytes as u64, Ordering::Relaxed);
+    }
+}
+
+fn start(model: &Model, job: Job) -> Seq {
+    Seq {
+        session: model.session(&job.kv),
+        sampler: Sampler::new(job.sampler.clone()),
+        prefilled: 0,
+        pos: 0,
+        next: 0,
+        generated: Vec::new(),
+        decoder: StreamDecoder::new(),
+        text: String::new(),
+        sent: 0,
+        job,
+    }
+}
+
+/// Takes sampled token `t` as `generate` does; sends the new text. Returns the final
+/// event when the sequence is finished.
+fn accept(s: &mut Seq, t: u32, tok: &crate::tokenizer::Tokenizer) -> Option<Event> {
+    s.generated.push(t);
+    let done = |s: &Seq, reason| Event::Done {
+        reason,
+        prompt_tokens: s.job.prompt_ids.len(),
+        completion_tokens: s.generated.len(),
+    };
+    if tok.is_eos(t) && !s.job.ignore_eos {
+        flush_final(s, tok, true);
+        return Some(done(s, FinishReason::Stop));
+    }
+    match s.decoder.push(tok, t) {
+        Ok(delta) => s.text.push_str(&delta),
+        Err(e) => return Some(Event::Error(e.to_string())),
+    }
+    if let Some(cut) = find_stop(&s.text, &s.job.stop) {
+        if cut > s.sent {
+            let _ = s
+                .job
+                .events
+                .send(Event::Text(s.text[s.sent..cut].to_string()));
+        }
+        s.sent = cut;
+        s.text.truncate(cut);
+        return Some(done(s, FinishReason::Stop));
+    }
+    if s.generated.len() >= s.job.max_tokens {
+        flush_final(s, tok, false);
+        return Some(done(s, FinishReason::Length));
+    }
+    s.next = t;
+    let safe = s.text.len() - held_back(&s.text, &s.job.stop);
+    if safe > s.sent {
+        let _ = s
+            .job
+            .events
+            .send(Event::Text(s.text[s.sent..safe].to_string()));
+        s.sent = safe;
+    }
+    None
+}
+
+/// At the end, the text is the decoding of every generated id (EOS excluded), as
+/// `generate` returns it; sends whatever of it was not sent yet.
+fn flush_final(s: &mut Seq, tok: &crate::tokenizer::Tokenizer, eos_last: bool) {
+    let ids = if eos_last {
+        &s.generated[..s.generated.len() - 1]
+    } else {
+        &s.generated[..]
+    };
+    if let Ok(full) = tok.decode(ids) {
+        if full.is_char_boundary(s.sent) && full[..s.sent] == s.text[..s.sent] {
+            s.text = full;
+        }
+    }
+    if s.text.len() > s.sent {
+        let _ = s.job.events.send(Event::Text(s.text[s.sent..].to_string()));
+        s.sent = s.text.len();
+    }
+}
+
+/// Byte offset where the first stop string starts in `text`, if any occurs.
+pub fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
+    stops
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text.find(s.as_str()))
+        .min()
+}
+
+/// Length of the longest tail of `text` that is a proper prefix of a stop string: that
+/// much is held back until the next token says whether the stop string follows.
+pub fn held_back(text: &str, stops: &[String]) -> usize {
+    let mut hold = 0;
+    for s in stops {
+        for m in (1..s.len()).rev() {
+            if m <= hold {
+                break;
+            }
+            if s.is_char_boundary(m) && text.as_bytes().ends_with(&s.as_bytes()[..m]) {
+                hold = m;
+                break;
+            }
+        }
+    }
+    hold
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings() {
+        let stops = vec!["\n\n".to_string(), "END".to_string()];
+        assert_eq!(find_stop("abc\n\nxEND", &stops), Some(3));
+        assert_eq!(find_stop("abcEN", &stops), None);
+        assert_eq!(held_back("abcEN", &stops), 2);
+        assert_eq!(held_back("abc\n", &stops), 1);
+        assert_eq!(held_back("abcE N", &stops), 0);
+        assert_eq!(held_back("é", &["éa".to_string()]), 2);
+    }
+}
