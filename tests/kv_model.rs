@@ -20,6 +20,8 @@ fn engine_vs_reference(p: Precision) -> f32 {
         Precision::Bf16 => 2e-2,
         Precision::Int8 => 5e-2,
         Precision::Int4 => 0.25,
+        // one flipped code is a third of the channel's range
+        Precision::Int2 => 1.0,
     }
 }
 const STEPS: usize = 300;
@@ -39,6 +41,7 @@ fn combos() -> Vec<KvConfig> {
                     sink: if streaming { SINK } else { 0 },
                     window: streaming.then_some(WINDOW),
                     positions,
+                    ..KvConfig::default()
                 });
             }
         }

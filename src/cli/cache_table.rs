@@ -89,6 +89,7 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
                 sink: if streaming { a.sink } else { 0 },
                 window: streaming.then_some(a.window),
                 positions: PositionsMode::Original,
+                ..KvConfig::default()
             };
             crate::kv_cache::validate(&kv, cfg)?;
             let mode = if streaming {
