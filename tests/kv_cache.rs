@@ -801,6 +801,51 @@ fn validate_rejects_bad_flags() {
             "--streaming-llm-window",
         ),
     ];
+    // int2 needs head_dim a multiple of 4; the error names the flag that chose int2.
+    let cfg6 = config(4, 2, 6, None);
+    for (kv, flag) in [
+        (
+            KvConfig {
+                precision: Precision::Int2,
+                ..ok.clone()
+            },
+            "--kv-quantize",
+        ),
+        (
+            KvConfig {
+                k_precision: Some(Precision::Int2),
+                ..ok.clone()
+            },
+            "--kv-quantize-k",
+        ),
+        (
+            KvConfig {
+                precision: Precision::Int4,
+                v_precision: Some(Precision::Int2),
+                ..ok.clone()
+            },
+            "--kv-quantize-v",
+        ),
+    ] {
+        let err = validate(&kv, &cfg6).expect_err(&format!("{kv:?} must be rejected"));
+        assert!(err.to_string().starts_with(flag), "{kv:?}: {err}");
+    }
+    assert!(validate(
+        &KvConfig {
+            precision: Precision::Int4,
+            ..ok.clone()
+        },
+        &cfg6
+    )
+    .is_ok());
+    let residual = KvConfig {
+        residual: usize::MAX,
+        ..ok.clone()
+    };
+    assert!(validate(&residual, &cfg)
+        .unwrap_err()
+        .to_string()
+        .starts_with("--kv-residual"));
     for (kv, flag) in bad {
         let err = validate(&kv, &cfg).expect_err(&format!("{kv:?} must be rejected"));
         assert!(err.to_string().starts_with(flag), "{kv:?}: {err}");

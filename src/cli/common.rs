@@ -87,7 +87,12 @@ pub struct CacheArgs {
     pub group_size: usize,
     /// KIVI residual: the newest R tokens of a quantised K/V side stay f32 (0: quantise
     /// V at append and each K group as soon as it is complete).
-    #[arg(long = "kv-residual", value_name = "R", default_value_t = 0)]
+    #[arg(
+        long = "kv-residual",
+        value_name = "R",
+        default_value_t = 0,
+        allow_hyphen_values = true
+    )]
     pub residual: usize,
     /// Store keys before RoPE (pre) and rotate them at read time, or after (post). In
     /// `cache` positions mode keys are always stored before RoPE, so this has no effect.
