@@ -272,8 +272,16 @@ fn codes16<const W: u8>(codes: &[u8], e: usize) -> (f32x8, f32x8) {
             nibbles8(&codes[e / 2 + 4..e / 2 + 8]),
         ),
         2 => {
+            // One broadcast serves both halves: lanes shift by 2k and by 16 + 2k.
             let word = u32::from_le_bytes(codes[e / 4..e / 4 + 4].try_into().expect("4 bytes"));
-            (crumbs8(word), crumbs8(word >> 16))
+            let w = u32x8::splat(word);
+            let lo = u32x8::new([0, 2, 4, 6, 8, 10, 12, 14]);
+            let hi = u32x8::new([16, 18, 20, 22, 24, 26, 28, 30]);
+            let mask = u32x8::splat(0x3);
+            (
+                bytemuck::cast::<u32x8, i32x8>((w >> lo) & mask).round_float(),
+                bytemuck::cast::<u32x8, i32x8>((w >> hi) & mask).round_float(),
+            )
         }
         _ => {
             let a: [u8; 16] = codes[e..e + 16].try_into().expect("16 codes");
