@@ -51,7 +51,7 @@ use policy::Policy;
 use storage::{ChannelQuant, ChannelRun, Plain, PlainKind, PlainRun, TokenQuant, TokenRun};
 pub use tinygpt_reference::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
 
-/// Rows kept at full precision at the start of an int8/int4 cache (DESIGN.md §2).
+/// Rows kept at full precision at the start of a KIVI cache (DESIGN.md §2).
 pub const FULL_PRECISION_ROWS: usize = 4;
 /// Largest accepted `--kv-group-size`.
 pub const MAX_GROUP_SIZE: usize = 1 << 16;

@@ -1,4 +1,4 @@
-//! How stored rows are held: plain rows (f32/f16/bf16) and KIVI rows (int8/int4).
+//! How stored rows are held: plain rows (f32/f16/bf16) and KIVI rows (int8/int4/int2).
 //!
 //! Every buffer is split per KV head so one head's rows are contiguous (what a fused
 //! attention kernel streams over); a *slot* is a row index inside these buffers.
@@ -411,7 +411,8 @@ impl PlainRun<'_> {
     }
 }
 
-/// KIVI V rows: quantised per token and KV head at append.
+/// KIVI V rows: quantised per token and KV head when they leave the residual (at
+/// append for R = 0).
 #[derive(Debug, Clone)]
 pub(crate) struct TokenQuant {
     bits: Bits,
