@@ -15,7 +15,9 @@
 //!   flagship token costs 12 of these).
 //! * `attention_16k/{kv}-{threads}t`: one `attend` call (append + scores + softmax +
 //!   weighted sum, all 8 heads) over a layer holding 16K rows, throughput = bytes the
-//!   cache holds (what attention has to read per step).
+//!   cache holds (what attention has to read per step). `{kv}`: every precision (int2
+//!   included), plus `int2+r128` (KIVI residual of 128 f32 rows) and `int4+pre` (keys
+//!   stored before RoPE, rotated at read time).
 //!
 //! * `read_bandwidth/{size}-{threads}t`: the machine's read bandwidth, independent of our
 //!   kernels: summing an f32 buffer with eight f32x8 accumulators (threads split it).
@@ -229,8 +231,21 @@ fn bench_attention(c: &mut Criterion) {
     let n = all_cores();
     let pools = [(1usize, pool(1)), (n, pool(n))];
     let mut g = c.benchmark_group("attention_16k");
-    for p in Precision::ALL {
-        let kv = kv_config(p, false);
+    let extra = [
+        tinygpt_cpu::kv_cache::KvConfig {
+            residual: 128,
+            ..kv_config(Precision::Int2, false)
+        },
+        tinygpt_cpu::kv_cache::KvConfig {
+            key_rope: tinygpt_cpu::kv_cache::KeyRope::Pre,
+            ..kv_config(Precision::Int4, false)
+        },
+    ];
+    for kv in Precision::ALL
+        .into_iter()
+        .map(|p| kv_config(p, false))
+        .chain(extra)
+    {
         let one = tinygpt_cpu::config::Config {
             n_layers: 1,
             ..cfg.clone()
@@ -246,7 +261,7 @@ fn bench_attention(c: &mut Criterion) {
             let mut layer = base.clone();
             let mut scratch = AttnScratch::new(&cfg, &kv);
             let mut out = vec![0.0f32; cfg.q_dim()];
-            let id = format!("{}-{t}t{}", p.name(), clock.suffix());
+            let id = format!("{}-{t}t{}", kv.quant_name(), clock.suffix());
             let id = BenchmarkId::from_parameter(id);
             g.bench_function(id, |b| {
                 b.iter_custom(|iters| {

@@ -16,7 +16,9 @@
 //!   bias per query head, added at the end.
 //!
 //! `cache` positions mode stores keys before RoPE and rotates them by their logical slot
-//! at attention time. A per-channel scale does not commute with that rotation (it mixes
+//! at attention time; `original` mode with `key_rope = pre` stores them before RoPE too
+//! and rotates each by its stored absolute position (cos/sin kept per row id in the
+//! scratch, computed once per stored row, so a step computes no angles for old rows). A per-channel scale does not commute with that rotation (it mixes
 //! channel `c` with `c + d/2`), so there keys are rebuilt eight rows at a time in a
 //! `(8, head_dim)` buffer (widened or dequantised exactly as `LayerKv::key` returns
 //! them), rotated by their slots and dotted with the group's queries: still no copy of
@@ -257,6 +259,12 @@ pub struct AttnScratch {
     /// (slots, head_dim / 2) cos/sin per cache slot, for `cache` positions mode
     slot_cos: Vec<f32>,
     slot_sin: Vec<f32>,
+    /// (row ids, head_dim / 2) cos/sin of each stored row's absolute position, for
+    /// pre-RoPE keys in `original` mode; `id_pos[id]` is the position they hold
+    /// (`usize::MAX`: none)
+    id_cos: Vec<f32>,
+    id_sin: Vec<f32>,
+    id_pos: Vec<usize>,
     heads: Vec<HeadScratch>,
 }
 
@@ -269,6 +277,9 @@ impl AttnScratch {
             visible: Vec::new(),
             slot_cos: Vec::new(),
             slot_sin: Vec::new(),
+            id_cos: Vec::new(),
+            id_sin: Vec::new(),
+            id_pos: Vec::new(),
             heads: vec![HeadScratch::default(); cfg.n_kv_heads],
         }
     }
@@ -288,6 +299,28 @@ impl AttnScratch {
                 &mut self.slot_sin[s * half..(s + 1) * half],
             );
             rope.cos_sin(s, c, sn);
+        }
+    }
+
+    /// Makes the per-row-id cos/sin table hold every stored row's position.
+    fn ensure_row_angles(&mut self, rope: &RopeTable, layer: &LayerKv) {
+        let half = rope.half();
+        let bound = layer.row_id_bound();
+        if self.id_pos.len() < bound {
+            self.id_pos.resize(bound, usize::MAX);
+            self.id_cos.resize(bound * half, 0.0);
+            self.id_sin.resize(bound * half, 0.0);
+        }
+        for i in 0..layer.len() {
+            let (id, pos) = (layer.row_id(i), layer.position(i));
+            if self.id_pos[id] != pos {
+                self.id_pos[id] = pos;
+                rope.cos_sin(
+                    pos,
+                    &mut self.id_cos[id * half..(id + 1) * half],
+                    &mut self.id_sin[id * half..(id + 1) * half],
+                );
+            }
         }
     }
 }
@@ -335,7 +368,7 @@ pub fn append_kv(
     debug_assert_eq!(layer.kv_heads(), cfg.n_kv_heads);
     debug_assert_eq!(layer.head_dim(), cfg.head_dim);
     scratch.k.copy_from_slice(k);
-    if layer.config().positions == PositionsMode::Original {
+    if !layer.config().keys_pre_rope() {
         rope.rotate_heads(&mut scratch.k, pos);
     }
     layer.append(&scratch.k, v, pos);
@@ -371,8 +404,12 @@ pub fn attend_stored(
         PositionsMode::Cache => n - 1,
     };
     rope.rotate_heads(&mut scratch.q, q_pos);
+    // Pre-RoPE keys are rotated at read time: by slot (cache mode) or by row id's position.
+    let by_id = mode == PositionsMode::Original && layer.config().keys_pre_rope();
     if mode == PositionsMode::Cache {
         scratch.ensure_slots(rope, n);
+    } else if by_id {
+        scratch.ensure_row_angles(rope, layer);
     }
     scratch.visible.clear();
     if let Some(w) = cfg.sliding_window {
@@ -386,11 +423,20 @@ pub fn attend_stored(
         visible,
         slot_cos,
         slot_sin,
+        id_cos,
+        id_sin,
         heads,
         ..
     } = scratch;
     let half = rope.half();
-    let slots = (mode == PositionsMode::Cache).then_some((&slot_cos[..], &slot_sin[..]));
+    // Per-row rotation tables: indexed by logical slot (cache mode) or row id.
+    let slots = if mode == PositionsMode::Cache {
+        Some((&slot_cos[..], &slot_sin[..]))
+    } else if by_id {
+        Some((&id_cos[..], &id_sin[..]))
+    } else {
+        None
+    };
     let score_scale = 1.0 / (hd as f32).sqrt();
 
     let work = |(h, (hs, oh)): (usize, (&mut HeadScratch, &mut [f32]))| {
@@ -418,10 +464,11 @@ pub fn attend_stored(
                 (None, KeyRun::Plain(k)) => k.dot_rows(qh, out, n),
                 (None, KeyRun::Channel(k)) => k.dot_rows(qh, fold, out, n),
                 (Some((c, s)), k) => {
-                    // Keys rebuilt BLOCK rows at a time, rotated by their slots, scored.
+                    // Keys rebuilt BLOCK rows at a time, rotated by their slots (or
+                    // their positions), scored.
                     let score = |r0: usize, rows: &mut [f32]| {
                         for (r, row) in rows.chunks_exact_mut(hd).enumerate() {
-                            let i = run.first + r0 + r;
+                            let i = if by_id { run.id } else { run.first } + r0 + r;
                             rotate_inline(
                                 row,
                                 &c[i * half..(i + 1) * half],
@@ -524,9 +571,13 @@ pub(crate) fn attend_stored_dequant(
     let mut all_probs = Vec::new();
     for h in 0..cfg.n_kv_heads {
         layer.gather_head(h, &mut keys, &mut values, &mut params);
-        if mode == PositionsMode::Cache {
+        if layer.config().keys_pre_rope() {
             for (i, key) in keys.chunks_exact_mut(hd).enumerate() {
-                rope.cos_sin(i, &mut cos, &mut sin);
+                let at = match mode {
+                    PositionsMode::Cache => i,
+                    PositionsMode::Original => layer.position(i),
+                };
+                rope.cos_sin(at, &mut cos, &mut sin);
                 rotate(key, &cos, &sin);
             }
         }
@@ -557,7 +608,7 @@ pub(crate) fn attend_stored_dequant(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_cache::{KvConfig, Precision};
+    use crate::kv_cache::{KeyRope, KvConfig, Precision};
     use proptest::prelude::*;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
@@ -605,6 +656,10 @@ mod tests {
     #[derive(Debug, Clone)]
     struct Case {
         precision: Precision,
+        /// V's precision when it differs from `precision`
+        v_precision: Option<Precision>,
+        residual: usize,
+        key_rope: KeyRope,
         positions: PositionsMode,
         head_dim: usize,
         n_kv_heads: usize,
@@ -627,10 +682,14 @@ mod tests {
         let cfg = test_config(n_heads, c.n_kv_heads, c.head_dim, c.sliding_window);
         let kv = KvConfig {
             precision: c.precision,
+            v_precision: c.v_precision,
+            residual: c.residual,
+            key_rope: c.key_rope,
             group_size: c.group_size,
             sink: c.sink,
             window: c.window,
             positions: c.positions,
+            ..KvConfig::default()
         };
         crate::kv_cache::validate(&kv, &cfg).unwrap_or_else(|e| panic!("{c:?}: {e}"));
         let rope = RopeTable::new(&cfg);
@@ -717,14 +776,35 @@ mod tests {
         ];
         let (mut worst_u, mut worst_r) = (0.0f32, 0.0f32);
         let mut seed = 7;
-        for precision in Precision::ALL {
+        // (K precision, V override, residual, key_rope): every precision, asymmetric pairs,
+        // residuals and pre-RoPE keys.
+        let mut sides: Vec<(Precision, Option<Precision>, usize, KeyRope)> = Precision::ALL
+            .iter()
+            .map(|&p| (p, None, 0, KeyRope::Post))
+            .collect();
+        sides.extend([
+            (Precision::Int8, Some(Precision::Int4), 0, KeyRope::Post),
+            (Precision::Int4, Some(Precision::Int2), 5, KeyRope::Post),
+            (Precision::Fp16, Some(Precision::Int4), 3, KeyRope::Post),
+            (Precision::Int2, None, 6, KeyRope::Pre),
+            (Precision::Int4, None, 0, KeyRope::Pre),
+            (Precision::Bf16, None, 0, KeyRope::Pre),
+        ]);
+        for (precision, v_precision, residual, key_rope) in sides {
             for positions in [PositionsMode::Original, PositionsMode::Cache] {
                 for head_dim in [2usize, 6, 18, 32, 34, 64] {
+                    let int2 = [Some(precision), v_precision].contains(&Some(Precision::Int2));
+                    if int2 && head_dim % 4 != 0 {
+                        continue;
+                    }
                     for group in [1usize, 2, 3] {
                         for &(group_size, sink, window, sliding_window, steps) in shapes {
                             seed += 1;
                             let (u, r) = run_case(&Case {
                                 precision,
+                                v_precision,
+                                residual,
+                                key_rope,
                                 positions,
                                 head_dim,
                                 n_kv_heads: 2,
@@ -765,19 +845,33 @@ mod tests {
                 1usize..45,
                 any::<u64>(),
             ),
+            (
+                prop::option::weighted(0.3, prop::sample::select(Precision::ALL.to_vec())),
+                prop::sample::select(vec![0usize, 0, 1, 2, 5, 9, 20]),
+                any::<bool>(),
+            ),
         )
             .prop_map(
                 |(
                     (precision, cache, head_dim, n_kv_heads, group),
                     (g, sink, window, sliding, steps, seed),
+                    (v_precision, residual, pre),
                 )| Case {
                     precision,
+                    v_precision,
+                    residual,
+                    key_rope: if pre { KeyRope::Pre } else { KeyRope::Post },
                     positions: if cache {
                         PositionsMode::Cache
                     } else {
                         PositionsMode::Original
                     },
-                    head_dim,
+                    // int2 needs head_dim a multiple of 4
+                    head_dim: if [Some(precision), v_precision].contains(&Some(Precision::Int2)) {
+                        head_dim.div_ceil(4) * 4
+                    } else {
+                        head_dim
+                    },
                     n_kv_heads,
                     group,
                     group_size: g,

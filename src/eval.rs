@@ -212,9 +212,62 @@ pub fn read_text(path: &std::path::Path) -> Result<String> {
     Ok(text)
 }
 
+/// Applies a quantisation mode name to `kv`: a precision (`fp32`, `fp16`, `bf16`, `int8`,
+/// `int4`, `int2`) or `kXvY` with K bits then V bits (`X`, `Y` ∈ {8, 4, 2}, e.g. `k8v4`,
+/// `k4v2`), then optional suffixes `+rN` (residual N) and `+pre` / `+post` (key RoPE),
+/// e.g. `int2+r128`, `k4v2+r32+pre`. The error says what was expected.
+pub fn apply_quant_mode(
+    name: &str,
+    kv: &mut crate::kv_cache::KvConfig,
+) -> std::result::Result<(), String> {
+    use crate::kv_cache::{KeyRope, Precision};
+    let expected = "expected fp32, fp16, bf16, int8, int4, int2 or kXvY (X, Y in 8/4/2, e.g. k8v4), optionally followed by +rN and +pre/+post";
+    let mut parts = name.split('+');
+    let head = parts.next().unwrap_or("");
+    let bits = |c: char| match c {
+        '8' => Some(Precision::Int8),
+        '4' => Some(Precision::Int4),
+        '2' => Some(Precision::Int2),
+        _ => None,
+    };
+    if let Some(p) = Precision::parse(head) {
+        kv.precision = p;
+        kv.k_precision = None;
+        kv.v_precision = None;
+    } else {
+        let c: Vec<char> = head.chars().collect();
+        match c.as_slice() {
+            ['k', x, 'v', y] => match (bits(*x), bits(*y)) {
+                (Some(k), Some(v)) => {
+                    kv.precision = k;
+                    kv.k_precision = None;
+                    kv.v_precision = (v != k).then_some(v);
+                }
+                _ => return Err(format!("'{name}': {expected}")),
+            },
+            _ => return Err(format!("'{name}': {expected}")),
+        }
+    }
+    for suffix in parts {
+        if let Some(r) = suffix.strip_prefix('r') {
+            kv.residual = r.parse().map_err(|_| {
+                format!("'{name}': +{suffix} is not +r followed by a residual in tokens")
+            })?;
+        } else if let Some(k) = KeyRope::parse(suffix) {
+            kv.key_rope = k;
+        } else {
+            return Err(format!("'{name}': unknown suffix +{suffix} ({expected})"));
+        }
+    }
+    Ok(())
+}
+
 /// Parses `--compare-modes`: `;`-separated modes, each `dense` or `key=value` pairs
-/// separated by `,` with keys `sink`, `window`, `kv`, `group`, `positions`. Every mode
-/// starts from `base` (the cache flags); `dense` and a mode without `window` keep no window.
+/// separated by `,` with keys `sink`, `window`, `kv`, `group`, `positions`, `residual`,
+/// `kv_k`, `kv_v`, `key_rope`. `kv` takes a precision or a mode name as in
+/// [`apply_quant_mode`] (`kv=k8v4`, `kv=int2+r128`); `kv_k`/`kv_v` override one side's
+/// precision. Every mode starts from `base` (the cache flags); `dense` and a mode without
+/// `window` keep no window.
 pub fn parse_modes(
     spec: &str,
     base: &crate::kv_cache::KvConfig,
@@ -244,9 +297,23 @@ pub fn parse_modes(
                     "sink" => kv.sink = num()?,
                     "window" => kv.window = Some(num()?),
                     "group" => kv.group_size = num()?,
-                    "kv" => {
-                        kv.precision = Precision::parse(v).ok_or_else(|| {
-                            bad(format!("kv={v}: expected fp32, fp16, bf16, int8 or int4"))
+                    "kv" => apply_quant_mode(v, &mut kv).map_err(|e| bad(format!("kv={e}")))?,
+                    "kv_k" | "kv_v" => {
+                        let p = Precision::parse(v).ok_or_else(|| {
+                            bad(format!(
+                                "{k}={v}: expected fp32, fp16, bf16, int8, int4 or int2"
+                            ))
+                        })?;
+                        if k == "kv_k" {
+                            kv.k_precision = Some(p);
+                        } else {
+                            kv.v_precision = Some(p);
+                        }
+                    }
+                    "residual" => kv.residual = num()?,
+                    "key_rope" => {
+                        kv.key_rope = crate::kv_cache::KeyRope::parse(v).ok_or_else(|| {
+                            bad(format!("key_rope={v}: expected pre or post"))
                         })?
                     }
                     "positions" => {
@@ -262,7 +329,7 @@ pub fn parse_modes(
                     }
                     _ => {
                         return Err(bad(format!(
-                        "unknown key '{k}' in mode '{mode}' (sink, window, kv, group, positions)"
+                        "unknown key '{k}' in mode '{mode}' (sink, window, kv, group, positions, residual, kv_k, kv_v, key_rope)"
                     )))
                     }
                 }

@@ -12,7 +12,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tinygpt_cpu::attention::{attend, AttnScratch, RopeTable};
 use tinygpt_cpu::config::{Config, RopeScaling};
-use tinygpt_cpu::kv_cache::{validate, KvCache, KvConfig, LayerKv, PositionsMode, Precision};
+use tinygpt_cpu::kv_cache::{
+    validate, KeyRope, KvCache, KvConfig, LayerKv, PositionsMode, Precision,
+};
 use tinygpt_reference::kv_cache::LayerCache;
 use tinygpt_reference::quant::Affine;
 use tinygpt_reference::rope::Rope;
@@ -49,6 +51,10 @@ fn config(
 #[derive(Debug, Clone)]
 struct Case {
     precision: Precision,
+    /// V's precision when it differs from `precision` (K's)
+    v_precision: Option<Precision>,
+    residual: usize,
+    key_rope: KeyRope,
     positions: PositionsMode,
     group_size: usize,
     sink: usize,
@@ -65,11 +71,19 @@ impl Case {
     fn kv(&self) -> KvConfig {
         KvConfig {
             precision: self.precision,
+            v_precision: self.v_precision,
+            residual: self.residual,
+            key_rope: self.key_rope,
             group_size: self.group_size,
             sink: self.sink,
             window: self.window,
             positions: self.positions,
+            ..KvConfig::default()
         }
+    }
+    /// Whether a side is int2 (which needs head_dim a multiple of 4).
+    fn int2(&self) -> bool {
+        [Some(self.precision), self.v_precision].contains(&Some(Precision::Int2))
     }
     fn cfg(&self) -> Config {
         config(
@@ -190,8 +204,22 @@ fn run_case(c: &Case) {
     }
 }
 
-/// The shared case table: every precision × (no eviction, sink+window) × positions mode
-/// × shapes placed around group and window boundaries.
+/// Precision pairs of the case table: every precision on both sides, then asymmetric
+/// pairs (K8V4, K4V2, fp16 K with int4 V, int2 K with bf16 V).
+fn sides() -> Vec<(Precision, Option<Precision>)> {
+    let mut v: Vec<_> = Precision::ALL.iter().map(|&p| (p, None)).collect();
+    v.extend([
+        (Precision::Int8, Some(Precision::Int4)),
+        (Precision::Int4, Some(Precision::Int2)),
+        (Precision::Fp16, Some(Precision::Int4)),
+        (Precision::Int2, Some(Precision::Bf16)),
+    ]);
+    v
+}
+
+/// The shared case table: every precision pair × (no eviction, sink+window) × positions
+/// mode × shapes placed around group and window boundaries (int2 only where head_dim is
+/// a multiple of 4).
 fn cases() -> Vec<Case> {
     // (group_size, sink, window, head_dim, n_heads, n_kv_heads, steps)
     type Shape = (usize, usize, Option<usize>, usize, usize, usize, usize);
@@ -222,12 +250,15 @@ fn cases() -> Vec<Case> {
     ];
     let mut out = Vec::new();
     let mut seed = 1000;
-    for &precision in &Precision::ALL {
+    for (precision, v_precision) in sides() {
         for positions in [PositionsMode::Original, PositionsMode::Cache] {
             for &(group_size, sink, window, head_dim, n_heads, n_kv_heads, steps) in shapes {
                 seed += 1;
                 out.push(Case {
                     precision,
+                    v_precision,
+                    residual: 0,
+                    key_rope: KeyRope::Post,
                     positions,
                     group_size,
                     sink,
@@ -242,6 +273,7 @@ fn cases() -> Vec<Case> {
             }
         }
     }
+    out.retain(|c| !c.int2() || c.head_dim % 4 == 0);
     out
 }
 
@@ -252,6 +284,174 @@ fn engine_matches_reference_on_case_table() {
     }
 }
 
+/// KIVI residual R ∈ {0, 1, G − 1, G, window − 1, window + 3} (and larger than the
+/// whole run), dense and streaming, both positions modes, pre- and post-RoPE keys, for
+/// int8, int4, int2, K8V4, K4V2 and fp16 K with int4 V: engine rows bit-identical to the
+/// reference's, bytes equal, attention within `ENGINE_VS_REFERENCE`.
+#[test]
+fn engine_matches_reference_with_residual_and_key_rope() {
+    let (g, window) = (4usize, 11usize);
+    let mut seed = 5000;
+    for (precision, v_precision) in [
+        (Precision::Int8, None),
+        (Precision::Int4, None),
+        (Precision::Int2, None),
+        (Precision::Int8, Some(Precision::Int4)),
+        (Precision::Int4, Some(Precision::Int2)),
+        (Precision::Fp16, Some(Precision::Int4)),
+    ] {
+        for residual in [0usize, 1, g - 1, g, window - 1, window + 3, 100] {
+            for (sink, win) in [(0usize, None), (2, Some(window)), (5, Some(window))] {
+                for positions in [PositionsMode::Original, PositionsMode::Cache] {
+                    for key_rope in [KeyRope::Post, KeyRope::Pre] {
+                        seed += 1;
+                        run_case(&Case {
+                            precision,
+                            v_precision,
+                            residual,
+                            key_rope,
+                            positions,
+                            group_size: g,
+                            sink,
+                            window: win,
+                            head_dim: 16,
+                            n_heads: 6,
+                            n_kv_heads: 2,
+                            steps: 48,
+                            sliding_window: None,
+                            seed,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    // SmolLM2's shape (head_dim 64, 3 KV heads, GQA 3), default G, R = 32 and 128.
+    for (precision, v_precision) in [
+        (Precision::Int2, None),
+        (Precision::Int4, Some(Precision::Int2)),
+    ] {
+        for residual in [32usize, 128] {
+            for (sink, window) in [(0usize, None), (4, Some(60))] {
+                seed += 1;
+                run_case(&Case {
+                    precision,
+                    v_precision,
+                    residual,
+                    key_rope: KeyRope::Pre,
+                    positions: PositionsMode::Original,
+                    group_size: 32,
+                    sink,
+                    window,
+                    head_dim: 64,
+                    n_heads: 9,
+                    n_kv_heads: 3,
+                    steps: 200,
+                    sliding_window: None,
+                    seed,
+                });
+            }
+        }
+    }
+}
+
+/// The residual's contract checked from the raw rows, without the reference: after T
+/// appends, a KIVI V row past the prefix is f32 (bit-identical to what was appended)
+/// exactly while it is among the newest R tokens, else it is the per-token quantisation
+/// of the raw row; a K row is f32 until its group satisfies `T − R ≥ P + (g + 1)·G`, then
+/// it is quantised with its group's parameters. Bytes follow in closed form.
+#[test]
+fn residual_rows_stay_f32_until_they_leave() {
+    use tinygpt_reference::quant::quantize_row;
+    let (kv_heads, hd) = (2usize, 8usize);
+    let kv_dim = kv_heads * hd;
+    for precision in [Precision::Int8, Precision::Int4, Precision::Int2] {
+        let bits = precision.kivi_bits().unwrap();
+        for (g, residual, sink, window) in [
+            (4usize, 0usize, 0usize, None),
+            (4, 1, 0, None),
+            (4, 3, 0, None),
+            (4, 6, 0, None),
+            (4, 5, 2, Some(9usize)),
+            (3, 8, 4, Some(8)),
+            (4, 20, 4, Some(8)),
+        ] {
+            let kv = KvConfig {
+                precision,
+                group_size: g,
+                sink,
+                window,
+                residual,
+                ..KvConfig::default()
+            };
+            let p = kv.full_precision_rows();
+            let mut engine = LayerKv::new(&kv, kv_heads, hd);
+            let mut inputs = Inputs::new(77, kv_dim);
+            let (mut raw_k, mut raw_v) = (Vec::new(), Vec::new());
+            for t in 0..50usize {
+                let (_, k, v) = inputs.token(kv_dim, kv_dim);
+                engine.append(&k, &v, t);
+                raw_k.push(k);
+                raw_v.push(v);
+                let appended = t + 1;
+                let positions = engine.positions();
+                let mut f32_rows = (0, 0);
+                for (i, &tok) in positions.iter().enumerate() {
+                    let ctx = format!(
+                        "{precision:?} G={g} R={residual} sink={sink} window={window:?} T={appended} token {tok}"
+                    );
+                    let v_f32 = tok < p || tok + residual >= appended;
+                    let want_v: Vec<f32> = if v_f32 {
+                        raw_v[tok].clone()
+                    } else {
+                        raw_v[tok]
+                            .chunks(hd)
+                            .flat_map(|head| {
+                                let (q, a) = quantize_row(head, bits);
+                                q.into_iter().map(move |c| a.dequantize(c, bits))
+                            })
+                            .collect()
+                    };
+                    assert_eq!(to_bits(&engine.value(i)), to_bits(&want_v), "{ctx} V");
+                    let k_f32 = tok < p || appended < residual + p + ((tok - p) / g + 1) * g;
+                    let got_k = engine.key(i);
+                    if k_f32 {
+                        assert_eq!(to_bits(&got_k), to_bits(&raw_k[tok]), "{ctx} K");
+                    } else {
+                        assert_ne!(to_bits(&got_k), to_bits(&raw_k[tok]), "{ctx} K quantised");
+                    }
+                    if tok >= p {
+                        f32_rows.0 += k_f32 as usize;
+                        f32_rows.1 += v_f32 as usize;
+                    }
+                }
+                // Closed-form bytes: prefix rows f32 (K and V); body V f32 or codes +
+                // f16 (scale, zero) per head; body K f32 or codes, plus each quantised
+                // group with a stored row: f16 (scale, zero) per channel.
+                let body = positions.iter().filter(|&&x| x >= p).count();
+                let prefix_rows = positions.len() - body;
+                let packed = bits.packed_len(hd) * kv_heads;
+                let live_groups: std::collections::BTreeSet<usize> = positions
+                    .iter()
+                    .filter(|&&x| x >= p && appended >= residual + p + ((x - p) / g + 1) * g)
+                    .map(|&x| (x - p) / g)
+                    .collect();
+                let want = prefix_rows * 2 * kv_dim * 4
+                    + f32_rows.1 * kv_dim * 4
+                    + (body - f32_rows.1) * (packed + kv_heads * 4)
+                    + f32_rows.0 * kv_dim * 4
+                    + (body - f32_rows.0) * packed
+                    + live_groups.len() * kv_dim * 4;
+                assert_eq!(
+                    engine.bytes(),
+                    want,
+                    "{precision:?} G={g} R={residual} T={appended} bytes"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn engine_matches_reference_with_mistral_sliding_window() {
     for &precision in &Precision::ALL {
@@ -259,6 +459,9 @@ fn engine_matches_reference_with_mistral_sliding_window() {
             for (window, sliding) in [(None, 5), (Some(9), 4), (Some(3), 7)] {
                 run_case(&Case {
                     precision,
+                    v_precision: None,
+                    residual: 0,
+                    key_rope: KeyRope::Post,
                     positions,
                     group_size: 4,
                     sink: if window.is_some() { 2 } else { 0 },
@@ -286,6 +489,7 @@ fn eviction_keeps_first_sink_and_last_window() {
                 sink: n,
                 window: Some(m),
                 positions: PositionsMode::Original,
+                ..KvConfig::default()
             };
             let mut engine = LayerKv::new(&kv, 2, 8);
             let mut reference = LayerCache::new(&kv, 2, 8);
@@ -319,6 +523,7 @@ fn no_eviction_when_window_covers_everything() {
                     sink: 0,
                     window: None,
                     positions,
+                    ..KvConfig::default()
                 };
                 let bounded = KvConfig {
                     sink: n,
@@ -377,6 +582,7 @@ fn eviction_inside_a_quantised_group_keeps_its_scales() {
             sink,
             window: Some(window),
             positions: PositionsMode::Original,
+            ..KvConfig::default()
         };
         let mut engine = LayerKv::new(&kv, kv_heads, hd);
         let mut reference = LayerCache::new(&kv, kv_heads, hd);
@@ -488,6 +694,7 @@ fn bytes_stop_growing_after_sink_plus_window() {
                 sink,
                 window: Some(window),
                 positions: PositionsMode::Cache,
+                ..KvConfig::default()
             };
             let mut cache = KvCache::new(&cfg, &kv);
             let mut inputs = Inputs::new(8, cfg.kv_dim());
@@ -509,11 +716,13 @@ fn bytes_stop_growing_after_sink_plus_window() {
             // period G once the window has passed the full-precision rows, and never
             // exceed the full cache's peak by more than one group's f32 residual.
             let steady = match precision {
-                Precision::Int8 | Precision::Int4 => cap.max(sink.max(4) + window) + g + 1,
+                Precision::Int8 | Precision::Int4 | Precision::Int2 => {
+                    cap.max(sink.max(4) + window) + g + 1
+                }
                 _ => cap + 1,
             };
             let period = match precision {
-                Precision::Int8 | Precision::Int4 => g,
+                Precision::Int8 | Precision::Int4 | Precision::Int2 => g,
                 _ => 1,
             };
             let slack = g * cfg.kv_dim() * 4 * cache.n_layers();
@@ -592,6 +801,51 @@ fn validate_rejects_bad_flags() {
             "--streaming-llm-window",
         ),
     ];
+    // int2 needs head_dim a multiple of 4; the error names the flag that chose int2.
+    let cfg6 = config(4, 2, 6, None);
+    for (kv, flag) in [
+        (
+            KvConfig {
+                precision: Precision::Int2,
+                ..ok.clone()
+            },
+            "--kv-quantize",
+        ),
+        (
+            KvConfig {
+                k_precision: Some(Precision::Int2),
+                ..ok.clone()
+            },
+            "--kv-quantize-k",
+        ),
+        (
+            KvConfig {
+                precision: Precision::Int4,
+                v_precision: Some(Precision::Int2),
+                ..ok.clone()
+            },
+            "--kv-quantize-v",
+        ),
+    ] {
+        let err = validate(&kv, &cfg6).expect_err(&format!("{kv:?} must be rejected"));
+        assert!(err.to_string().starts_with(flag), "{kv:?}: {err}");
+    }
+    assert!(validate(
+        &KvConfig {
+            precision: Precision::Int4,
+            ..ok.clone()
+        },
+        &cfg6
+    )
+    .is_ok());
+    let residual = KvConfig {
+        residual: usize::MAX,
+        ..ok.clone()
+    };
+    assert!(validate(&residual, &cfg)
+        .unwrap_err()
+        .to_string()
+        .starts_with("--kv-residual"));
     for (kv, flag) in bad {
         let err = validate(&kv, &cfg).expect_err(&format!("{kv:?} must be rejected"));
         assert!(err.to_string().starts_with(flag), "{kv:?}: {err}");

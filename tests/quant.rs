@@ -26,6 +26,7 @@ fn rbits(b: Bits) -> r::Bits {
     match b {
         Bits::Int8 => r::Bits::Int8,
         Bits::Int4 => r::Bits::Int4,
+        Bits::Int2 => r::Bits::Int2,
     }
 }
 
@@ -63,8 +64,10 @@ proptest! {
     /// Every element round-trips within half a step (+ the f16 rounding of scale/zero);
     /// engine and reference agree bit for bit on parameters, bytes and values.
     #[test]
-    fn round_trip_within_bound(x in slice_strategy(), int4 in any::<bool>()) {
-        let bits = if int4 { Bits::Int4 } else { Bits::Int8 };
+    fn round_trip_within_bound(
+        x in slice_strategy(),
+        bits in prop::sample::select(vec![Bits::Int8, Bits::Int4, Bits::Int2]),
+    ) {
         let rb = rbits(bits);
         let (lo, hi) = min_max(&x);
         let (codes, a) = r::quantize_row(&x, rb);
@@ -105,7 +108,7 @@ proptest! {
 /// A dense sweep of `[lo, hi]` reaches every code in `[qmin, qmax]`, in both paths.
 #[test]
 fn every_code_is_reachable() {
-    for bits in [Bits::Int8, Bits::Int4] {
+    for bits in [Bits::Int8, Bits::Int4, Bits::Int2] {
         for (lo, hi) in [
             (-1.0f32, 1.0f32),
             (0.0, 255.0),
@@ -183,16 +186,52 @@ fn int4_pack_unpack_identity_and_layout() {
     );
 }
 
+/// int2 packing is the identity on all 4 codes at all 4 positions, and its layout is
+/// pinned: element 4j + i in bits 2i..2i+2 of byte j, stored offset-binary (q − qmin).
+#[test]
+fn int2_pack_unpack_identity_and_layout() {
+    for u in 0..4i32 {
+        for pos in 0..4usize {
+            let mut q = [-2i32; 4];
+            q[pos] = u - 2;
+            let packed = r::pack_codes(&q, r::Bits::Int2);
+            assert_eq!(packed, vec![(u as u8) << (2 * pos)], "u={u} pos={pos}");
+            assert_eq!(r::unpack_codes(&packed, 4, r::Bits::Int2), q.to_vec());
+            let x: Vec<f32> = q.iter().map(|&c| (c + 2) as f32).collect();
+            let mut bytes = [0xFFu8; 1];
+            q::quantize_channels(&x, &[1.0; 4], &[0.0; 4], Bits::Int2, &mut bytes);
+            assert_eq!(bytes.to_vec(), packed, "engine u={u} pos={pos}");
+        }
+    }
+    // q = [-2, 1, 0, -1, 1] → u = [0, 3, 2, 1, 3] → bytes [0b01_10_11_00, 0b11] = [0x6C, 0x03]
+    assert_eq!(
+        r::pack_codes(&[-2, 1, 0, -1, 1], r::Bits::Int2),
+        vec![0x6C, 0x03]
+    );
+    let mut bytes = [0xFFu8; 2];
+    q::quantize_channels(
+        &[0.0, 3.0, 2.0, 1.0, 3.0],
+        &[1.0; 5],
+        &[0.0; 5],
+        Bits::Int2,
+        &mut bytes,
+    );
+    assert_eq!(bytes, [0x6C, 0x03]);
+}
+
 /// Exact halves round to even (`round_ties_even`), never away from zero.
 #[test]
 fn ties_round_to_even() {
     // scale 1, zero 0: (x − 0)/1 + qmin; x = 3.5 → −124.5 (int8) → −124, u = 4;
-    // x = 2.5 → −125.5 → −126, u = 2; int4: x = 3.5 → −4.5 → −4, u = 4.
+    // x = 2.5 → −125.5 → −126, u = 2; int4: x = 3.5 → −4.5 → −4, u = 4; int2 below.
     let cases = [
         (Bits::Int8, 3.5f32, 4u8),
         (Bits::Int8, 2.5, 2),
         (Bits::Int4, 3.5, 4),
         (Bits::Int4, 5.5, 6),
+        // int2: x = 0.5 → −1.5 → −2, u = 0; x = 2.5 → 0.5 → 0, u = 2.
+        (Bits::Int2, 0.5, 0),
+        (Bits::Int2, 2.5, 2),
     ];
     for (bits, x, u) in cases {
         let mut bytes = [0u8; 1];
@@ -214,7 +253,7 @@ fn ties_round_to_even() {
 /// ranges saturate instead of overflowing.
 #[test]
 fn f16_parameter_edges() {
-    for bits in [Bits::Int8, Bits::Int4] {
+    for bits in [Bits::Int8, Bits::Int4, Bits::Int2] {
         let (s, z) = q::params(1e-7, 1e-7, bits);
         assert!(s.to_f32() > 0.0 && s.is_finite(), "min scale {s}");
         assert!((s.to_f32() - 1e-5).abs() < 2e-8, "min scale {s}");
@@ -335,6 +374,7 @@ fn failure_classes_stay_finite_and_close() {
                             sink: if window.is_some() { 2 } else { 0 },
                             window,
                             positions,
+                            ..KvConfig::default()
                         };
                         let dense = KvConfig {
                             precision: Precision::Fp32,

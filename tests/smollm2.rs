@@ -150,6 +150,7 @@ fn every_cache_mode_runs_200_tokens_and_int8_matches_fp32() {
                 sink,
                 window,
                 positions,
+                ..KvConfig::default()
             };
             let mut e = EngineRun::new(&model, &kv);
             let g = greedy(&mut e, ids, 200);

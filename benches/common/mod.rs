@@ -133,6 +133,7 @@ pub fn kv_config(precision: Precision, streaming: bool) -> KvConfig {
         sink: if streaming { SINK } else { 0 },
         window: streaming.then_some(WINDOW),
         positions: PositionsMode::Original,
+        ..KvConfig::default()
     }
 }
 

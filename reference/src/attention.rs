@@ -12,7 +12,9 @@ use crate::rope::Rope;
 /// * `probs_out`: if given, receives each head's softmax weights over the stored rows,
 ///   `(n_heads, stored)` (used by the sink report).
 ///
-/// RoPE placement follows the cache's positions mode (DESIGN.md §3).
+/// RoPE placement follows the cache's positions mode (DESIGN.md §3) and, in `original`
+/// mode, its `key_rope`: `post` stores keys rotated to their position; `pre` stores them
+/// unrotated and rotates each stored key by its stored absolute position here.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     cfg: &Config,
@@ -27,8 +29,9 @@ pub fn attend(
 ) {
     let hd = cfg.head_dim;
     let mode = cache.config().positions;
+    let pre_rope = cache.config().keys_pre_rope();
     let mut k = k.to_vec();
-    if mode == PositionsMode::Original {
+    if !pre_rope {
         rope.rotate_heads(&mut k, pos);
     }
     cache.append(&k, v, pos);
@@ -41,12 +44,15 @@ pub fn attend(
     };
     rope.rotate_heads(&mut q, q_pos);
 
-    // Keys as attention sees them: rotated by slot in cache mode.
+    // Keys as attention sees them: rotated by slot in cache mode, by their stored
+    // position for pre-RoPE keys in original mode.
     let mut keys: Vec<Vec<f32>> = Vec::with_capacity(n);
     for i in 0..n {
         let mut key = cache.key(i);
-        if mode == PositionsMode::Cache {
-            rope.rotate_heads(&mut key, i);
+        match mode {
+            PositionsMode::Cache => rope.rotate_heads(&mut key, i),
+            PositionsMode::Original if pre_rope => rope.rotate_heads(&mut key, cache.position(i)),
+            PositionsMode::Original => {}
         }
         keys.push(key);
     }

@@ -5,18 +5,28 @@
 //! last `window` tokens remain. Rows are kept in logical order (oldest first) with
 //! their absolute positions stored explicitly.
 //!
-//! Storage (DESIGN.md §2), per row:
+//! Storage (DESIGN.md §2), per row. K and V each have a precision
+//! ([`KvConfig::key_precision`], [`KvConfig::value_precision`]: `precision` unless
+//! overridden for one side):
 //! * fp32/fp16/bf16: the row cast on store (f16 saturating at ±65504), f32 on read.
-//! * int8/int4 (KIVI, codes and packing as in [`crate::quant`]):
-//!   - the first [`KvConfig::full_precision_rows`] tokens (`max(4, sink)`) keep K and V
-//!     in f32;
-//!   - every later V row is quantised at append, one `(scale, zero)` per KV head
-//!     (over that head's `head_dim` values);
-//!   - later K rows form groups of `group_size` consecutive tokens, counted from the
-//!     end of the full-precision rows. A row of an incomplete group (the residual) is
-//!     kept in f32. At the append of a group's last row, after that append's eviction,
-//!     the group's still-stored rows are quantised together: one `(scale, zero)` per
-//!     channel (`kv_dim` of them), fitted over those rows. Never re-quantised.
+//! * int8/int4/int2 (KIVI, codes and packing as in [`crate::quant`]):
+//!   - when either side is KIVI, the first [`KvConfig::full_precision_rows`] tokens
+//!     (`max(4, sink)`, the *prefix*) keep K and V in f32;
+//!   - the newest `residual` (R) appended tokens of a KIVI side stay f32;
+//!   - a later V row is quantised when it leaves the newest R (at the append of token
+//!     `t + R`, after that append's eviction, if it is still stored), one `(scale, zero)`
+//!     per KV head (over that head's `head_dim` values);
+//!   - later K rows form groups of `group_size` (G) consecutive tokens, counted from the
+//!     end of the prefix. Group `g` is quantised once, at the append after which
+//!     `T − R ≥ P + (g + 1)·G` first holds (`T` rows appended, `P` the prefix length;
+//!     for R = 0 that is the append of its G-th row), over its rows still stored after
+//!     that append's eviction: one `(scale, zero)` per channel (`kv_dim` of them), fitted
+//!     over those rows. Rows of groups not yet quantised stay f32. Never re-quantised.
+//!   - a plain side (fp32/fp16/bf16) of a KIVI cache stores its body rows at its
+//!     precision at append (R does not apply to it).
+//! * Keys are stored after RoPE in `original` positions mode (`key_rope = post`), and
+//!   before RoPE with `key_rope = pre` or in `cache` positions mode (then attention
+//!   rotates each key at read time, see [`crate::attention`]).
 //!
 //! `bytes()` counts what the rows hold: data, scales, zeros and full-precision rows;
 //! a group's parameters count while at least one of its rows is stored.
@@ -28,7 +38,7 @@ use crate::quant::{f16_saturating, pack_codes, unpack_codes, Affine, Bits};
 use half::{bf16, f16};
 use std::collections::BTreeMap;
 
-/// Tokens kept at full precision at the start of an int8/int4 cache (DESIGN.md §2).
+/// Tokens kept at full precision at the start of a KIVI cache (DESIGN.md §2).
 pub const FULL_PRECISION_ROWS: usize = 4;
 
 /// Storage precision of cached K/V rows.
@@ -39,15 +49,17 @@ pub enum Precision {
     Bf16,
     Int8,
     Int4,
+    Int2,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 5] = [
+    pub const ALL: [Precision; 6] = [
         Precision::Fp32,
         Precision::Fp16,
         Precision::Bf16,
         Precision::Int8,
         Precision::Int4,
+        Precision::Int2,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -56,25 +68,27 @@ impl Precision {
             Precision::Bf16 => "bf16",
             Precision::Int8 => "int8",
             Precision::Int4 => "int4",
+            Precision::Int2 => "int2",
         }
     }
     pub fn parse(s: &str) -> Option<Precision> {
         Precision::ALL.into_iter().find(|p| p.name() == s)
     }
-    /// The KIVI code width, for int8/int4.
+    /// The KIVI code width, for int8/int4/int2.
     pub fn kivi_bits(self) -> Option<Bits> {
         match self {
             Precision::Int8 => Some(Bits::Int8),
             Precision::Int4 => Some(Bits::Int4),
+            Precision::Int2 => Some(Bits::Int2),
             _ => None,
         }
     }
 }
 
-/// Where RoPE is applied to keys (DESIGN.md §3).
+/// Where RoPE positions come from (DESIGN.md §3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PositionsMode {
-    /// Keys are stored rotated to their original absolute position; the query uses its
+    /// Keys are rotated to their original absolute position; the query uses its
     /// absolute position ("vanilla").
     Original,
     /// Keys are stored before RoPE and rotated by their slot index at attention time;
@@ -91,6 +105,32 @@ impl PositionsMode {
     }
 }
 
+/// Whether keys are stored after RoPE (`Post`) or before it (`Pre`, rotated by their
+/// stored absolute position at read time), in `original` positions mode. In `cache`
+/// positions mode keys are always stored before RoPE, so this has no effect there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KeyRope {
+    #[default]
+    Post,
+    Pre,
+}
+
+impl KeyRope {
+    pub fn name(self) -> &'static str {
+        match self {
+            KeyRope::Post => "post",
+            KeyRope::Pre => "pre",
+        }
+    }
+    pub fn parse(s: &str) -> Option<KeyRope> {
+        match s {
+            "post" => Some(KeyRope::Post),
+            "pre" => Some(KeyRope::Pre),
+            _ => None,
+        }
+    }
+}
+
 /// Cache policy × storage settings, shared by the reference and the engine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvConfig {
@@ -102,6 +142,14 @@ pub struct KvConfig {
     /// StreamingLLM recent window; `None` means no eviction.
     pub window: Option<usize>,
     pub positions: PositionsMode,
+    /// Overrides `precision` for K.
+    pub k_precision: Option<Precision>,
+    /// Overrides `precision` for V.
+    pub v_precision: Option<Precision>,
+    /// KIVI residual R: the newest R appended tokens of a KIVI side stay f32.
+    pub residual: usize,
+    /// Keys stored before or after RoPE in `original` positions mode.
+    pub key_rope: KeyRope,
 }
 
 impl Default for KvConfig {
@@ -112,6 +160,10 @@ impl Default for KvConfig {
             sink: 0,
             window: None,
             positions: PositionsMode::Original,
+            k_precision: None,
+            v_precision: None,
+            residual: 0,
+            key_rope: KeyRope::Post,
         }
     }
 }
@@ -121,12 +173,53 @@ impl KvConfig {
     pub fn capacity(&self) -> Option<usize> {
         self.window.map(|w| self.sink + w)
     }
-    /// Tokens at the start kept at full precision: `max(4, sink)` for int8/int4, else 0.
+    /// K's storage precision.
+    pub fn key_precision(&self) -> Precision {
+        self.k_precision.unwrap_or(self.precision)
+    }
+    /// V's storage precision.
+    pub fn value_precision(&self) -> Precision {
+        self.v_precision.unwrap_or(self.precision)
+    }
+    /// Whether K or V is stored as KIVI codes.
+    pub fn is_kivi(&self) -> bool {
+        self.key_precision().kivi_bits().is_some() || self.value_precision().kivi_bits().is_some()
+    }
+    /// Tokens at the start kept at full precision: `max(4, sink)` when K or V is KIVI,
+    /// else 0.
     pub fn full_precision_rows(&self) -> usize {
-        match self.precision.kivi_bits() {
-            Some(_) => self.sink.max(FULL_PRECISION_ROWS),
-            None => 0,
+        if self.is_kivi() {
+            self.sink.max(FULL_PRECISION_ROWS)
+        } else {
+            0
         }
+    }
+    /// Whether stored keys are before RoPE (rotated at read time).
+    pub fn keys_pre_rope(&self) -> bool {
+        self.positions == PositionsMode::Cache || self.key_rope == KeyRope::Pre
+    }
+    /// Short name: the precision, or `kXvY` when the sides differ (e.g. `k8v4`,
+    /// `kfp16vint4`), with `+rR` for a residual and `+pre` for pre-RoPE keys.
+    pub fn quant_name(&self) -> String {
+        let (k, v) = (self.key_precision(), self.value_precision());
+        let bits = |p: Precision| match p.kivi_bits() {
+            Some(Bits::Int8) => "8".to_string(),
+            Some(Bits::Int4) => "4".to_string(),
+            Some(Bits::Int2) => "2".to_string(),
+            None => p.name().to_string(),
+        };
+        let mut s = if k == v {
+            k.name().to_string()
+        } else {
+            format!("k{}v{}", bits(k), bits(v))
+        };
+        if self.residual > 0 {
+            s += &format!("+r{}", self.residual);
+        }
+        if self.key_rope == KeyRope::Pre {
+            s += "+pre";
+        }
+        s
     }
 }
 
@@ -138,11 +231,13 @@ enum Stored {
     Bf16(Vec<bf16>),
     /// KIVI V: codes packed per KV head, one `(scale, zero)` per KV head.
     PerToken {
+        bits: Bits,
         codes: Vec<u8>,
         params: Vec<Affine>,
     },
-    /// KIVI K of a complete group: codes; the parameters are the layer's `groups[group]`.
+    /// KIVI K of a quantised group: codes; the parameters are the layer's `groups[group]`.
     PerChannel {
+        bits: Bits,
         codes: Vec<u8>,
         group: usize,
     },
@@ -154,7 +249,7 @@ impl Stored {
             Stored::F32(x) => x.len() * 4,
             Stored::F16(x) => x.len() * 2,
             Stored::Bf16(x) => x.len() * 2,
-            Stored::PerToken { codes, params } => codes.len() + params.len() * 4,
+            Stored::PerToken { codes, params, .. } => codes.len() + params.len() * 4,
             Stored::PerChannel { codes, .. } => codes.len(),
         }
     }
@@ -181,7 +276,7 @@ pub struct LayerCache {
     rows: Vec<Row>,
     /// Rows appended so far.
     appended: usize,
-    /// K group id → one `(scale, zero)` per channel (`kv_dim`), for complete groups
+    /// K group id → one `(scale, zero)` per channel (`kv_dim`), for quantised groups
     /// that still have a stored row.
     groups: BTreeMap<usize, Vec<Affine>>,
 }
@@ -205,27 +300,29 @@ impl LayerCache {
     }
 
     /// Appends one token's K and V rows (`kv_dim` each), then evicts per the policy,
-    /// then quantises the K group this row completes, if any.
+    /// then quantises the V row and the K group that leave the newest R rows, if any.
     pub fn append(&mut self, k: &[f32], v: &[f32], pos: usize) {
         assert_eq!(k.len(), self.kv_dim);
         assert_eq!(v.len(), self.kv_dim);
         let token = self.appended;
         self.appended += 1;
-        let full_precision = token < self.cfg.full_precision_rows();
-        let (ks, vs) = match (self.cfg.precision, self.cfg.precision.kivi_bits()) {
-            (Precision::Fp32, _) => (Stored::F32(k.to_vec()), Stored::F32(v.to_vec())),
-            (Precision::Fp16, _) => (to_f16(k), to_f16(v)),
-            (Precision::Bf16, _) => (to_bf16(k), to_bf16(v)),
-            (_, Some(_)) if full_precision => (Stored::F32(k.to_vec()), Stored::F32(v.to_vec())),
-            // K waits in f32 until its group is complete; V is quantised now.
-            (_, Some(bits)) => (Stored::F32(k.to_vec()), self.quantize_v(v, bits)),
-            (_, None) => unreachable!("every precision is handled above"),
+        let prefix = self.cfg.full_precision_rows();
+        // A KIVI side waits in f32 until it leaves the residual; a plain side is cast now.
+        let store = |x: &[f32], p: Precision| -> Stored {
+            match p {
+                _ if token < prefix => Stored::F32(x.to_vec()),
+                Precision::Fp16 => to_f16(x),
+                Precision::Bf16 => to_bf16(x),
+                Precision::Fp32 | Precision::Int8 | Precision::Int4 | Precision::Int2 => {
+                    Stored::F32(x.to_vec())
+                }
+            }
         };
         self.rows.push(Row {
             pos,
             token,
-            k: ks,
-            v: vs,
+            k: store(k, self.cfg.key_precision()),
+            v: store(v, self.cfg.value_precision()),
         });
 
         if let Some(cap) = self.cfg.capacity() {
@@ -234,9 +331,25 @@ impl LayerCache {
             }
         }
 
-        if let (Some(bits), Some(g)) = (self.cfg.precision.kivi_bits(), self.group_of(token)) {
-            let first = self.cfg.full_precision_rows();
-            if (token - first + 1).is_multiple_of(self.cfg.group_size) {
+        // The token that has just left the newest R rows.
+        let Some(leaving) = self.appended.checked_sub(1 + self.cfg.residual) else {
+            return;
+        };
+        if leaving < prefix {
+            return;
+        }
+        if let Some(bits) = self.cfg.value_precision().kivi_bits() {
+            if let Some(i) = self.rows.iter().position(|r| r.token == leaving) {
+                let Stored::F32(x) = &self.rows[i].v else {
+                    unreachable!("a KIVI V row stays f32 until it leaves the residual")
+                };
+                self.rows[i].v = self.quantize_v(x, bits);
+            }
+        }
+        if let (Some(bits), Some(g)) =
+            (self.cfg.key_precision().kivi_bits(), self.group_of(leaving))
+        {
+            if (leaving - prefix + 1).is_multiple_of(self.cfg.group_size) {
                 self.quantize_group(g, bits);
             }
         }
@@ -262,14 +375,22 @@ impl LayerCache {
             codes.extend(pack_codes(&q, bits));
             params.push(a);
         }
-        Stored::PerToken { codes, params }
+        Stored::PerToken {
+            bits,
+            codes,
+            params,
+        }
     }
 
     /// Quantises K group `g` over its stored rows: per channel, fit over those rows.
+    /// A group none of whose rows is stored any more is skipped.
     fn quantize_group(&mut self, g: usize, bits: Bits) {
         let members: Vec<usize> = (0..self.rows.len())
             .filter(|&i| self.group_of(self.rows[i].token) == Some(g))
             .collect();
+        if members.is_empty() {
+            return;
+        }
         let mut params = Vec::with_capacity(self.kv_dim);
         for c in 0..self.kv_dim {
             let channel: Vec<f32> = members
@@ -291,6 +412,7 @@ impl LayerCache {
                 .map(|(&v, a)| a.quantize(v, bits))
                 .collect();
             self.rows[i].k = Stored::PerChannel {
+                bits,
                 codes: pack_codes(&q, bits),
                 group: g,
             };
@@ -300,24 +422,25 @@ impl LayerCache {
 
     /// A stored row as f32.
     fn dequantize(&self, s: &Stored) -> Vec<f32> {
-        let bits = self.cfg.precision.kivi_bits();
         match s {
             Stored::F32(x) => x.clone(),
             Stored::F16(x) => x.iter().map(|h| h.to_f32()).collect(),
             Stored::Bf16(x) => x.iter().map(|h| h.to_f32()).collect(),
-            Stored::PerToken { codes, params } => {
-                let bits = bits.expect("quantised rows only in int8/int4 caches");
-                let q = unpack_codes(codes, self.kv_dim, bits);
+            Stored::PerToken {
+                bits,
+                codes,
+                params,
+            } => {
+                let q = unpack_codes(codes, self.kv_dim, *bits);
                 (0..self.kv_dim)
-                    .map(|c| params[c / self.head_dim].dequantize(q[c], bits))
+                    .map(|c| params[c / self.head_dim].dequantize(q[c], *bits))
                     .collect()
             }
-            Stored::PerChannel { codes, group } => {
-                let bits = bits.expect("quantised rows only in int8/int4 caches");
-                let q = unpack_codes(codes, self.kv_dim, bits);
+            Stored::PerChannel { bits, codes, group } => {
+                let q = unpack_codes(codes, self.kv_dim, *bits);
                 let params = &self.groups[group];
                 (0..self.kv_dim)
-                    .map(|c| params[c].dequantize(q[c], bits))
+                    .map(|c| params[c].dequantize(q[c], *bits))
                     .collect()
             }
         }
@@ -342,7 +465,8 @@ impl LayerCache {
     pub fn positions(&self) -> Vec<usize> {
         self.rows.iter().map(|r| r.pos).collect()
     }
-    /// Stored row `i`'s key, as f32 (`kv_dim` values).
+    /// Stored row `i`'s key, as f32 (`kv_dim` values; before RoPE when
+    /// [`KvConfig::keys_pre_rope`]).
     pub fn key(&self, i: usize) -> Vec<f32> {
         self.dequantize(&self.rows[i].k)
     }

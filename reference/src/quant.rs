@@ -13,11 +13,15 @@
 //! ```
 //!
 //! ## Stored codes
-//! A code is stored *offset-binary*: the byte (or nibble) holds `u = q - qmin`, so
-//! `u ∈ [0, 255]` for int8 and `u ∈ [0, 15]` for int4, and `x' = u * scale + zero`.
+//! A code is stored *offset-binary*: the byte (or nibble, or bit pair) holds `u = q - qmin`,
+//! so `u ∈ [0, 255]` for int8, `u ∈ [0, 15]` for int4 and `u ∈ [0, 3]` for int2, and
+//! `x' = u * scale + zero`.
 //! int4 packs two codes per byte along the head dimension: element `2j` goes in the
 //! **low** nibble of byte `j`, element `2j + 1` in the **high** nibble. A row of odd
 //! length leaves the last high nibble zero (head_dim is always even in practice).
+//! int2 packs four codes per byte: element `4j + i` goes in bits `2i..2i + 2` of byte `j`
+//! (element `4j` in the lowest two bits). Unused bit pairs of a last partial byte are zero
+//! (head_dim must be a multiple of 4 for int2, so this does not arise in a cache).
 //!
 //! ## f16 edge cases (documented choices)
 //! * Underflow: the smallest scale, `1e-5`, is below f16's smallest normal (6.1e-5) and
@@ -41,6 +45,9 @@ pub const INT8_QMAX: i32 = 127;
 /// int4 codes: `q ∈ [INT4_QMIN, INT4_QMAX]`.
 pub const INT4_QMIN: i32 = -8;
 pub const INT4_QMAX: i32 = 7;
+/// int2 codes: `q ∈ [INT2_QMIN, INT2_QMAX]`.
+pub const INT2_QMIN: i32 = -2;
+pub const INT2_QMAX: i32 = 1;
 /// Lower bound of every scale, before the f16 rounding.
 pub const MIN_SCALE: f32 = 1e-5;
 
@@ -49,6 +56,7 @@ pub const MIN_SCALE: f32 = 1e-5;
 pub enum Bits {
     Int8,
     Int4,
+    Int2,
 }
 
 impl Bits {
@@ -56,12 +64,14 @@ impl Bits {
         match self {
             Bits::Int8 => INT8_QMIN,
             Bits::Int4 => INT4_QMIN,
+            Bits::Int2 => INT2_QMIN,
         }
     }
     pub fn qmax(self) -> i32 {
         match self {
             Bits::Int8 => INT8_QMAX,
             Bits::Int4 => INT4_QMAX,
+            Bits::Int2 => INT2_QMAX,
         }
     }
     /// Bytes holding `n` packed codes.
@@ -69,6 +79,7 @@ impl Bits {
         match self {
             Bits::Int8 => n,
             Bits::Int4 => n.div_ceil(2),
+            Bits::Int2 => n.div_ceil(4),
         }
     }
 }
@@ -153,7 +164,8 @@ pub fn quantize_row(x: &[f32], bits: Bits) -> (Vec<i32>, Affine) {
 }
 
 /// Stores signed codes as bytes: offset-binary `q - qmin`, packed two per byte for int4
-/// (element `2j` in the low nibble of byte `j`).
+/// (element `2j` in the low nibble of byte `j`) and four per byte for int2 (element
+/// `4j + i` in bits `2i..2i + 2` of byte `j`).
 pub fn pack_codes(codes: &[i32], bits: Bits) -> Vec<u8> {
     let mut out = vec![0u8; bits.packed_len(codes.len())];
     for (j, &q) in codes.iter().enumerate() {
@@ -171,6 +183,7 @@ pub fn pack_codes(codes: &[i32], bits: Bits) -> Vec<u8> {
                     out[j / 2] |= u << 4;
                 }
             }
+            Bits::Int2 => out[j / 4] |= u << (2 * (j % 4)),
         }
     }
     out
@@ -189,6 +202,7 @@ pub fn unpack_codes(bytes: &[u8], n: usize, bits: Bits) -> Vec<i32> {
                         bytes[j / 2] >> 4
                     }
                 }
+                Bits::Int2 => (bytes[j / 4] >> (2 * (j % 4))) & 0x03,
             };
             u as i32 + bits.qmin()
         })
@@ -217,6 +231,17 @@ mod tests {
         assert_eq!(
             unpack_codes(&[0xF0, 0x78, 0x0B], 5, Bits::Int4),
             vec![-8, 7, 0, -1, 3]
+        );
+        assert_eq!((INT2_QMIN, INT2_QMAX), (-2, 1));
+        // q = [-2, 1, 0, -1, 1, -2] → u = [0, 3, 2, 1, 3, 0]
+        // byte 0 = 0 | 3<<2 | 2<<4 | 1<<6 = 0x6C; byte 1 = 3 | 0<<2 = 0x03
+        assert_eq!(
+            pack_codes(&[-2, 1, 0, -1, 1, -2], Bits::Int2),
+            vec![0x6C, 0x03]
+        );
+        assert_eq!(
+            unpack_codes(&[0x6C, 0x03], 6, Bits::Int2),
+            vec![-2, 1, 0, -1, 1, -2]
         );
     }
 

@@ -1,8 +1,9 @@
-//! `tinygpt-cpu cache-table`: bytes a real cache holds after T tokens, per precision.
+//! `tinygpt-cpu cache-table`: bytes a real cache holds after T tokens, per cache mode.
 
 use super::common::{human_bytes, open_model};
 use crate::error::Error;
-use crate::kv_cache::{KvCache, KvConfig, PositionsMode, Precision};
+use crate::eval::apply_quant_mode;
+use crate::kv_cache::{KeyRope, KvCache, KvConfig, PositionsMode, Precision};
 use crate::plot::{line_chart, Series};
 use clap::Args;
 use std::path::PathBuf;
@@ -14,9 +15,26 @@ pub struct CacheTableArgs {
     /// Token counts to measure, comma-separated.
     #[arg(long, default_value = "128,256,384,500")]
     pub lengths: String,
+    /// Cache modes, comma-separated: fp32, fp16, bf16, int8, int4, int2, or kXvY for K
+    /// bits then V bits (k8v4, k4v2), each optionally followed by +rN (KIVI residual of N
+    /// tokens, overriding --kv-residual), e.g. "int4,int2+r128,k4v2+r32".
+    #[arg(long, default_value = "fp32,fp16,bf16,int8,int4,int2")]
+    pub modes: String,
     /// Tokens per K quantisation group.
     #[arg(long = "kv-group-size", default_value_t = 32)]
     pub group_size: usize,
+    /// KIVI residual: the newest R tokens of a quantised side stay f32 (counted as f32).
+    #[arg(
+        long = "kv-residual",
+        value_name = "R",
+        default_value_t = 0,
+        allow_hyphen_values = true
+    )]
+    pub residual: usize,
+    /// Keys stored before or after RoPE (does not change the bytes; accepted for
+    /// symmetry with the other commands).
+    #[arg(long = "kv-key-rope", value_enum, default_value = "post")]
+    pub key_rope: super::common::KeyRopeArg,
     /// StreamingLLM sink for the bounded rows (with --streaming-llm-window).
     #[arg(long = "streaming-llm-sink", default_value_t = 4)]
     pub sink: usize,
@@ -77,30 +95,69 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
     if a.window == 0 && a.sink == 0 {
         return Err(Error::flag("--streaming-llm-window", "must be > 0 when the sink is 0").into());
     }
+    if a.residual > 1 << 26 {
+        return Err(
+            Error::flag("--kv-residual", format!("{} is absurdly large", a.residual)).into(),
+        );
+    }
+    let names: Vec<&str> = a
+        .modes
+        .split(',')
+        .map(str::trim)
+        .filter(|m| !m.is_empty())
+        .collect();
+    if names.is_empty() {
+        return Err(Error::flag("--modes", "no modes given").into());
+    }
     let files = open_model(&a.model)?;
     let cfg = &files.config;
     let mut rows = Vec::new();
     let mut series = Vec::new();
     for streaming in [false, true] {
-        for p in Precision::ALL {
-            let kv = KvConfig {
-                precision: p,
+        for name in &names {
+            let mut kv = KvConfig {
                 group_size: a.group_size,
                 sink: if streaming { a.sink } else { 0 },
                 window: streaming.then_some(a.window),
                 positions: PositionsMode::Original,
+                residual: a.residual,
+                key_rope: match a.key_rope {
+                    super::common::KeyRopeArg::Pre => KeyRope::Pre,
+                    super::common::KeyRopeArg::Post => KeyRope::Post,
+                },
+                ..KvConfig::default()
             };
+            apply_quant_mode(name, &mut kv).map_err(|e| Error::flag("--modes", e))?;
             crate::kv_cache::validate(&kv, cfg)?;
             let mode = if streaming {
-                format!("{},sink={},window={}", p.name(), a.sink, a.window)
+                format!("{},sink={},window={}", kv.quant_name(), a.sink, a.window)
             } else {
-                p.name().to_string()
+                kv.quant_name()
             };
             let mut pts = Vec::new();
             for &t in &lengths {
                 let bytes = measure(cfg, &kv, t);
                 pts.push((t as f64, bytes as f64 / 1024.0));
-                rows.push((mode.clone(), p, streaming, t, bytes));
+                // the same eviction at fp32 and bf16, for the ratio columns
+                let plain = |p: Precision| {
+                    measure(
+                        cfg,
+                        &KvConfig {
+                            precision: p,
+                            k_precision: None,
+                            v_precision: None,
+                            ..kv.clone()
+                        },
+                        t,
+                    )
+                };
+                rows.push((
+                    mode.clone(),
+                    plain(Precision::Fp32),
+                    plain(Precision::Bf16),
+                    t,
+                    bytes,
+                ));
             }
             series.push(Series {
                 name: mode,
@@ -137,21 +194,15 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
         "{:<28} {:>8} {:>14} {:>12} {:>9} {:>9}",
         "mode", "tokens", "bytes", "", "vs fp32", "vs bf16"
     );
-    for (m, _, streaming, t, b) in &rows {
-        let find = |p: Precision| {
-            rows.iter()
-                .find(|r| r.1 == p && r.2 == *streaming && r.3 == *t)
-                .map(|r| r.4)
-                .unwrap_or(1)
-        };
+    for (m, fp32, bf16, t, b) in &rows {
         println!(
             "{:<28} {:>8} {:>14} {:>12} {:>9.3} {:>9.3}",
             m,
             t,
             b,
             human_bytes(*b as u64),
-            *b as f64 / find(Precision::Fp32) as f64,
-            *b as f64 / find(Precision::Bf16) as f64
+            *b as f64 / (*fp32).max(1) as f64,
+            *b as f64 / (*bf16).max(1) as f64
         );
     }
     Ok(())

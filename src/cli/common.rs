@@ -1,7 +1,7 @@
 //! Flags shared by several subcommands: the KV cache settings and the engine choice.
 
 use crate::error::{Error, Result};
-use crate::kv_cache::{KvConfig, PositionsMode, Precision};
+use crate::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
 use crate::model::WeightsDType;
 use crate::weights::{Format, ModelFiles};
 use clap::{Args, ValueEnum};
@@ -14,6 +14,7 @@ pub enum KvQuantize {
     Bf16,
     Int8,
     Int4,
+    Int2,
 }
 
 impl From<KvQuantize> for Precision {
@@ -24,8 +25,15 @@ impl From<KvQuantize> for Precision {
             KvQuantize::Bf16 => Precision::Bf16,
             KvQuantize::Int8 => Precision::Int8,
             KvQuantize::Int4 => Precision::Int4,
+            KvQuantize::Int2 => Precision::Int2,
         }
     }
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum KeyRopeArg {
+    Pre,
+    Post,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -63,12 +71,33 @@ pub struct CacheArgs {
         default_value = "original"
     )]
     pub positions: Positions,
-    /// KV cache storage precision.
+    /// KV cache storage precision (int8/int4/int2: KIVI, K per channel in groups, V per
+    /// token).
     #[arg(long = "kv-quantize", value_enum, default_value = "fp32")]
     pub kv_quantize: KvQuantize,
-    /// Tokens per K quantisation group (int8/int4).
+    /// K's storage precision, overriding --kv-quantize for K (e.g. int8 with
+    /// --kv-quantize-v int4 for K8V4).
+    #[arg(long = "kv-quantize-k", value_enum, value_name = "P")]
+    pub kv_quantize_k: Option<KvQuantize>,
+    /// V's storage precision, overriding --kv-quantize for V.
+    #[arg(long = "kv-quantize-v", value_enum, value_name = "P")]
+    pub kv_quantize_v: Option<KvQuantize>,
+    /// Tokens per K quantisation group (int8/int4/int2).
     #[arg(long = "kv-group-size", value_name = "G", default_value_t = 32)]
     pub group_size: usize,
+    /// KIVI residual: the newest R tokens of a quantised K/V side stay f32 (0: quantise
+    /// V at append and each K group as soon as it is complete).
+    #[arg(
+        long = "kv-residual",
+        value_name = "R",
+        default_value_t = 0,
+        allow_hyphen_values = true
+    )]
+    pub residual: usize,
+    /// Store keys before RoPE (pre) and rotate them at read time, or after (post). In
+    /// `cache` positions mode keys are always stored before RoPE, so this has no effect.
+    #[arg(long = "kv-key-rope", value_enum, default_value = "post")]
+    pub key_rope: KeyRopeArg,
     /// Allow generating past the model's context length with an unbounded cache.
     #[arg(long = "allow-past-context")]
     pub allow_past_context: bool,
@@ -102,6 +131,7 @@ impl CacheArgs {
         for (flag, v) in [
             ("--streaming-llm-sink", self.sink),
             ("--streaming-llm-window", self.window),
+            ("--kv-residual", Some(self.residual)),
         ] {
             if let Some(v) = v {
                 if v > MAX {
@@ -120,6 +150,13 @@ impl CacheArgs {
             positions: match self.positions {
                 Positions::Original => PositionsMode::Original,
                 Positions::Cache => PositionsMode::Cache,
+            },
+            k_precision: self.kv_quantize_k.map(Precision::from),
+            v_precision: self.kv_quantize_v.map(Precision::from),
+            residual: self.residual,
+            key_rope: match self.key_rope {
+                KeyRopeArg::Pre => KeyRope::Pre,
+                KeyRopeArg::Post => KeyRope::Post,
             },
         })
     }

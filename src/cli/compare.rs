@@ -3,7 +3,7 @@
 use super::common::{open_model, CacheArgs, EngineArgs, Loaded};
 use super::perplexity::mode_name;
 use crate::error::Error;
-use crate::eval::parse_modes;
+use crate::eval::{apply_quant_mode, parse_modes};
 use crate::generate::{generate, GenerateOptions};
 use crate::kv_cache::Precision;
 use crate::sampler::SamplerConfig;
@@ -20,8 +20,11 @@ pub struct CompareArgs {
     /// Greedy tokens per prompt.
     #[arg(long, default_value_t = 60)]
     pub tokens: usize,
-    /// KV precisions to compare (the first is the baseline unless fp32 is listed), or
-    /// full mode specs separated by ';' as in `perplexity --compare-modes`.
+    /// KV modes to compare against an fp32 cache with the same eviction, comma-separated:
+    /// fp32, fp16, bf16, int8, int4, int2, or kXvY for K bits then V bits (k8v4, k4v2),
+    /// each optionally followed by +rN (KIVI residual of N tokens) and +pre/+post (key
+    /// RoPE), e.g. "int4,int2+r128,k4v2+r32+pre". Or full mode specs separated by ';' as
+    /// in `perplexity --compare-modes`.
     #[arg(long, default_value = "fp32,bf16,int8,int4")]
     pub modes: String,
     #[command(flatten)]
@@ -51,14 +54,8 @@ fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
         modes = parse_modes(&a.modes, &base)?;
     } else {
         for m in a.modes.split(',').map(str::trim).filter(|m| !m.is_empty()) {
-            let p = Precision::parse(m).ok_or_else(|| {
-                Error::flag(
-                    "--modes",
-                    format!("'{m}' is not one of fp32, fp16, bf16, int8, int4"),
-                )
-            })?;
             let mut kv = base.clone();
-            kv.precision = p;
+            apply_quant_mode(m, &mut kv).map_err(|e| Error::flag("--modes", e))?;
             modes.push((m.to_string(), kv));
         }
     }
@@ -68,6 +65,10 @@ fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
     // The baseline: full-precision cache with the same eviction.
     let mut baseline = base.clone();
     baseline.precision = Precision::Fp32;
+    baseline.k_precision = None;
+    baseline.v_precision = None;
+    baseline.residual = 0;
+    baseline.key_rope = crate::kv_cache::KeyRope::Post;
     let files = open_model(&a.model)?;
     for (_, kv) in &modes {
         crate::kv_cache::validate(kv, &files.config)?;

@@ -28,7 +28,9 @@ pub struct PerplexityArgs {
     pub chunk: usize,
     /// Several cache configurations on the same text, e.g.
     /// "dense;sink=0,window=256;sink=4,window=252;sink=4,window=252,kv=int4"
-    /// (keys: sink, window, kv, group, positions; each mode starts from the cache flags).
+    /// (keys: sink, window, kv, group, positions, residual, kv_k, kv_v, key_rope; kv takes
+    /// a precision or a name like k8v4, k4v2, int2+r128, int4+pre; each mode starts from
+    /// the cache flags).
     #[arg(long = "compare-modes", value_name = "SPEC")]
     pub compare_modes: Option<String>,
     /// Report the attention mass on the first 8 positions (attention sinks).
@@ -185,7 +187,7 @@ fn run_in_pool(a: PerplexityArgs) -> anyhow::Result<()> {
 
 /// A short name for one cache configuration.
 pub fn mode_name(kv: &crate::kv_cache::KvConfig) -> String {
-    let mut s = kv.precision.name().to_string();
+    let mut s = kv.quant_name();
     if let Some(w) = kv.window {
         s += &format!(",sink={},window={w}", kv.sink);
         if kv.positions == crate::kv_cache::PositionsMode::Cache {

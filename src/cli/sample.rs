@@ -177,6 +177,10 @@ pub fn json_report(
             "sink": kv.sink,
             "window": kv.window,
             "positions": kv.positions.name(),
+            "quantize_k": kv.key_precision().name(),
+            "quantize_v": kv.value_precision().name(),
+            "residual": kv.residual,
+            "key_rope": kv.key_rope.name(),
             "stored_tokens": res.stored_tokens,
             "current_length": res.current_length,
             "bytes": res.kv_bytes,
@@ -218,7 +222,7 @@ fn report(
     );
     eprintln!(
         "[kv] {} | {} | current length {} | {}",
-        kv.precision.name(),
+        kv.quant_name(),
         human_bytes(res.kv_bytes as u64),
         res.current_length,
         stored

@@ -2,7 +2,9 @@
 //!
 //! * [`policy`]: which token rows survive StreamingLLM eviction (a pure function of the
 //!   number of rows appended).
-//! * `storage`: how rows are held: plain f32/f16/bf16 rows or KIVI int8/int4 rows.
+//! * `storage`: how rows are held: plain f32/f16/bf16 rows or KIVI int8/int4/int2 rows,
+//!   K and V each at their own precision ([`KvConfig::key_precision`],
+//!   [`KvConfig::value_precision`]).
 //!
 //! ## Layer layout
 //! A layer's rows are split by token index `t` into two regions:
@@ -12,24 +14,29 @@
 //! body    t ≥ P, b = t−P  slot = b % window  (ring)      or slot = b without a window
 //! ```
 //!
-//! `P` is `max(4, sink)` for int8/int4 (the first rows stay at full precision, DESIGN.md
-//! §2; K groups start after them) and `sink` otherwise. Prefix rows are f32 under KIVI and
-//! at the cache precision otherwise. Since every body row is a non-sink row, at most
+//! `P` is `max(4, sink)` when K or V is KIVI (the first rows stay at full precision,
+//! DESIGN.md §2; K groups start after them) and `sink` otherwise. Prefix rows are f32 under
+//! KIVI and at each side's precision otherwise. Since every body row is a non-sink row, at most
 //! `window` body rows are ever stored, so writing body row `b` into ring slot
 //! `b % window` overwrites exactly the row that eviction drops: eviction is O(1) and
 //! copies nothing. K group `g = b / G` keeps its `(scale, zero)` in group slot
 //! `g % (ceil(window / G) + 1)` (or `g`), written once when the group completes.
 //!
-//! Under KIVI a K group is quantised at the append of its `G`-th row, over those of
-//! its rows that are still stored after that append's eviction (the reference does the
-//! same), so appending costs O(kv_dim) amortised and no row is ever re-quantised. V rows
-//! are quantised at append.
+//! Under KIVI with residual `R` (the newest `R` tokens of a KIVI side stay f32), K group
+//! `g` is quantised at the append after which `T − R ≥ P + (g + 1)·G` (for R = 0: the
+//! append of its `G`-th row), over those of its rows that are still stored after that
+//! append's eviction (the reference does the same), so appending costs O(kv_dim) amortised
+//! and no row is ever re-quantised. Until then K rows wait in an f32 ring of `R + G` rows.
+//! A V row is quantised when it leaves the newest `R` (at append for R = 0); until then it
+//! waits in an f32 ring of `min(R, window)` rows, slot `b % min(R, window)`, and it is
+//! quantised from there just before the ring slot is reused.
 //!
 //! Every read dequantises into f32 (`read_key`, `read_value`, `gather_head`); integer
 //! codes never leave `storage`. Attention does not read rows one by one: it walks
 //! [`LayerKv::for_each_run`], which cuts the stored rows (oldest first) into runs of
-//! consecutive slots of one region (prefix, body ring segment, one K group or the K
-//! residual) and hands out storage's run views, whose fused kernels fold the KIVI scales
+//! consecutive slots of one region (prefix, body ring segment, one K group, the K
+//! residual ring, the quantised V rows or the V residual ring) and hands out storage's
+//! run views, whose fused kernels fold the KIVI scales
 //! and zeros into the dot products instead of dequantising the cache.
 //!
 //! Positions are stored explicitly per row (`prefix_pos`, `body_pos`).
@@ -42,9 +49,9 @@ use crate::error::{Error, Result};
 use crate::quant::Bits;
 use policy::Policy;
 use storage::{ChannelQuant, ChannelRun, Plain, PlainKind, PlainRun, TokenQuant, TokenRun};
-pub use tinygpt_reference::kv_cache::{KvConfig, PositionsMode, Precision};
+pub use tinygpt_reference::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
 
-/// Rows kept at full precision at the start of an int8/int4 cache (DESIGN.md §2).
+/// Rows kept at full precision at the start of a KIVI cache (DESIGN.md §2).
 pub const FULL_PRECISION_ROWS: usize = 4;
 /// Largest accepted `--kv-group-size`.
 pub const MAX_GROUP_SIZE: usize = 1 << 16;
@@ -93,17 +100,42 @@ pub fn validate(kv: &KvConfig, cfg: &Config) -> Result<()> {
             format!("{} is too large (at most {MAX_CACHE_ROWS})", kv.sink),
         ));
     }
+    if kv.residual > MAX_CACHE_ROWS {
+        return Err(Error::flag(
+            "--kv-residual",
+            format!("{} is too large (at most {MAX_CACHE_ROWS})", kv.residual),
+        ));
+    }
     if cfg.head_dim == 0 || cfg.n_kv_heads == 0 {
         return Err(Error::flag("--kv-quantize", "model has no KV heads"));
     }
-    if kv.precision == Precision::Int4 && !cfg.head_dim.is_multiple_of(2) {
-        return Err(Error::flag(
-            "--kv-quantize",
-            format!(
-                "int4 packs pairs along head_dim, which is odd ({})",
-                cfg.head_dim
-            ),
-        ));
+    for (p, over, flag) in [
+        (kv.key_precision(), kv.k_precision, "--kv-quantize-k"),
+        (kv.value_precision(), kv.v_precision, "--kv-quantize-v"),
+    ] {
+        let flag = if over.is_some() {
+            flag
+        } else {
+            "--kv-quantize"
+        };
+        if p == Precision::Int4 && !cfg.head_dim.is_multiple_of(2) {
+            return Err(Error::flag(
+                flag,
+                format!(
+                    "int4 packs pairs along head_dim, which is odd ({})",
+                    cfg.head_dim
+                ),
+            ));
+        }
+        if p == Precision::Int2 && !cfg.head_dim.is_multiple_of(4) {
+            return Err(Error::flag(
+                flag,
+                format!(
+                    "int2 packs four codes per byte along head_dim, which is not a multiple of 4 ({})",
+                    cfg.head_dim
+                ),
+            ));
+        }
     }
     Ok(())
 }
@@ -113,15 +145,26 @@ fn kivi_bits(p: Precision) -> Option<Bits> {
     match p {
         Precision::Int8 => Some(Bits::Int8),
         Precision::Int4 => Some(Bits::Int4),
+        Precision::Int2 => Some(Bits::Int2),
         _ => None,
+    }
+}
+
+/// Element type of a plain (non-KIVI) side.
+fn plain_kind(p: Precision) -> PlainKind {
+    match p {
+        Precision::Fp16 => PlainKind::F16,
+        Precision::Bf16 => PlainKind::Bf16,
+        _ => PlainKind::F32,
     }
 }
 
 /// Length of the prefix region (see the module docs).
 pub fn prefix_len(kv: &KvConfig) -> usize {
-    match kivi_bits(kv.precision) {
-        Some(_) => kv.sink.max(FULL_PRECISION_ROWS),
-        None => kv.sink,
+    if kv.is_kivi() {
+        kv.sink.max(FULL_PRECISION_ROWS)
+    } else {
+        kv.sink
     }
 }
 
@@ -134,7 +177,8 @@ enum BodyK {
 #[derive(Debug, Clone)]
 enum BodyV {
     Plain(Plain),
-    Kivi(TokenQuant),
+    /// Codes, plus the f32 residual ring (`min(R, window)` rows) when R > 0.
+    Kivi(TokenQuant, Option<Plain>),
 }
 
 /// A run's keys as storage holds them.
@@ -178,6 +222,9 @@ impl ValueRun<'_> {
 pub(crate) struct Run<'a> {
     pub first: usize,
     pub len: usize,
+    /// Row id of the first row: prefix row `t` is `t`, body ring slot `s` is `P + s`; the
+    /// run's rows have ids `id..id + len` (for per-row tables such as RoPE angles).
+    pub id: usize,
     pub key: KeyRun<'a>,
     pub value: ValueRun<'a>,
 }
@@ -204,6 +251,10 @@ pub struct LayerKv {
     ring: Option<usize>,
     /// Group-parameter slots of the K ring, or `None` to grow.
     group_ring: Option<usize>,
+    /// KIVI residual R.
+    residual: usize,
+    /// Rows of the V residual ring (`min(R, window)`), when V is KIVI and R > 0.
+    v_res_cap: usize,
     /// Rows appended so far (`T`).
     appended: usize,
     /// (prefix slots) absolute positions
@@ -222,27 +273,27 @@ pub struct LayerKv {
 
 impl LayerKv {
     pub fn new(kv: &KvConfig, n_kv_heads: usize, head_dim: usize) -> Self {
-        let kind = match kv.precision {
-            Precision::Fp16 => PlainKind::F16,
-            Precision::Bf16 => PlainKind::Bf16,
-            _ => PlainKind::F32,
-        };
-        let (body_k, body_v) = match kivi_bits(kv.precision) {
-            Some(bits) => (
-                BodyK::Kivi(ChannelQuant::new(
-                    bits,
-                    n_kv_heads,
-                    head_dim,
-                    kv.group_size.max(1),
-                )),
-                BodyV::Kivi(TokenQuant::new(bits, n_kv_heads, head_dim)),
-            ),
-            None => (
-                BodyK::Plain(Plain::new(kind, n_kv_heads, head_dim)),
-                BodyV::Plain(Plain::new(kind, n_kv_heads, head_dim)),
-            ),
-        };
         let g = kv.group_size.max(1);
+        let r = kv.residual;
+        let v_res_cap = kv.window.map_or(r, |w| r.min(w));
+        let (kp, vp) = (kv.key_precision(), kv.value_precision());
+        let body_k = match kivi_bits(kp) {
+            Some(bits) => BodyK::Kivi(ChannelQuant::new(bits, n_kv_heads, head_dim, g, r)),
+            None => BodyK::Plain(Plain::new(plain_kind(kp), n_kv_heads, head_dim)),
+        };
+        let body_v = match kivi_bits(vp) {
+            Some(bits) => BodyV::Kivi(
+                TokenQuant::new(bits, n_kv_heads, head_dim),
+                (v_res_cap > 0).then(|| Plain::new(PlainKind::F32, n_kv_heads, head_dim)),
+            ),
+            None => BodyV::Plain(Plain::new(plain_kind(vp), n_kv_heads, head_dim)),
+        };
+        // Prefix rows are f32 under KIVI (either side), else at each side's precision.
+        let (pk, pv) = if kv.is_kivi() {
+            (PlainKind::F32, PlainKind::F32)
+        } else {
+            (plain_kind(kp), plain_kind(vp))
+        };
         LayerKv {
             kv: kv.clone(),
             policy: Policy::new(kv),
@@ -251,11 +302,13 @@ impl LayerKv {
             prefix: prefix_len(kv),
             ring: kv.window,
             group_ring: kv.window.map(|w| w.div_ceil(g) + 1),
+            residual: r,
+            v_res_cap,
             appended: 0,
             prefix_pos: Vec::new(),
             body_pos: Vec::new(),
-            prefix_k: Plain::new(kind, n_kv_heads, head_dim),
-            prefix_v: Plain::new(kind, n_kv_heads, head_dim),
+            prefix_k: Plain::new(pk, n_kv_heads, head_dim),
+            prefix_v: Plain::new(pv, n_kv_heads, head_dim),
             body_k,
             body_v,
         }
@@ -313,13 +366,24 @@ impl LayerKv {
         }
     }
 
-    /// Number of complete K groups so far.
+    /// Body rows that have left the newest R (`max(0, T − R − P)`): KIVI V rows below it
+    /// are quantised.
+    #[inline]
+    fn body_left(&self) -> usize {
+        self.appended
+            .saturating_sub(self.residual)
+            .saturating_sub(self.prefix)
+    }
+
+    /// Number of quantised K groups so far (the groups that have left the newest R).
+    #[inline]
     fn groups_done(&self) -> usize {
-        self.appended.saturating_sub(self.prefix) / self.kv.group_size.max(1)
+        self.body_left() / self.kv.group_size.max(1)
     }
 
     /// Appends one token's rows (`(kv_heads, head_dim)` each; `k` already rotated in
-    /// `original` positions mode) at absolute position `pos`, then evicts per the policy.
+    /// `original` positions mode with post-RoPE keys) at absolute position `pos`, then
+    /// evicts per the policy and quantises what leaves the newest R rows.
     pub fn append(&mut self, k: &[f32], v: &[f32], pos: usize) {
         let kv_dim = self.kv_heads * self.head_dim;
         debug_assert_eq!(k.len(), kv_dim);
@@ -335,32 +399,77 @@ impl LayerKv {
         let b = t - self.prefix;
         let slot = self.body_slot(b);
         storage_set(&mut self.body_pos, slot, pos);
-        match &mut self.body_v {
-            BodyV::Plain(p) => p.write(slot, v),
-            BodyV::Kivi(q) => q.write(slot, v),
-        }
-        let g = self.kv.group_size.max(1);
-        let group_slot = self.group_slot(b / g);
-        let (ring, prefix) = (self.ring, self.prefix);
+        let (ring, prefix, hd) = (self.ring, self.prefix, self.head_dim);
+        let slot_of = move |b: usize| match ring {
+            Some(m) => b % m,
+            None => b,
+        };
         let first_stored = self
             .policy
             .window_start(self.appended)
             .saturating_sub(prefix);
+        // The body row that has just left the newest R rows, if any.
+        let leaving = (t >= self.residual + prefix).then(|| t - self.residual - prefix);
+        let v_cap = self.v_res_cap;
+        match &mut self.body_v {
+            BodyV::Plain(p) => p.write(slot, v),
+            BodyV::Kivi(q, None) => q.write(slot, v),
+            BodyV::Kivi(q, Some(res)) => {
+                // Quantise the leaving row (if still stored) before its ring slot is reused.
+                if let Some(lb) = leaving.filter(|&lb| lb >= first_stored) {
+                    let mut row = [0.0f32; 256];
+                    let mut heap = Vec::new();
+                    let row: &mut [f32] = if hd <= row.len() {
+                        &mut row[..hd]
+                    } else {
+                        heap.resize(hd, 0.0);
+                        &mut heap
+                    };
+                    for h in 0..self.kv_heads {
+                        res.read(h, lb % v_cap, row);
+                        q.write_head(h, slot_of(lb), row);
+                    }
+                }
+                res.write(b % v_cap, v);
+            }
+        }
+        let g = self.kv.group_size.max(1);
         match &mut self.body_k {
             BodyK::Plain(p) => p.write(slot, k),
             BodyK::Kivi(q) => {
                 q.write_residual(b, k);
-                if (b + 1).is_multiple_of(g) {
-                    // The group is complete: quantise its stored rows once.
-                    let rows = (b + 1 - g).max(first_stored)..b + 1;
-                    let slot_of = |b: usize| match ring {
-                        Some(m) => b % m,
-                        None => b,
-                    };
-                    q.complete_group(rows, group_slot, slot_of);
+                if let Some(lb) = leaving.filter(|&lb| (lb + 1).is_multiple_of(g)) {
+                    // The group has left the newest R: quantise its stored rows once.
+                    let rows = (lb + 1 - g).max(first_stored)..lb + 1;
+                    if !rows.is_empty() {
+                        let group_slot = match self.group_ring {
+                            Some(m) => (lb / g) % m,
+                            None => lb / g,
+                        };
+                        q.complete_group(rows, group_slot, slot_of);
+                    }
                 }
             }
         }
+    }
+
+    /// Row id of stored row `i` (prefix row `t`: `t`; body ring slot `s`: `P + s`; see
+    /// [`Run::id`]).
+    #[inline]
+    pub(crate) fn row_id(&self, i: usize) -> usize {
+        match self.loc(i) {
+            Loc::Prefix(t) => t,
+            Loc::Body { slot, .. } => self.prefix + slot,
+        }
+    }
+
+    /// One past the largest row id a stored row can have now.
+    pub(crate) fn row_id_bound(&self) -> usize {
+        self.prefix
+            + match self.ring {
+                Some(m) => m,
+                None => self.appended.saturating_sub(self.prefix),
+            }
     }
 
     /// Absolute positions of the stored rows, oldest first.
@@ -423,9 +532,12 @@ impl LayerKv {
     fn read_value_at(&self, loc: Loc, h: usize, out: &mut [f32]) {
         match loc {
             Loc::Prefix(t) => self.prefix_v.read(h, t, out),
-            Loc::Body { slot, .. } => match &self.body_v {
+            Loc::Body { b, slot } => match &self.body_v {
                 BodyV::Plain(p) => p.read(h, slot, out),
-                BodyV::Kivi(q) => q.read(h, slot, out),
+                BodyV::Kivi(_, Some(res)) if b >= self.body_left() => {
+                    res.read(h, b % self.v_res_cap, out)
+                }
+                BodyV::Kivi(q, _) => q.read(h, slot, out),
             },
         }
     }
@@ -470,8 +582,9 @@ impl LayerKv {
 
     /// Calls `f` on the runs that make up KV head `h`'s stored rows, in logical order
     /// (their `first` fields are `0, len_0, len_0 + len_1, ...` up to `len()`). Runs break
-    /// at the sink/recent seam, the prefix/body border, the ring's wrap and the start of
-    /// the K residual; under a group ring (StreamingLLM) also at every K group border,
+    /// at the sink/recent seam, the prefix/body border, the ring's wrap, the start of
+    /// the K residual and the wrap of its ring, the start of the V residual and the wrap
+    /// of its ring; under a group ring (StreamingLLM) also at every K group border,
     /// whereas a dense cache's complete groups share one run (its parameter slots are
     /// consecutive; `ChannelRun` walks the groups itself), so a 16K-row dense step costs a
     /// handful of runs instead of 512 per head.
@@ -479,8 +592,13 @@ impl LayerKv {
         let t = self.appended;
         let p = self.prefix;
         let g = self.kv.group_size.max(1);
-        let kivi = matches!(self.body_k, BodyK::Kivi(_));
+        let k_res_cap = match &self.body_k {
+            BodyK::Kivi(q) => Some(q.residual_cap()),
+            BodyK::Plain(_) => None,
+        };
+        let v_res = matches!(self.body_v, BodyV::Kivi(_, Some(_)));
         let done = self.groups_done();
+        let left = self.body_left();
         let mut first = 0;
         let sinks = (0, self.policy.sinks_stored(t));
         let recent = (self.policy.window_start(t), t);
@@ -491,6 +609,7 @@ impl LayerKv {
                 f(Run {
                     first,
                     len,
+                    id: a,
                     key: KeyRun::Plain(self.prefix_k.run(h, a..pe)),
                     value: ValueRun::Plain(self.prefix_v.run(h, a..pe)),
                 });
@@ -502,13 +621,26 @@ impl LayerKv {
                 if let Some(m) = self.ring {
                     end = end.min((bi / m + 1) * m);
                 }
-                if kivi {
-                    // Complete K groups share a run while their parameter slots are
-                    // consecutive (no group ring); the incomplete group is its own run.
-                    end = if bi / g < done && self.group_ring.is_none() {
-                        end.min(done * g)
+                if let Some(cap) = k_res_cap {
+                    end = if bi / g < done {
+                        // Quantised K groups share a run while their parameter slots are
+                        // consecutive (no group ring).
+                        if self.group_ring.is_none() {
+                            end.min(done * g)
+                        } else {
+                            end.min((bi / g + 1) * g)
+                        }
                     } else {
-                        end.min((bi / g + 1) * g)
+                        // The K residual, up to its ring's wrap.
+                        end.min((bi / cap + 1) * cap)
+                    };
+                }
+                if v_res {
+                    let cap = self.v_res_cap;
+                    end = if bi < left {
+                        end.min(left)
+                    } else {
+                        end.min((bi / cap + 1) * cap)
                     };
                 }
                 let len = end - bi;
@@ -523,12 +655,17 @@ impl LayerKv {
                 };
                 let value = match &self.body_v {
                     BodyV::Plain(q) => ValueRun::Plain(q.run(h, slots)),
-                    BodyV::Kivi(q) => ValueRun::Token(q.run(h, slots)),
+                    BodyV::Kivi(_, Some(res)) if bi >= left => {
+                        let r0 = bi % self.v_res_cap;
+                        ValueRun::Plain(res.run(h, r0..r0 + len))
+                    }
+                    BodyV::Kivi(q, _) => ValueRun::Token(q.run(h, slots)),
                 };
                 debug_assert_eq!((key.len(), value.len()), (len, len));
                 f(Run {
                     first,
                     len,
+                    id: p + slot,
                     key,
                     value,
                 });
@@ -574,11 +711,20 @@ impl LayerKv {
         let prefix_rows = self.policy.stored_in(t, 0, p);
         let body_rows = self.policy.stored_in(t, p, t);
         let mut total = prefix_rows * (self.prefix_k.row_bytes() + self.prefix_v.row_bytes());
-        total += body_rows
-            * match &self.body_v {
-                BodyV::Plain(v) => v.row_bytes(),
-                BodyV::Kivi(v) => v.row_bytes(),
-            };
+        match &self.body_v {
+            BodyV::Plain(v) => total += body_rows * v.row_bytes(),
+            BodyV::Kivi(v, res) => {
+                // Rows still in the residual are f32.
+                let (res_rows, res_row_bytes) = match res {
+                    Some(r) => (
+                        self.policy.stored_in(t, p + self.body_left(), t),
+                        r.row_bytes(),
+                    ),
+                    None => (0, 0),
+                };
+                total += (body_rows - res_rows) * v.row_bytes() + res_rows * res_row_bytes;
+            }
+        }
         match &self.body_k {
             BodyK::Plain(k) => total += body_rows * k.row_bytes(),
             BodyK::Kivi(k) => {
@@ -664,22 +810,36 @@ mod tests {
     /// residual, for every precision.
     #[test]
     fn runs_tile_the_stored_rows_exactly() {
-        let (kv_heads, hd) = (2usize, 6usize);
-        for precision in Precision::ALL {
-            for (g, sink, window) in [
-                (4usize, 0usize, None),
-                (3, 0, None),
-                (4, 2, Some(7)),
-                (5, 6, Some(5)),
-                (8, 4, Some(3)),
-                (2, 1, Some(1)),
+        let (kv_heads, hd) = (2usize, 8usize);
+        let sides = Precision::ALL.iter().map(|&p| (p, None)).chain([
+            (Precision::Int8, Some(Precision::Int4)),
+            (Precision::Fp16, Some(Precision::Int2)),
+            (Precision::Int2, Some(Precision::Bf16)),
+        ]);
+        for (precision, v_precision) in sides {
+            for (g, sink, window, residual) in [
+                (4usize, 0usize, None, 0usize),
+                (3, 0, None, 0),
+                (3, 0, None, 5),
+                (4, 2, Some(7), 0),
+                (4, 2, Some(7), 3),
+                (4, 2, Some(7), 9),
+                (5, 6, Some(5), 0),
+                (5, 6, Some(5), 4),
+                (8, 4, Some(3), 0),
+                (8, 4, Some(3), 2),
+                (2, 1, Some(1), 0),
+                (2, 1, Some(1), 1),
             ] {
                 let kv = KvConfig {
                     precision,
+                    v_precision,
                     group_size: g,
                     sink,
                     window,
+                    residual,
                     positions: PositionsMode::Cache,
+                    ..KvConfig::default()
                 };
                 let mut layer = LayerKv::new(&kv, kv_heads, hd);
                 for t in 0..40usize {
@@ -689,7 +849,9 @@ mod tests {
                             .collect()
                     };
                     layer.append(&row(0.0), &row(1.0), t);
-                    let ctx = format!("{precision:?} G={g} sink={sink} window={window:?} t={t}");
+                    let ctx = format!(
+                        "{precision:?}/{v_precision:?} G={g} R={residual} sink={sink} window={window:?} t={t}"
+                    );
                     for h in 0..kv_heads {
                         let mut next = 0;
                         let (mut got, mut want) = (vec![0.0f32; hd], vec![0.0f32; hd]);

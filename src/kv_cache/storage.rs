@@ -1,4 +1,4 @@
-//! How stored rows are held: plain rows (f32/f16/bf16) and KIVI rows (int8/int4).
+//! How stored rows are held: plain rows (f32/f16/bf16) and KIVI rows (int8/int4/int2).
 //!
 //! Every buffer is split per KV head so one head's rows are contiguous (what a fused
 //! attention kernel streams over); a *slot* is a row index inside these buffers.
@@ -13,11 +13,13 @@
 //! ChannelQuant   codes[h]      (slots, packed(head_dim))      K, offset-binary codes
 //!                scale[h]      (group_slots, head_dim) f16    one (scale, zero) per
 //!                zero[h]       (group_slots, head_dim) f16    group and channel
-//!                residual[h]   (group_size, head_dim) f32     incomplete group, row b % G
+//!                residual[h]   (R + G, head_dim) f32          rows not yet quantised,
+//!                                                             ring slot b % (R + G)
 //! ```
 //!
-//! `packed(n)` is `n` bytes for int8 and `ceil(n / 2)` for int4, whose element `2j` is
-//! the **low** nibble of byte `j` and element `2j + 1` the **high** nibble (see
+//! `packed(n)` is `n` bytes for int8, `ceil(n / 2)` for int4, whose element `2j` is
+//! the **low** nibble of byte `j` and element `2j + 1` the **high** nibble, and
+//! `ceil(n / 4)` for int2, element `4j + i` in bits `2i..2i + 2` of byte `j` (see
 //! [`crate::quant`]). Codes are never handed out: every read dequantises into f32, and
 //! attention reads through *run views* ([`PlainRun`], [`ChannelRun`], [`TokenRun`]): a
 //! run is a range of consecutive slots of one KV head (and, for K codes, of one group)
@@ -25,8 +27,9 @@
 //! kernels below (scores of queries against the rows, probability-weighted sums of the
 //! rows), which fold scales and zeros into the arithmetic instead of dequantising.
 //!
-//! Invariants (`ChannelQuant`): a row's codes are valid only once its group is complete;
-//! until then the row lives in `residual`. A group's `(scale, zero)` are written once,
+//! Invariants (`ChannelQuant`): a row's codes are valid only once its group is quantised;
+//! until then the row lives in `residual`, a ring of `R + G` rows (at most `R + G − 1`
+//! rows wait at once, and a group's rows are still there when it is quantised). A group's `(scale, zero)` are written once,
 //! when the group completes, and stay valid for every row of the group that is still
 //! stored, whatever was evicted around it.
 
@@ -408,7 +411,8 @@ impl PlainRun<'_> {
     }
 }
 
-/// KIVI V rows: quantised per token and KV head at append.
+/// KIVI V rows: quantised per token and KV head when they leave the residual (at
+/// append for R = 0).
 #[derive(Debug, Clone)]
 pub(crate) struct TokenQuant {
     bits: Bits,
@@ -436,17 +440,23 @@ impl TokenQuant {
     }
 
     pub(crate) fn write(&mut self, slot: usize, row: &[f32]) {
-        let (hd, p) = (self.head_dim, self.packed);
+        let hd = self.head_dim;
         debug_assert_eq!(row.len(), self.codes.len() * hd);
         for (h, src) in row.chunks_exact(hd).enumerate() {
-            ensure(&mut self.codes[h], (slot + 1) * p);
-            ensure(&mut self.scale[h], slot + 1);
-            ensure(&mut self.zero[h], slot + 1);
-            let (s, z) =
-                quant::quantize_token(src, self.bits, &mut self.codes[h][slot * p..(slot + 1) * p]);
-            self.scale[h][slot] = s;
-            self.zero[h][slot] = z;
+            self.write_head(h, slot, src);
         }
+    }
+
+    /// Quantises KV head `h`'s slice of a row (`head_dim` values) into `slot`.
+    pub(crate) fn write_head(&mut self, h: usize, slot: usize, src: &[f32]) {
+        let p = self.packed;
+        ensure(&mut self.codes[h], (slot + 1) * p);
+        ensure(&mut self.scale[h], slot + 1);
+        ensure(&mut self.zero[h], slot + 1);
+        let (s, z) =
+            quant::quantize_token(src, self.bits, &mut self.codes[h][slot * p..(slot + 1) * p]);
+        self.scale[h][slot] = s;
+        self.zero[h][slot] = z;
     }
 
     #[inline]
@@ -533,24 +543,34 @@ pub(crate) struct ChannelQuant {
     head_dim: usize,
     packed: usize,
     group_size: usize,
-    /// per KV head: (slots, packed); valid only for rows of complete groups
+    /// rows of the residual ring: `R + G`
+    res_cap: usize,
+    /// per KV head: (slots, packed); valid only for rows of quantised groups
     codes: Vec<Vec<u8>>,
     /// per KV head: (group_slots, head_dim)
     scale: Vec<Vec<f16>>,
     /// per KV head: (group_slots, head_dim)
     zero: Vec<Vec<f16>>,
-    /// per KV head: (group_size, head_dim), row `b % group_size` of the incomplete group
+    /// per KV head: (R + G, head_dim), body row `b` of a group not yet quantised in ring
+    /// slot `b % (R + G)`
     residual: Vec<Vec<f32>>,
 }
 
 impl ChannelQuant {
-    pub(crate) fn new(bits: Bits, kv_heads: usize, head_dim: usize, group_size: usize) -> Self {
+    pub(crate) fn new(
+        bits: Bits,
+        kv_heads: usize,
+        head_dim: usize,
+        group_size: usize,
+        residual: usize,
+    ) -> Self {
         debug_assert!(group_size > 0);
         ChannelQuant {
             bits,
             head_dim,
             packed: bits.packed_len(head_dim),
             group_size,
+            res_cap: group_size + residual,
             codes: vec![Vec::new(); kv_heads],
             scale: vec![Vec::new(); kv_heads],
             zero: vec![Vec::new(); kv_heads],
@@ -558,10 +578,15 @@ impl ChannelQuant {
         }
     }
 
+    /// Rows of the residual ring (`R + G`).
+    pub(crate) fn residual_cap(&self) -> usize {
+        self.res_cap
+    }
+
     /// Stores body row `b` (its `b`-th row after the full-precision prefix) in the residual.
     pub(crate) fn write_residual(&mut self, b: usize, row: &[f32]) {
         let hd = self.head_dim;
-        let r = b % self.group_size;
+        let r = b % self.res_cap;
         for (buf, src) in self.residual.iter_mut().zip(row.chunks_exact(hd)) {
             ensure(buf, (r + 1) * hd);
             buf[r * hd..(r + 1) * hd].copy_from_slice(src);
@@ -577,7 +602,7 @@ impl ChannelQuant {
         group_slot: usize,
         slot_of: impl Fn(usize) -> usize,
     ) {
-        let (hd, p, g) = (self.head_dim, self.packed, self.group_size);
+        let (hd, p, g, cap) = (self.head_dim, self.packed, self.group_size, self.res_cap);
         debug_assert!(!rows.is_empty() && rows.len() <= g);
         debug_assert_eq!(rows.start / g, (rows.end - 1) / g, "rows span two groups");
         let mut lo = vec![f32::INFINITY; hd];
@@ -589,7 +614,7 @@ impl ChannelQuant {
             hi.fill(f32::NEG_INFINITY);
             let res = &self.residual[h];
             for b in rows.clone() {
-                let r = b % g;
+                let r = b % cap;
                 for (c, &x) in res[r * hd..(r + 1) * hd].iter().enumerate() {
                     lo[c] = lo[c].min(x);
                     hi[c] = hi[c].max(x);
@@ -605,7 +630,7 @@ impl ChannelQuant {
                 z32[c] = z.to_f32();
             }
             for b in rows.clone() {
-                let r = b % g;
+                let r = b % cap;
                 let slot = slot_of(b);
                 ensure(&mut self.codes[h], (slot + 1) * p);
                 quant::quantize_channels(
@@ -653,11 +678,11 @@ impl ChannelQuant {
         );
     }
 
-    /// Reads body row `b` of the incomplete group.
+    /// Reads body row `b` of a group not yet quantised.
     #[inline]
     pub(crate) fn read_residual(&self, h: usize, b: usize, out: &mut [f32]) {
         let hd = self.head_dim;
-        let r = b % self.group_size;
+        let r = b % self.res_cap;
         out.copy_from_slice(&self.residual[h][r * hd..(r + 1) * hd]);
     }
 
@@ -687,12 +712,12 @@ impl ChannelQuant {
         }
     }
 
-    /// A view of body rows `b` (of the incomplete group) of KV head `h`.
+    /// A view of body rows `b` (of groups not yet quantised) of KV head `h`.
     #[inline]
     pub(crate) fn residual_run(&self, h: usize, b: std::ops::Range<usize>) -> PlainRun<'_> {
-        let (hd, g) = (self.head_dim, self.group_size);
-        let r0 = b.start % g;
-        debug_assert!(r0 + b.len() <= g, "residual run crosses its group");
+        let (hd, cap) = (self.head_dim, self.res_cap);
+        let r0 = b.start % cap;
+        debug_assert!(r0 + b.len() <= cap, "residual run crosses the ring's wrap");
         PlainRun {
             hd,
             data: PlainData::F32(&self.residual[h][r0 * hd..(r0 + b.len()) * hd]),

@@ -11,7 +11,8 @@
 //! Codes are stored offset-binary, `u = q - qmin` (int8: one byte, `u ∈ [0, 255]`;
 //! int4: one nibble, `u ∈ [0, 15]`), so dequantisation is `u * scale + zero`.
 //! int4 packs along the head dimension: element `2j` is the **low** nibble of byte `j`,
-//! element `2j + 1` the **high** nibble. A slice of `n` codes takes
+//! element `2j + 1` the **high** nibble. int2 (`u ∈ [0, 3]`) packs four per byte: element
+//! `4j + i` is bits `2i..2i + 2` of byte `j`. A slice of `n` codes takes
 //! [`Bits::packed_len`]`(n)` bytes.
 //!
 //! Scale and zero are kept as `f16` and converted to f32 before any arithmetic. Values
@@ -27,6 +28,9 @@ pub const INT8_QMAX: i32 = 127;
 /// int4 codes: `q ∈ [INT4_QMIN, INT4_QMAX]`.
 pub const INT4_QMIN: i32 = -8;
 pub const INT4_QMAX: i32 = 7;
+/// int2 codes: `q ∈ [INT2_QMIN, INT2_QMAX]`.
+pub const INT2_QMIN: i32 = -2;
+pub const INT2_QMAX: i32 = 1;
 /// Lower bound of every scale, before the f16 rounding.
 pub const MIN_SCALE: f32 = 1e-5;
 
@@ -35,6 +39,7 @@ pub const MIN_SCALE: f32 = 1e-5;
 pub enum Bits {
     Int8,
     Int4,
+    Int2,
 }
 
 impl Bits {
@@ -43,6 +48,7 @@ impl Bits {
         match self {
             Bits::Int8 => INT8_QMIN,
             Bits::Int4 => INT4_QMIN,
+            Bits::Int2 => INT2_QMIN,
         }
     }
     #[inline]
@@ -50,6 +56,7 @@ impl Bits {
         match self {
             Bits::Int8 => INT8_QMAX,
             Bits::Int4 => INT4_QMAX,
+            Bits::Int2 => INT2_QMAX,
         }
     }
     /// Bytes holding `n` packed codes.
@@ -58,6 +65,7 @@ impl Bits {
         match self {
             Bits::Int8 => n,
             Bits::Int4 => n.div_ceil(2),
+            Bits::Int2 => n.div_ceil(4),
         }
     }
 }
@@ -115,6 +123,11 @@ fn put(out: &mut [u8], j: usize, u: u8, bits: Bits) {
                 *b = (*b & 0x0f) | (u << 4);
             }
         }
+        Bits::Int2 => {
+            let shift = 2 * (j % 4);
+            let b = &mut out[j / 4];
+            *b = (*b & !(0x03 << shift)) | (u << shift);
+        }
     }
 }
 
@@ -131,6 +144,21 @@ pub fn get(codes: &[u8], j: usize, bits: Bits) -> u8 {
                 b >> 4
             }
         }
+        Bits::Int2 => (codes[j / 4] >> (2 * (j % 4))) & 0x03,
+    }
+}
+
+/// Clears the last byte of a packed row whose codes do not fill it, so the unused high
+/// bits are zero (as [`pack_codes`](tinygpt_reference::quant::pack_codes) leaves them).
+#[inline]
+fn clear_partial_byte(out: &mut [u8], n: usize, bits: Bits) {
+    let partial = match bits {
+        Bits::Int8 => false,
+        Bits::Int4 => !n.is_multiple_of(2),
+        Bits::Int2 => !n.is_multiple_of(4),
+    };
+    if partial {
+        out[n / if bits == Bits::Int4 { 2 } else { 4 }] = 0;
     }
 }
 
@@ -141,9 +169,7 @@ pub fn quantize_token(x: &[f32], bits: Bits, out: &mut [u8]) -> (f16, f16) {
     let (lo, hi) = min_max(x);
     let (scale, zero) = params(lo, hi, bits);
     let (s, z) = (scale.to_f32(), zero.to_f32());
-    if bits == Bits::Int4 && x.len() % 2 == 1 {
-        out[x.len() / 2] = 0;
-    }
+    clear_partial_byte(out, x.len(), bits);
     for (j, &v) in x.iter().enumerate() {
         put(out, j, code(v, s, z, bits), bits);
     }
@@ -156,9 +182,7 @@ pub fn quantize_channels(x: &[f32], scale: &[f32], zero: &[f32], bits: Bits, out
     debug_assert_eq!(scale.len(), x.len());
     debug_assert_eq!(zero.len(), x.len());
     debug_assert_eq!(out.len(), bits.packed_len(x.len()));
-    if bits == Bits::Int4 && x.len() % 2 == 1 {
-        out[x.len() / 2] = 0;
-    }
+    clear_partial_byte(out, x.len(), bits);
     for j in 0..x.len() {
         put(out, j, code(x[j], scale[j], zero[j], bits), bits);
     }
@@ -184,6 +208,11 @@ pub fn dequantize_token(codes: &[u8], scale: f16, zero: f16, bits: Bits, out: &m
                 *last = (codes[codes.len() - 1] & 0x0f) as f32 * s + z;
             }
         }
+        Bits::Int2 => {
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = get(codes, j, bits) as f32 * s + z;
+            }
+        }
     }
 }
 
@@ -198,7 +227,7 @@ pub fn dequantize_channels(codes: &[u8], scale: &[f32], zero: &[f32], bits: Bits
                 out[j] = codes[j] as f32 * scale[j] + zero[j];
             }
         }
-        Bits::Int4 => {
+        Bits::Int4 | Bits::Int2 => {
             for j in 0..out.len() {
                 out[j] = get(codes, j, bits) as f32 * scale[j] + zero[j];
             }
@@ -214,36 +243,71 @@ pub fn dequantize_channels(codes: &[u8], scale: &[f32], zero: &[f32], bits: Bits
 // shifted by 4 bits per lane, see `nibbles8`), then a step of 8, then a scalar tail.
 // The scalar twins (`*_scalar`) are the executable definition.
 
-/// Codes of elements `[e, e + 16)` as two f32x8 (`e` even for int4).
+/// Packed bytes of `n` codes of width `W`.
 #[inline(always)]
-fn codes16<const INT4: bool>(codes: &[u8], e: usize) -> (f32x8, f32x8) {
-    if INT4 {
-        (
+const fn packed<const W: u8>(n: usize) -> usize {
+    match W {
+        4 => n.div_ceil(2),
+        2 => n.div_ceil(4),
+        _ => n,
+    }
+}
+
+/// The [`Bits`] of code width `W`.
+#[inline(always)]
+const fn bits_of<const W: u8>() -> Bits {
+    match W {
+        4 => Bits::Int4,
+        2 => Bits::Int2,
+        _ => Bits::Int8,
+    }
+}
+
+/// Codes of elements `[e, e + 16)` as two f32x8 (`e` a multiple of 8).
+#[inline(always)]
+fn codes16<const W: u8>(codes: &[u8], e: usize) -> (f32x8, f32x8) {
+    match W {
+        4 => (
             nibbles8(&codes[e / 2..e / 2 + 4]),
             nibbles8(&codes[e / 2 + 4..e / 2 + 8]),
-        )
-    } else {
-        let a: [u8; 16] = codes[e..e + 16].try_into().expect("16 codes");
-        let bytes = u8x16::new(a);
-        (widen_lo(bytes), widen_hi(bytes))
+        ),
+        2 => {
+            // One broadcast serves both halves: lanes shift by 2k and by 16 + 2k.
+            let word = u32::from_le_bytes(codes[e / 4..e / 4 + 4].try_into().expect("4 bytes"));
+            let w = u32x8::splat(word);
+            let lo = u32x8::new([0, 2, 4, 6, 8, 10, 12, 14]);
+            let hi = u32x8::new([16, 18, 20, 22, 24, 26, 28, 30]);
+            let mask = u32x8::splat(0x3);
+            (
+                bytemuck::cast::<u32x8, i32x8>((w >> lo) & mask).round_float(),
+                bytemuck::cast::<u32x8, i32x8>((w >> hi) & mask).round_float(),
+            )
+        }
+        _ => {
+            let a: [u8; 16] = codes[e..e + 16].try_into().expect("16 codes");
+            let bytes = u8x16::new(a);
+            (widen_lo(bytes), widen_hi(bytes))
+        }
     }
 }
 
-/// Codes of elements `[e, e + 8)` as one f32x8 (`e` even for int4).
+/// Codes of elements `[e, e + 8)` as one f32x8 (`e` a multiple of 8).
 #[inline(always)]
-fn codes8<const INT4: bool>(codes: &[u8], e: usize) -> f32x8 {
-    if INT4 {
-        nibbles8(&codes[e / 2..e / 2 + 4])
-    } else {
-        let mut a = [0u8; 16];
-        a[..8].copy_from_slice(&codes[e..e + 8]);
-        widen_lo(u8x16::new(a))
+fn codes8<const W: u8>(codes: &[u8], e: usize) -> f32x8 {
+    match W {
+        4 => nibbles8(&codes[e / 2..e / 2 + 4]),
+        2 => crumbs8(u16::from_le_bytes([codes[e / 4], codes[e / 4 + 1]]) as u32),
+        _ => {
+            let mut a = [0u8; 16];
+            a[..8].copy_from_slice(&codes[e..e + 8]);
+            widen_lo(u8x16::new(a))
+        }
     }
 }
 
 #[inline(always)]
-fn code_at<const INT4: bool>(codes: &[u8], j: usize) -> f32 {
-    get(codes, j, if INT4 { Bits::Int4 } else { Bits::Int8 }) as f32
+fn code_at<const W: u8>(codes: &[u8], j: usize) -> f32 {
+    get(codes, j, bits_of::<W>()) as f32
 }
 
 /// 4 packed int4 bytes → their 8 offset codes in element order. Read as a little-endian
@@ -254,6 +318,16 @@ fn nibbles8(b: &[u8]) -> f32x8 {
     let word = u32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
     let shifts = u32x8::new([0, 4, 8, 12, 16, 20, 24, 28]);
     let codes = (u32x8::splat(word) >> shifts) & u32x8::splat(0xF);
+    bytemuck::cast::<u32x8, i32x8>(codes).round_float()
+}
+
+/// The low 16 bits of `word` (2 packed int2 bytes, little-endian) → their 8 offset codes
+/// in element order: element `k` is bits `2k..2k + 2`, so one broadcast, a per-lane shift
+/// by `2k` and a mask put element `k` in lane `k`.
+#[inline(always)]
+fn crumbs8(word: u32) -> f32x8 {
+    let shifts = u32x8::new([0, 2, 4, 6, 8, 10, 12, 14]);
+    let codes = (u32x8::splat(word) >> shifts) & u32x8::splat(0x3);
     bytemuck::cast::<u32x8, i32x8>(codes).round_float()
 }
 
@@ -283,14 +357,15 @@ fn load8_f16(x: &[f16]) -> f32x8 {
 pub fn dot_codes(codes: &[u8], w: &[f32], bits: Bits) -> f32 {
     debug_assert_eq!(codes.len(), bits.packed_len(w.len()));
     match bits {
-        Bits::Int8 => dot_codes_k::<false>(codes, w),
-        Bits::Int4 => dot_codes_k::<true>(codes, w),
+        Bits::Int8 => dot_codes_k::<8>(codes, w),
+        Bits::Int4 => dot_codes_k::<4>(codes, w),
+        Bits::Int2 => dot_codes_k::<2>(codes, w),
     }
 }
 
 #[inline(always)]
-fn dot_codes_k<const INT4: bool>(codes: &[u8], w: &[f32]) -> f32 {
-    let (v, tail) = dot_lanes::<INT4, 0>(codes, w);
+fn dot_codes_k<const W: u8>(codes: &[u8], w: &[f32]) -> f32 {
+    let (v, tail) = dot_lanes::<W, 0>(codes, w);
     v.reduce_add() + tail
 }
 
@@ -299,25 +374,25 @@ fn dot_codes_k<const INT4: bool>(codes: &[u8], w: &[f32]) -> f32 {
 /// known at compile time (0: `w.len()`), so the common head dims compile to straight
 /// code with no loop or bounds checks.
 #[inline(always)]
-fn dot_lanes<const INT4: bool, const HD: usize>(codes: &[u8], w: &[f32]) -> (f32x8, f32) {
+fn dot_lanes<const W: u8, const HD: usize>(codes: &[u8], w: &[f32]) -> (f32x8, f32) {
     let n = if HD != 0 { HD } else { w.len() };
     let w = &w[..n];
-    let codes = &codes[..if INT4 { n.div_ceil(2) } else { n }];
+    let codes = &codes[..packed::<W>(n)];
     let (mut a0, mut a1) = (f32x8::ZERO, f32x8::ZERO);
     let mut e = 0;
     while e + 16 <= n {
-        let (x0, x1) = codes16::<INT4>(codes, e);
+        let (x0, x1) = codes16::<W>(codes, e);
         a0 = x0.mul_add(load8(&w[e..]), a0);
         a1 = x1.mul_add(load8(&w[e + 8..]), a1);
         e += 16;
     }
     if e + 8 <= n {
-        a0 = codes8::<INT4>(codes, e).mul_add(load8(&w[e..]), a0);
+        a0 = codes8::<W>(codes, e).mul_add(load8(&w[e..]), a0);
         e += 8;
     }
     let mut tail = 0.0f32;
     for (j, &wj) in w.iter().enumerate().skip(e) {
-        tail += code_at::<INT4>(codes, j) * wj;
+        tail += code_at::<W>(codes, j) * wj;
     }
     (a0 + a1, tail)
 }
@@ -336,18 +411,19 @@ pub fn dot_codes_scalar(codes: &[u8], w: &[f32], bits: Bits) -> f32 {
 pub fn axpy_codes(alpha: f32, codes: &[u8], acc: &mut [f32], bits: Bits) {
     debug_assert_eq!(codes.len(), bits.packed_len(acc.len()));
     match bits {
-        Bits::Int8 => axpy_codes_k::<false>(alpha, codes, acc),
-        Bits::Int4 => axpy_codes_k::<true>(alpha, codes, acc),
+        Bits::Int8 => axpy_codes_k::<8>(alpha, codes, acc),
+        Bits::Int4 => axpy_codes_k::<4>(alpha, codes, acc),
+        Bits::Int2 => axpy_codes_k::<2>(alpha, codes, acc),
     }
 }
 
 #[inline(always)]
-fn axpy_codes_k<const INT4: bool>(alpha: f32, codes: &[u8], acc: &mut [f32]) {
+fn axpy_codes_k<const W: u8>(alpha: f32, codes: &[u8], acc: &mut [f32]) {
     let n = acc.len();
     let a = f32x8::splat(alpha);
     let mut e = 0;
     while e + 16 <= n {
-        let (x0, x1) = codes16::<INT4>(codes, e);
+        let (x0, x1) = codes16::<W>(codes, e);
         let v = x0.mul_add(a, load8(&acc[e..]));
         store8(&mut acc[e..], v);
         let v = x1.mul_add(a, load8(&acc[e + 8..]));
@@ -355,12 +431,12 @@ fn axpy_codes_k<const INT4: bool>(alpha: f32, codes: &[u8], acc: &mut [f32]) {
         e += 16;
     }
     if e + 8 <= n {
-        let v = codes8::<INT4>(codes, e).mul_add(a, load8(&acc[e..]));
+        let v = codes8::<W>(codes, e).mul_add(a, load8(&acc[e..]));
         store8(&mut acc[e..], v);
         e += 8;
     }
     for (j, o) in acc.iter_mut().enumerate().skip(e) {
-        *o += alpha * code_at::<INT4>(codes, j);
+        *o += alpha * code_at::<W>(codes, j);
     }
 }
 
@@ -418,19 +494,23 @@ pub(crate) fn reduce8(part: [(f32x8, f32); 8]) -> f32x8 {
     sum + f32x8::from(part.map(|x| x.1))
 }
 
-/// Calls `$f::<INT4, HD>(args)` with `HD` the head dim if it is one of the common ones
+/// Calls `$f::<W, HD>(args)` with `HD` the head dim if it is one of the common ones
 /// (compiled as straight-line code), else 0 (any length).
 macro_rules! by_shape {
     ($bits:expr, $hd:expr, $f:ident($($a:expr),* $(,)?)) => {
         match ($bits, $hd) {
-            (Bits::Int8, 32) => $f::<false, 32>($($a),*),
-            (Bits::Int8, 64) => $f::<false, 64>($($a),*),
-            (Bits::Int8, 128) => $f::<false, 128>($($a),*),
-            (Bits::Int8, _) => $f::<false, 0>($($a),*),
-            (Bits::Int4, 32) => $f::<true, 32>($($a),*),
-            (Bits::Int4, 64) => $f::<true, 64>($($a),*),
-            (Bits::Int4, 128) => $f::<true, 128>($($a),*),
-            (Bits::Int4, _) => $f::<true, 0>($($a),*),
+            (Bits::Int8, 32) => $f::<8, 32>($($a),*),
+            (Bits::Int8, 64) => $f::<8, 64>($($a),*),
+            (Bits::Int8, 128) => $f::<8, 128>($($a),*),
+            (Bits::Int8, _) => $f::<8, 0>($($a),*),
+            (Bits::Int4, 32) => $f::<4, 32>($($a),*),
+            (Bits::Int4, 64) => $f::<4, 64>($($a),*),
+            (Bits::Int4, 128) => $f::<4, 128>($($a),*),
+            (Bits::Int4, _) => $f::<4, 0>($($a),*),
+            (Bits::Int2, 32) => $f::<2, 32>($($a),*),
+            (Bits::Int2, 64) => $f::<2, 64>($($a),*),
+            (Bits::Int2, 128) => $f::<2, 128>($($a),*),
+            (Bits::Int2, _) => $f::<2, 0>($($a),*),
         }
     };
 }
@@ -452,7 +532,7 @@ pub fn dot_codes_rows(
     by_shape!(bits, hd, dot_codes_rows_k(codes, qs, bias, out, stride))
 }
 
-fn dot_codes_rows_k<const INT4: bool, const HD: usize>(
+fn dot_codes_rows_k<const W: u8, const HD: usize>(
     codes: &[u8],
     qs: &[f32],
     bias: &[f32],
@@ -460,7 +540,7 @@ fn dot_codes_rows_k<const INT4: bool, const HD: usize>(
     stride: usize,
 ) {
     let hd = if HD != 0 { HD } else { qs.len() / bias.len() };
-    let p = if INT4 { hd.div_ceil(2) } else { hd };
+    let p = packed::<W>(hd);
     let rows = codes.len() / p;
     for (j, (q, &b)) in qs.chunks_exact(hd).zip(bias).enumerate() {
         let o = &mut out[j * stride..j * stride + rows];
@@ -470,7 +550,7 @@ fn dot_codes_rows_k<const INT4: bool, const HD: usize>(
             let r0 = blk * 8;
             let part: [(f32x8, f32); 8] = std::array::from_fn(|k| {
                 if k < o.len() {
-                    dot_lanes::<INT4, HD>(&codes[(r0 + k) * p..], q)
+                    dot_lanes::<W, HD>(&codes[(r0 + k) * p..], q)
                 } else {
                     (f32x8::ZERO, 0.0)
                 }
@@ -506,7 +586,7 @@ pub fn axpy_codes_rows(
     )
 }
 
-fn axpy_codes_rows_k<const INT4: bool, const HD: usize>(
+fn axpy_codes_rows_k<const W: u8, const HD: usize>(
     codes: &[u8],
     scale: &[f16],
     zero: &[f16],
@@ -518,7 +598,7 @@ fn axpy_codes_rows_k<const INT4: bool, const HD: usize>(
     const CHUNK: usize = 64;
     const MAX_LANES: usize = 16;
     let hd = if HD != 0 { HD } else { acc.len() / bias.len() };
-    let pk = if INT4 { hd.div_ceil(2) } else { hd };
+    let pk = packed::<W>(hd);
     let rows = scale.len();
     let (mut s, mut z) = ([0.0f32; CHUNK], [0.0f32; CHUNK]);
     let mut r0 = 0;
@@ -533,7 +613,7 @@ fn axpy_codes_rows_k<const INT4: bool, const HD: usize>(
             if HD == 0 || !HD.is_multiple_of(16) || HD / 8 > MAX_LANES {
                 for (r, (&w, row)) in rows {
                     if w != 0.0 {
-                        axpy_codes_k::<INT4>(w * s[r], row, a);
+                        axpy_codes_k::<W>(w * s[r], row, a);
                         *b += w * z[r];
                     }
                 }
@@ -549,7 +629,7 @@ fn axpy_codes_rows_k<const INT4: bool, const HD: usize>(
                 if w != 0.0 {
                     let ws = f32x8::splat(w * s[r]);
                     for e in (0..HD).step_by(16) {
-                        let (x0, x1) = codes16::<INT4>(row, e);
+                        let (x0, x1) = codes16::<W>(row, e);
                         regs[e / 8] = x0.mul_add(ws, regs[e / 8]);
                         regs[e / 8 + 1] = x1.mul_add(ws, regs[e / 8 + 1]);
                     }
@@ -578,22 +658,18 @@ pub fn dequantize_channels_simd(
     debug_assert_eq!(scale.len(), n);
     debug_assert_eq!(zero.len(), n);
     match bits {
-        Bits::Int8 => dequantize_channels_k::<false>(codes, scale, zero, out),
-        Bits::Int4 => dequantize_channels_k::<true>(codes, scale, zero, out),
+        Bits::Int8 => dequantize_channels_k::<8>(codes, scale, zero, out),
+        Bits::Int4 => dequantize_channels_k::<4>(codes, scale, zero, out),
+        Bits::Int2 => dequantize_channels_k::<2>(codes, scale, zero, out),
     }
 }
 
 #[inline(always)]
-fn dequantize_channels_k<const INT4: bool>(
-    codes: &[u8],
-    scale: &[f32],
-    zero: &[f32],
-    out: &mut [f32],
-) {
+fn dequantize_channels_k<const W: u8>(codes: &[u8], scale: &[f32], zero: &[f32], out: &mut [f32]) {
     let n = out.len();
     let mut e = 0;
     while e + 16 <= n {
-        let (x0, x1) = codes16::<INT4>(codes, e);
+        let (x0, x1) = codes16::<W>(codes, e);
         store8(&mut out[e..], x0 * load8(&scale[e..]) + load8(&zero[e..]));
         store8(
             &mut out[e + 8..],
@@ -602,12 +678,12 @@ fn dequantize_channels_k<const INT4: bool>(
         e += 16;
     }
     if e + 8 <= n {
-        let x = codes8::<INT4>(codes, e);
+        let x = codes8::<W>(codes, e);
         store8(&mut out[e..], x * load8(&scale[e..]) + load8(&zero[e..]));
         e += 8;
     }
     for j in e..n {
-        out[j] = code_at::<INT4>(codes, j) * scale[j] + zero[j];
+        out[j] = code_at::<W>(codes, j) * scale[j] + zero[j];
     }
 }
 
@@ -620,6 +696,7 @@ mod tests {
         match b {
             Bits::Int8 => r::Bits::Int8,
             Bits::Int4 => r::Bits::Int4,
+            Bits::Int2 => r::Bits::Int2,
         }
     }
 
@@ -635,6 +712,8 @@ mod tests {
                 r::MIN_SCALE
             )
         );
+        assert_eq!((INT2_QMIN, INT2_QMAX), (r::INT2_QMIN, r::INT2_QMAX));
+        assert_eq!((INT2_QMIN, INT2_QMAX), (-2, 1));
     }
 
     #[test]
@@ -649,6 +728,43 @@ mod tests {
         let mut back = [0.0f32; 6];
         dequantize_channels(&out, &s, &z, Bits::Int4, &mut back);
         assert_eq!(back, x);
+    }
+
+    #[test]
+    fn int2_layout_literal_bytes() {
+        // q = [-2, 1, 0, -1, 1, -2, 0, 0] → u = [0, 3, 2, 1, 3, 0, 2, 2]: element 4j + i in
+        // bits 2i..2i+2 of byte j → byte 0 = 0 | 3<<2 | 2<<4 | 1<<6 = 0x6C,
+        // byte 1 = 3 | 0<<2 | 2<<4 | 2<<6 = 0xA3.
+        let x = [-2.0f32, 1.0, 0.0, -1.0, 1.0, -2.0, 0.0, 0.0];
+        let s = [1.0f32; 8];
+        let z = [-2.0f32; 8];
+        let mut out = [0x55u8; 2];
+        quantize_channels(&x, &s, &z, Bits::Int2, &mut out);
+        assert_eq!(out, [0x6C, 0xA3]);
+        let mut back = [0.0f32; 8];
+        dequantize_channels(&out, &s, &z, Bits::Int2, &mut back);
+        assert_eq!(back, x);
+        let mut simd = [0.0f32; 8];
+        dequantize_channels_simd(&out, &s, &z, Bits::Int2, &mut simd);
+        assert_eq!(simd, x);
+        // A partial last byte keeps its unused bit pairs zero.
+        let mut out = [0xFFu8; 2];
+        quantize_channels(&x[..6], &s[..6], &z[..6], Bits::Int2, &mut out);
+        assert_eq!(out, [0x6C, 0x03]);
+    }
+
+    #[test]
+    fn crumb_identity_all_codes_all_positions() {
+        for u in 0..4u8 {
+            for pos in 0..4usize {
+                let mut b = [0xFFu8; 1];
+                put(&mut b, pos, u, Bits::Int2);
+                for other in 0..4 {
+                    let want = if other == pos { u } else { 3 };
+                    assert_eq!(get(&b, other, Bits::Int2), want, "u={u} pos={pos}");
+                }
+            }
+        }
     }
 
     #[test]
@@ -673,7 +789,7 @@ mod tests {
             seed ^= seed << 5;
             (seed as f32 / u32::MAX as f32) * 8.0 - 4.0
         };
-        for bits in [Bits::Int8, Bits::Int4] {
+        for bits in [Bits::Int8, Bits::Int4, Bits::Int2] {
             for n in [1usize, 2, 3, 7, 17, 32, 33] {
                 let x: Vec<f32> = (0..n).map(|_| rnd()).collect();
                 let mut out = vec![0u8; bits.packed_len(n)];
@@ -714,7 +830,7 @@ mod tests {
     #[test]
     fn fused_kernels_match_scalar_twins() {
         let mut rnd = xorshift(0x9e37_79b9);
-        for bits in [Bits::Int8, Bits::Int4] {
+        for bits in [Bits::Int8, Bits::Int4, Bits::Int2] {
             for n in [
                 1usize, 2, 3, 6, 7, 8, 9, 15, 16, 17, 18, 24, 31, 32, 33, 34, 48, 64, 65,
             ] {
@@ -722,6 +838,9 @@ mod tests {
                 let mut codes: Vec<u8> = (0..p).map(|_| rnd() as u8).collect();
                 if bits == Bits::Int4 && n % 2 == 1 {
                     codes[p - 1] &= 0x0f; // as the quantiser writes it
+                }
+                if bits == Bits::Int2 && n % 4 != 0 {
+                    codes[p - 1] &= (1u8 << (2 * (n % 4))) - 1;
                 }
                 let w: Vec<f32> = (0..n)
                     .map(|_| rnd() as f32 / u32::MAX as f32 - 0.5)
@@ -780,7 +899,7 @@ mod tests {
     fn folded_dot_matches_dequantised_dot() {
         let mut rnd = xorshift(0x0bad_cafe);
         let mut f = move || rnd() as f32 / u32::MAX as f32 * 2.0 - 1.0;
-        for bits in [Bits::Int8, Bits::Int4] {
+        for bits in [Bits::Int8, Bits::Int4, Bits::Int2] {
             for n in [2usize, 6, 18, 32, 34] {
                 let x: Vec<f32> = (0..n)
                     .map(|c| f() + if c == 1 { 12.0 } else { 0.0 })
@@ -821,7 +940,7 @@ mod tests {
     fn run_kernels_match_scalar_twins() {
         let mut rnd = xorshift(0x1357_9bdf);
         let mut f = move || rnd() as f32 / u32::MAX as f32 * 2.0 - 1.0;
-        for bits in [Bits::Int8, Bits::Int4] {
+        for bits in [Bits::Int8, Bits::Int4, Bits::Int2] {
             for hd in [2usize, 6, 18, 32, 34, 64, 128] {
                 let p = bits.packed_len(hd);
                 for rows in [1usize, 3, 4, 7, 8, 9, 16, 19] {
