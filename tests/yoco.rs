@@ -284,6 +284,11 @@ fn both_engines_reproduce_the_pytorch_goldens() {
     let mut e = EngineRun::new(&model, &kv);
     let (res, _) = tinygpt_cpu::eval::perplexity(&mut e, &tokens, 256, false, &mut |_| {}).unwrap();
     let want = g["ppl"].as_f64().unwrap();
+    eprintln!(
+        "ppl through the cache {} (PyTorch {want}), tokens {:?}",
+        res.ppl,
+        &tokens[..4]
+    );
     assert!(
         (res.ppl / want - 1.0).abs() < 1e-4,
         "ppl {} vs PyTorch {want}",
