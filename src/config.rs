@@ -5,7 +5,7 @@
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
-pub use tinygpt_reference::config::{Config, RopeScaling};
+pub use tinygpt_reference::config::{AttentionType, Config, RopeScaling};
 
 /// `eos_token_id` may be one id or a list of ids.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -57,6 +57,13 @@ pub struct HfConfig {
     pub sliding_window: Option<serde_json::Value>,
     #[serde(default)]
     pub use_sliding_window: Option<bool>,
+    /// Per-layer `"full_attention"` / `"sliding_attention"` (Gemma, Qwen2, gpt-oss).
+    #[serde(default)]
+    pub layer_types: Option<serde_json::Value>,
+    /// YOCO cross-layer KV sharing: the last S layers reuse an earlier layer's K/V
+    /// (transformers' spelling for Gemma 3n).
+    #[serde(default)]
+    pub num_kv_shared_layers: Option<serde_json::Value>,
     #[serde(default)]
     pub attention_bias: Option<bool>,
     #[serde(default)]
@@ -175,6 +182,24 @@ impl HfConfig {
             }
             _ => None,
         };
+        let (sliding_window, layer_types) = parse_layer_types(
+            self.layer_types.as_ref(),
+            &self.sliding_window,
+            sliding_window,
+            n_layers,
+        )
+        .map_err(err)?;
+        let num_kv_shared_layers = match &self.num_kv_shared_layers {
+            None | Some(serde_json::Value::Null) => 0,
+            Some(v) => match v.as_u64() {
+                Some(s) if (s as u128) < n_layers as u128 => s as usize,
+                _ => {
+                    return Err(err(format!(
+                        "'num_kv_shared_layers' must be an integer with 0 <= S < num_hidden_layers ({n_layers}), got {v}"
+                    )))
+                }
+            },
+        };
         let eos_token_ids = self
             .eos_token_id
             .as_ref()
@@ -189,7 +214,7 @@ impl HfConfig {
                 .architectures
                 .as_ref()
                 .is_some_and(|a| a.iter().any(|x| x == "Qwen2ForCausalLM"));
-        Ok(Config {
+        let cfg = Config {
             vocab_size,
             hidden_size,
             n_layers,
@@ -203,12 +228,81 @@ impl HfConfig {
             max_position_embeddings,
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
             sliding_window,
+            layer_types,
+            num_kv_shared_layers,
             attention_bias: self.attention_bias.unwrap_or(is_qwen2),
             bos_token_id,
             eos_token_ids,
-        })
+        };
+        if let Some(l) = (cfg.layers_with_kv()..n_layers).find(|&l| cfg.kv_source(l).is_none()) {
+            return Err(err(format!(
+                "layer {l} shares K/V (num_kv_shared_layers = {}) but no layer below {} is a {} layer to share from",
+                cfg.num_kv_shared_layers,
+                cfg.layers_with_kv(),
+                cfg.attention_type(l).name()
+            )));
+        }
+        Ok(cfg)
     }
 }
+
+/// `layer_types` (+ `sliding_window`) → (Mistral mask window, per-layer types).
+///
+/// Without `layer_types` the Mistral `sliding_window` (already parsed into `mistral`) masks
+/// every layer. With it, the mask is dropped and each `"sliding_attention"` layer gets the
+/// window instead, which must then be a positive integer.
+fn parse_layer_types(
+    types: Option<&serde_json::Value>,
+    window: &Option<serde_json::Value>,
+    mistral: Option<usize>,
+    n_layers: usize,
+) -> std::result::Result<(Option<usize>, Vec<AttentionType>), String> {
+    let list = match types {
+        None | Some(serde_json::Value::Null) => return Ok((mistral, Vec::new())),
+        Some(serde_json::Value::Array(a)) => a,
+        Some(other) => {
+            return Err(format!(
+                "'layer_types' must be a list of strings, got {other}"
+            ))
+        }
+    };
+    if list.len() != n_layers {
+        return Err(format!(
+            "'layer_types' has {} entries but num_hidden_layers is {n_layers}",
+            list.len()
+        ));
+    }
+    let mut out = Vec::with_capacity(n_layers);
+    for (l, t) in list.iter().enumerate() {
+        out.push(match t.as_str() {
+            Some("full_attention") => AttentionType::Full,
+            Some("sliding_attention") => {
+                let w = window
+                    .as_ref()
+                    .and_then(|w| w.as_u64())
+                    .and_then(|w| usize::try_from(w).ok())
+                    .filter(|&w| w > 0 && w <= MAX_SLIDING_WINDOW);
+                let Some(window) = w else {
+                    return Err(format!(
+                        "layer_types[{l}] is \"sliding_attention\" but 'sliding_window' is {} (need an integer in 1..={MAX_SLIDING_WINDOW})",
+                        window.as_ref().map_or("missing".to_string(), |v| v.to_string())
+                    ));
+                };
+                AttentionType::Sliding { window }
+            }
+            _ => {
+                return Err(format!(
+                    "layer_types[{l}] = {t} (expected \"full_attention\" or \"sliding_attention\")"
+                ))
+            }
+        });
+    }
+    Ok((None, out))
+}
+
+/// Largest accepted `sliding_window` of a `sliding_attention` layer (the layer's cache
+/// holds this many rows).
+pub const MAX_SLIDING_WINDOW: usize = 1 << 26;
 
 fn parse_rope_scaling(v: Option<&serde_json::Value>) -> std::result::Result<RopeScaling, String> {
     let Some(obj) = v.and_then(|v| v.as_object()) else {

@@ -76,6 +76,7 @@ impl SinkAcc {
             return;
         }
         let probs = engine.probs();
+        let layers = probs.len().max(1) as f64;
         let mut counted = false;
         for (l, p) in probs.iter().enumerate() {
             let positions = engine.positions(l);
@@ -93,10 +94,9 @@ impl SinkAcc {
                     self.mass[l][ap] += m / heads as f64;
                 }
             }
-            if l == 0 {
-                self.uniform += 1.0 / n as f64;
-                counted = true;
-            }
+            // Mean over layers of 1/stored (layers may hold different row counts).
+            self.uniform += 1.0 / n as f64 / layers;
+            counted = true;
         }
         if counted {
             self.queries += 1;
@@ -151,7 +151,8 @@ pub fn perplexity(
     }
     engine.reset();
     engine.set_record_probs(sink_report);
-    let mut sinks = sink_report.then(|| SinkAcc::new(engine.layers_with_kv()));
+    // One row per attention layer: shared layers attend too (over another layer's rows).
+    let mut sinks = sink_report.then(|| SinkAcc::new(engine.probs().len()));
     let mut nll = Vec::with_capacity(tokens.len() - 1);
     for i in 0..tokens.len() - 1 {
         let logits = engine.forward(tokens[i], i)?;

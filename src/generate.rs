@@ -13,15 +13,16 @@ pub trait Engine {
     fn forward(&mut self, token: u32, pos: usize) -> Result<&[f32]>;
     /// Bytes the KV cache holds now, counted from its buffers.
     fn kv_bytes(&self) -> usize;
-    /// Rows held per layer now.
+    /// Rows held now by the layer that holds the most.
     fn stored_tokens(&self) -> usize;
-    /// Layers that hold their own K/V.
+    /// Layers that hold their own K/V (`n_layers − num_kv_shared_layers`).
     fn layers_with_kv(&self) -> usize;
     /// Turns on recording of attention weights (sink report).
     fn set_record_probs(&mut self, on: bool);
-    /// Last step's attention weights per layer, `(n_heads, stored)`.
+    /// Last step's attention weights per model layer, `(n_heads, stored)`.
     fn probs(&self) -> &[Vec<f32>];
-    /// Absolute positions of the rows stored in layer `l`, oldest first.
+    /// Absolute positions of the rows model layer `l` attends over (its own cache, or for a
+    /// YOCO shared layer the cache it reads), oldest first.
     fn positions(&self, l: usize) -> Vec<usize>;
     /// Empties the cache (a new sequence).
     fn reset(&mut self);
@@ -63,10 +64,10 @@ impl Engine for EngineRun<'_> {
         self.session.cache.bytes()
     }
     fn stored_tokens(&self) -> usize {
-        self.session.cache.stored_tokens()
+        self.session.stored_tokens()
     }
     fn layers_with_kv(&self) -> usize {
-        self.model.cfg.n_layers
+        self.model.cfg.layers_with_kv()
     }
     fn set_record_probs(&mut self, on: bool) {
         self.session.record_probs = on;
@@ -75,7 +76,8 @@ impl Engine for EngineRun<'_> {
         &self.session.probs
     }
     fn positions(&self, l: usize) -> Vec<usize> {
-        self.session.cache.layer(l).positions()
+        let src = self.model.kv_source(l);
+        self.session.cache.layer(src).positions()
     }
     fn reset(&mut self) {
         self.session = self.model.session(&self.kv);
@@ -126,10 +128,10 @@ impl Engine for ReferenceRun<'_> {
         self.state.caches.iter().map(|c| c.bytes()).sum()
     }
     fn stored_tokens(&self) -> usize {
-        self.state.caches.first().map_or(0, |c| c.len())
+        self.state.caches.iter().map(|c| c.len()).max().unwrap_or(0)
     }
     fn layers_with_kv(&self) -> usize {
-        self.model.cfg.n_layers
+        self.model.cfg.layers_with_kv()
     }
     fn set_record_probs(&mut self, on: bool) {
         self.state.record_probs = on;
@@ -138,7 +140,8 @@ impl Engine for ReferenceRun<'_> {
         &self.state.probs
     }
     fn positions(&self, l: usize) -> Vec<usize> {
-        let c = &self.state.caches[l];
+        let src = self.model.cfg.kv_source(l).unwrap_or(l);
+        let c = &self.state.caches[src];
         (0..c.len()).map(|i| c.position(i)).collect()
     }
     fn reset(&mut self) {

@@ -3,12 +3,18 @@
 //! Weights stay in their file dtype (mmap) unless `--weights-dtype` asks for a
 //! conversion; activations are f32. The numerics are those of
 //! `tinygpt_reference::model` — only the kernels differ.
+//!
+//! YOCO sharing (`num_kv_shared_layers` = S): the session's cache holds one layer per
+//! layer below `L − S` (each with its own [`Config::layer_kv_config`]: a sliding layer
+//! keeps its last `window` tokens). A shared layer computes only its query and calls
+//! [`attend_stored`] on the cache of [`Config::kv_source`], after that layer appended
+//! the current token, so it sees exactly the rows that layer stores.
 
-use crate::attention::{attend, AttnScratch, RopeTable};
+use crate::attention::{append_kv, attend, attend_stored, AttnScratch, RopeTable};
 use crate::config::Config;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::kv_cache::{KvCache, KvConfig};
+use crate::kv_cache::{KvCache, KvConfig, LayerKv};
 use crate::ops::{self, matmul, matvec, matvec_many, Matrix};
 use crate::weights::{ModelFiles, Tensor};
 
@@ -45,8 +51,9 @@ impl WeightsDType {
 pub struct LayerTensors<'a> {
     pub attn_norm: &'a Tensor,
     pub wq: &'a Tensor,
-    pub wk: &'a Tensor,
-    pub wv: &'a Tensor,
+    /// `None` in a YOCO shared layer (which computes no K/V; the file may omit them).
+    pub wk: Option<&'a Tensor>,
+    pub wv: Option<&'a Tensor>,
     pub wo: &'a Tensor,
     pub bq: Option<&'a Tensor>,
     pub bk: Option<&'a Tensor>,
@@ -75,15 +82,27 @@ impl<'a> ModelTensors<'a> {
         for l in 0..c.n_layers {
             let p = format!("model.layers.{l}");
             let bias = |n: &str, d: usize| files.get_opt(&format!("{p}.self_attn.{n}.bias"), &[d]);
+            // A shared layer's k_proj/v_proj (and biases) are ignored, present or not.
+            let owns_kv = l < c.layers_with_kv();
+            let kv_part = |name: &str, shape: &[usize]| -> Result<Option<&'a Tensor>> {
+                match owns_kv {
+                    true => files.get(&format!("{p}.self_attn.{name}"), shape).map(Some),
+                    false => Ok(None),
+                }
+            };
+            let kv_bias = |name: &str| match owns_kv {
+                true => bias(name, kv),
+                false => Ok(None),
+            };
             layers.push(LayerTensors {
                 attn_norm: files.get(&format!("{p}.input_layernorm.weight"), &[h])?,
                 wq: files.get(&format!("{p}.self_attn.q_proj.weight"), &[q, h])?,
-                wk: files.get(&format!("{p}.self_attn.k_proj.weight"), &[kv, h])?,
-                wv: files.get(&format!("{p}.self_attn.v_proj.weight"), &[kv, h])?,
+                wk: kv_part("k_proj.weight", &[kv, h])?,
+                wv: kv_part("v_proj.weight", &[kv, h])?,
                 wo: files.get(&format!("{p}.self_attn.o_proj.weight"), &[h, q])?,
                 bq: bias("q_proj", q)?,
-                bk: bias("k_proj", kv)?,
-                bv: bias("v_proj", kv)?,
+                bk: kv_bias("k_proj")?,
+                bv: kv_bias("v_proj")?,
                 ffn_norm: files.get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
                 w_gate: files.get(&format!("{p}.mlp.gate_proj.weight"), &[ff, h])?,
                 w_up: files.get(&format!("{p}.mlp.up_proj.weight"), &[ff, h])?,
@@ -152,8 +171,9 @@ impl<'a> ModelTensors<'a> {
 struct Layer {
     attn_norm: Vec<f32>,
     wq: Matrix,
-    wk: Matrix,
-    wv: Matrix,
+    /// `None` in a YOCO shared layer.
+    wk: Option<Matrix>,
+    wv: Option<Matrix>,
     wo: Matrix,
     bq: Option<Vec<f32>>,
     bk: Option<Vec<f32>>,
@@ -168,14 +188,34 @@ struct Layer {
 pub struct Model {
     pub cfg: Config,
     layers: Vec<Layer>,
+    /// `kv_source[l]`: the layer whose cache layer `l` attends over.
+    kv_source: Vec<usize>,
     embed: Matrix,
     norm: Vec<f32>,
     lm_head: Matrix,
     rope: RopeTable,
 }
 
+/// The cache of one sequence: one layer per model layer that holds K/V
+/// (`cfg.layers_with_kv()`), each configured by [`Config::layer_kv_config`].
+pub fn new_cache(cfg: &Config, kv: &KvConfig) -> KvCache {
+    let mut cache = KvCache::with_layers(cfg, kv, cfg.layers_with_kv());
+    for l in 0..cfg.layers_with_kv() {
+        let layer_kv = cfg.layer_kv_config(l, kv);
+        if layer_kv != *kv {
+            *cache.layer_mut(l) = LayerKv::new(&layer_kv, cfg.n_kv_heads, cfg.head_dim);
+        }
+    }
+    cache
+}
+
+/// What a shared layer needs to replay a batch's appends of its source layer: the source
+/// cache before the batch and the batch's `(tokens, kv_dim)` K (pre-RoPE) and V rows.
+type Replay = (LayerKv, Vec<f32>, Vec<f32>);
+
 /// Per-sequence state: the KV cache and scratch buffers.
 pub struct Session {
+    /// One layer per model layer that holds K/V (see [`new_cache`]).
     pub cache: KvCache,
     scratch: AttnScratch,
     x: Vec<f32>,
@@ -188,7 +228,8 @@ pub struct Session {
     gate: Vec<f32>,
     up: Vec<f32>,
     pub logits: Vec<f32>,
-    /// When set, `probs[l]` holds the last step's attention weights, `(n_heads, stored)`.
+    /// When set, `probs[l]` holds the last step's attention weights, `(n_heads, stored)`,
+    /// for every model layer (a shared layer's over the rows of the cache it reads).
     pub record_probs: bool,
     pub probs: Vec<Vec<f32>>,
 }
@@ -200,6 +241,17 @@ fn matrix(t: &Tensor, want: WeightsDType) -> Matrix {
         WeightsDType::Bf16 => DType::BF16,
     };
     Matrix::from_tensor(&t.converted(target))
+}
+
+impl Session {
+    /// Rows held by the layer that holds the most (a sliding layer holds at most its
+    /// window, a full one what the StreamingLLM flags allow).
+    pub fn stored_tokens(&self) -> usize {
+        (0..self.cache.n_layers())
+            .map(|l| self.cache.layer(l).len())
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 impl Model {
@@ -214,8 +266,8 @@ impl Model {
             .map(|l| Layer {
                 attn_norm: vecf(l.attn_norm),
                 wq: matrix(l.wq, wdtype),
-                wk: matrix(l.wk, wdtype),
-                wv: matrix(l.wv, wdtype),
+                wk: l.wk.map(|t| matrix(t, wdtype)),
+                wv: l.wv.map(|t| matrix(t, wdtype)),
                 wo: matrix(l.wo, wdtype),
                 bq: l.bq.map(vecf),
                 bk: l.bk.map(vecf),
@@ -238,21 +290,32 @@ impl Model {
         for l in layers.iter_mut() {
             mats.extend([
                 &mut l.wq,
-                &mut l.wk,
-                &mut l.wv,
                 &mut l.wo,
                 &mut l.w_gate,
                 &mut l.w_up,
                 &mut l.w_down,
             ]);
+            mats.extend(l.wk.as_mut());
+            mats.extend(l.wv.as_mut());
         }
         let total: usize = mats.iter().map(|m| m.byte_len()).sum();
         for m in mats {
             m.set_streamed(total > ops::matvec::STREAM_BYTES);
         }
+        let kv_source = (0..cfg.n_layers)
+            .map(|l| {
+                cfg.kv_source(l).ok_or_else(|| {
+                    Error::config(
+                        &files.path,
+                        format!("layer {l} has no layer to share K/V from"),
+                    )
+                })
+            })
+            .collect::<Result<_>>()?;
         Ok(Model {
             rope: RopeTable::new(&cfg),
             layers,
+            kv_source,
             embed,
             norm: vecf(t.norm),
             lm_head,
@@ -260,11 +323,16 @@ impl Model {
         })
     }
 
+    /// The layer whose cache layer `l` attends over (`l` itself unless it is shared).
+    pub fn kv_source(&self, l: usize) -> usize {
+        self.kv_source[l]
+    }
+
     /// A fresh decoding session with an empty cache.
     pub fn session(&self, kv: &KvConfig) -> Session {
         let c = &self.cfg;
         Session {
-            cache: KvCache::new(c, kv),
+            cache: new_cache(c, kv),
             scratch: AttnScratch::new(c, kv),
             x: vec![0.0; c.hidden_size],
             h: vec![0.0; c.hidden_size],
@@ -293,37 +361,52 @@ impl Model {
         self.embed.row_f32(token as usize, &mut s.x);
         for (l, lw) in self.layers.iter().enumerate() {
             ops::rmsnorm(&s.x, &lw.attn_norm, c.rms_norm_eps, &mut s.h);
-            matvec_many(
-                &[&lw.wq, &lw.wk, &lw.wv],
-                &s.h,
-                &mut [&mut s.q, &mut s.k, &mut s.v],
-            );
-            if let Some(b) = &lw.bq {
-                ops::add_assign(&mut s.q, b);
-            }
-            if let Some(b) = &lw.bk {
-                ops::add_assign(&mut s.k, b);
-            }
-            if let Some(b) = &lw.bv {
-                ops::add_assign(&mut s.v, b);
-            }
             let probs = if s.record_probs {
                 Some(&mut s.probs[l])
             } else {
                 None
             };
-            attend(
-                c,
-                &self.rope,
-                s.cache.layer_mut(l),
-                &s.q,
-                &s.k,
-                &s.v,
-                pos,
-                &mut s.att,
-                &mut s.scratch,
-                probs,
-            );
+            if let (Some(wk), Some(wv)) = (&lw.wk, &lw.wv) {
+                matvec_many(&[&lw.wq, wk, wv], &s.h, &mut [&mut s.q, &mut s.k, &mut s.v]);
+                if let Some(b) = &lw.bq {
+                    ops::add_assign(&mut s.q, b);
+                }
+                if let Some(b) = &lw.bk {
+                    ops::add_assign(&mut s.k, b);
+                }
+                if let Some(b) = &lw.bv {
+                    ops::add_assign(&mut s.v, b);
+                }
+                attend(
+                    c,
+                    &self.rope,
+                    s.cache.layer_mut(l),
+                    &s.q,
+                    &s.k,
+                    &s.v,
+                    pos,
+                    &mut s.att,
+                    &mut s.scratch,
+                    probs,
+                );
+            } else {
+                // YOCO shared layer: the source layer already appended this token.
+                matvec(&lw.wq, &s.h, &mut s.q);
+                if let Some(b) = &lw.bq {
+                    ops::add_assign(&mut s.q, b);
+                }
+                let src = self.kv_source[l];
+                attend_stored(
+                    c,
+                    &self.rope,
+                    s.cache.layer(src),
+                    &s.q,
+                    pos,
+                    &mut s.att,
+                    &mut s.scratch,
+                    probs,
+                );
+            }
             matvec(&lw.wo, &s.att, &mut s.proj);
             ops::add_assign(&mut s.x, &s.proj);
 
@@ -393,33 +476,70 @@ impl Model {
                 ops::rmsnorm(xr, w, c.rms_norm_eps, hr);
             }
         };
+        // For each layer that shared layers read: its cache before this batch and the
+        // batch's K/V rows. A shared layer replays the appends on a copy, so its query `i`
+        // sees exactly the rows stored after token `i` (eviction and KIVI grouping
+        // included), as in token-by-token decoding.
+        let mut replay: Vec<Option<Replay>> = vec![None; self.layers.len()];
         for (l, lw) in self.layers.iter().enumerate() {
             norm_rows(&x, &lw.attn_norm, &mut h);
             matmul(&lw.wq, &h, n, &mut q);
-            matmul(&lw.wk, &h, n, &mut k);
-            matmul(&lw.wv, &h, n, &mut v);
-            for (b, buf, d) in [
-                (&lw.bq, &mut q, qd),
-                (&lw.bk, &mut k, kvd),
-                (&lw.bv, &mut v, kvd),
-            ] {
-                if let Some(b) = b {
-                    buf.chunks_exact_mut(d).for_each(|r| ops::add_assign(r, b));
-                }
+            if let Some(b) = &lw.bq {
+                q.chunks_exact_mut(qd).for_each(|r| ops::add_assign(r, b));
             }
-            for i in 0..n {
-                attend(
-                    c,
-                    &self.rope,
-                    s.cache.layer_mut(l),
-                    &q[i * qd..(i + 1) * qd],
-                    &k[i * kvd..(i + 1) * kvd],
-                    &v[i * kvd..(i + 1) * kvd],
-                    start + i,
-                    &mut att[i * qd..(i + 1) * qd],
-                    &mut s.scratch,
-                    None,
-                );
+            if let (Some(wk), Some(wv)) = (&lw.wk, &lw.wv) {
+                matmul(wk, &h, n, &mut k);
+                matmul(wv, &h, n, &mut v);
+                for (b, buf) in [(&lw.bk, &mut k), (&lw.bv, &mut v)] {
+                    if let Some(b) = b {
+                        buf.chunks_exact_mut(kvd)
+                            .for_each(|r| ops::add_assign(r, b));
+                    }
+                }
+                if self.kv_source.iter().skip(l + 1).any(|&src| src == l) {
+                    replay[l] = Some((s.cache.layer(l).clone(), k.clone(), v.clone()));
+                }
+                for i in 0..n {
+                    attend(
+                        c,
+                        &self.rope,
+                        s.cache.layer_mut(l),
+                        &q[i * qd..(i + 1) * qd],
+                        &k[i * kvd..(i + 1) * kvd],
+                        &v[i * kvd..(i + 1) * kvd],
+                        start + i,
+                        &mut att[i * qd..(i + 1) * qd],
+                        &mut s.scratch,
+                        None,
+                    );
+                }
+            } else {
+                let Some((before, ks, vs)) = &replay[self.kv_source[l]] else {
+                    unreachable!("the source of a shared layer holds K/V and comes first");
+                };
+                let mut layer = before.clone();
+                for i in 0..n {
+                    let row = i * kvd..(i + 1) * kvd;
+                    append_kv(
+                        c,
+                        &self.rope,
+                        &mut layer,
+                        &ks[row.clone()],
+                        &vs[row],
+                        start + i,
+                        &mut s.scratch,
+                    );
+                    attend_stored(
+                        c,
+                        &self.rope,
+                        &layer,
+                        &q[i * qd..(i + 1) * qd],
+                        start + i,
+                        &mut att[i * qd..(i + 1) * qd],
+                        &mut s.scratch,
+                        None,
+                    );
+                }
             }
             matmul(&lw.wo, &att, n, &mut proj);
             ops::add_assign(&mut x, &proj);
@@ -484,8 +604,8 @@ pub fn reference_model(
         .map(|l| LayerWeights {
             attn_norm: l.attn_norm.to_f32(),
             wq: m(l.wq),
-            wk: m(l.wk),
-            wv: m(l.wv),
+            wk: l.wk.map(m),
+            wv: l.wv.map(m),
             wo: m(l.wo),
             bq: l.bq.map(|b| b.to_f32()),
             bk: l.bk.map(|b| b.to_f32()),
@@ -550,6 +670,25 @@ impl Model {
         if n == 0 {
             return Ok(());
         }
+        if self.cfg.num_kv_shared_layers > 0 && steps.iter().any(|st| st.tokens.len() > 1) {
+            // A YOCO shared layer's query `i` may see its source layer's rows only up to
+            // token `i`, which `forward_batch` ensures by replaying the source's appends.
+            // Multi-token steps (prompt chunks) go through it one sequence at a time; the
+            // single-token steps stay batched.
+            let mut singles = Vec::with_capacity(steps.len());
+            for st in steps.iter_mut() {
+                if st.tokens.len() > 1 {
+                    self.forward_batch(st.session, st.tokens, st.start, None)?;
+                } else {
+                    singles.push(SeqStep {
+                        session: &mut *st.session,
+                        tokens: st.tokens,
+                        start: st.start,
+                    });
+                }
+            }
+            return self.forward_sequences(&mut singles);
+        }
         // (n, hidden) stacked residual stream
         let mut x = vec![0.0f32; n * hd];
         for (st, &o) in steps.iter().zip(&offsets) {
@@ -580,13 +719,21 @@ impl Model {
         for (l, lw) in self.layers.iter().enumerate() {
             norm_rows(&x, &lw.attn_norm, &mut h);
             matmul(&lw.wq, &h, n, &mut q);
-            matmul(&lw.wk, &h, n, &mut k);
-            matmul(&lw.wv, &h, n, &mut v);
-            for (b, buf, d) in [
-                (&lw.bq, &mut q, qd),
-                (&lw.bk, &mut k, kvd),
-                (&lw.bv, &mut v, kvd),
-            ] {
+            // `None` in a YOCO shared layer: it computes no K/V (every step here has one
+            // token then, see above) and reads its source layer's cache.
+            let shared_source = match (&lw.wk, &lw.wv) {
+                (Some(wk), Some(wv)) => {
+                    matmul(wk, &h, n, &mut k);
+                    matmul(wv, &h, n, &mut v);
+                    None
+                }
+                _ => Some(self.kv_source[l]),
+            };
+            let mut biases = vec![(&lw.bq, &mut q, qd)];
+            if shared_source.is_none() {
+                biases.extend([(&lw.bk, &mut k, kvd), (&lw.bv, &mut v, kvd)]);
+            }
+            for (b, buf, d) in biases {
                 if let Some(b) = b {
                     buf.chunks_exact_mut(d).for_each(|r| ops::add_assign(r, b));
                 }
@@ -604,18 +751,32 @@ impl Model {
                 let s = &mut *st.session;
                 for i in 0..st.tokens.len() {
                     let r = o + i;
-                    attend(
-                        c,
-                        &self.rope,
-                        s.cache.layer_mut(l),
-                        &q[r * qd..(r + 1) * qd],
-                        &k[r * kvd..(r + 1) * kvd],
-                        &v[r * kvd..(r + 1) * kvd],
-                        st.start + i,
-                        &mut a[i * qd..(i + 1) * qd],
-                        &mut s.scratch,
-                        None,
-                    );
+                    let out = &mut a[i * qd..(i + 1) * qd];
+                    let q = &q[r * qd..(r + 1) * qd];
+                    match shared_source {
+                        None => attend(
+                            c,
+                            &self.rope,
+                            s.cache.layer_mut(l),
+                            q,
+                            &k[r * kvd..(r + 1) * kvd],
+                            &v[r * kvd..(r + 1) * kvd],
+                            st.start + i,
+                            out,
+                            &mut s.scratch,
+                            None,
+                        ),
+                        Some(src) => attend_stored(
+                            c,
+                            &self.rope,
+                            s.cache.layer(src),
+                            q,
+                            st.start + i,
+                            out,
+                            &mut s.scratch,
+                            None,
+                        ),
+                    }
                 }
             };
             if steps.len() > 1 && rayon::current_num_threads() > 1 {

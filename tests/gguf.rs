@@ -1383,3 +1383,73 @@ fn smollm2_weights_match_transformers() {
         }
     }
 }
+
+/// YOCO sharing and per-layer attention types under llama.cpp's keys
+/// (`{arch}.attention.shared_kv_layers`, `.sliding_window_pattern`, `.sliding_window`); a
+/// shared layer's attn_k/attn_v may be absent.
+#[test]
+fn shared_kv_layers_and_sliding_pattern_from_metadata() {
+    use tinygpt_cpu::config::AttentionType;
+    let mut g = tiny_model(3)
+        .kv("llama.attention.shared_kv_layers", V::U32(1))
+        .kv("llama.attention.sliding_window", V::U32(8))
+        .kv(
+            "llama.attention.sliding_window_pattern",
+            V::Arr(7, vec![V::Bool(false), V::Bool(false)]),
+        );
+    let last = LAYERS - 1;
+    g.remove_tensor(&format!("blk.{last}.attn_k.weight"));
+    g.remove_tensor(&format!("blk.{last}.attn_v.weight"));
+    let c = open(&g).unwrap().config().unwrap();
+    assert_eq!(c.num_kv_shared_layers, 1);
+    assert_eq!(c.layers_with_kv(), LAYERS - 1);
+    assert_eq!(c.kv_source(last), Some(last - 1));
+    assert_eq!(c.layer_types, vec![AttentionType::Full; LAYERS]);
+    assert_eq!(c.sliding_window, None);
+
+    let mut sliding = g.clone();
+    sliding.set(
+        "llama.attention.sliding_window_pattern",
+        V::Arr(7, vec![V::Bool(true), V::Bool(true)]),
+    );
+    let c = open(&sliding).unwrap().config().unwrap();
+    assert_eq!(c.attention_type(0), AttentionType::Sliding { window: 8 });
+    assert_eq!(c.kv_source(last), Some(0));
+
+    // Present k/v tensors of a shared layer are accepted (and ignored).
+    let with_kv = tiny_model(3).kv("llama.attention.shared_kv_layers", V::U32(1));
+    assert!(open(&with_kv).unwrap().config().is_ok());
+
+    // A non-shared layer still needs its k/v.
+    let mut missing = tiny_model(3);
+    missing.remove_tensor("blk.0.attn_k.weight");
+    assert!(open_err(&missing).contains("blk.0.attn_k.weight"));
+
+    for (key, v, needle) in [
+        (
+            "llama.attention.shared_kv_layers",
+            V::U32(LAYERS as u32),
+            "num_kv_shared_layers",
+        ),
+        (
+            "llama.attention.sliding_window_pattern",
+            V::Arr(7, vec![V::Bool(true)]),
+            "sliding_window_pattern",
+        ),
+        (
+            "llama.attention.sliding_window_pattern",
+            V::Arr(4, vec![V::U32(1), V::U32(0)]),
+            "array of bool",
+        ),
+        (
+            "llama.attention.sliding_window",
+            V::U32(0),
+            "sliding_window",
+        ),
+    ] {
+        let mut bad = sliding.clone();
+        bad.set(key, v);
+        let err = open_err(&bad);
+        assert!(err.contains(needle), "{key}: {err}");
+    }
+}

@@ -41,6 +41,8 @@ fn config(
         max_position_embeddings: 4096,
         tie_word_embeddings: true,
         sliding_window,
+        layer_types: vec![],
+        num_kv_shared_layers: 0,
         attention_bias: false,
         bos_token_id: None,
         eos_token_ids: vec![],

@@ -286,6 +286,8 @@ fn config(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> Config {
         max_position_embeddings: 4096,
         tie_word_embeddings: true,
         sliding_window: None,
+        layer_types: vec![],
+        num_kv_shared_layers: 0,
         attention_bias: false,
         bos_token_id: None,
         eos_token_ids: vec![],

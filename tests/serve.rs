@@ -106,8 +106,25 @@ fn batched_greedy(
 
 #[test]
 fn batched_step_equals_solo_for_every_cache_mode() {
-    let files = ModelFiles::open(None).unwrap();
-    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    batched_equals_solo(&ModelFiles::open(None).unwrap(), cache_modes());
+}
+
+/// The same on the YOCO fixture (3 of 6 layers share K/V, sliding lower layers): a shared
+/// layer reads its source's cache, and a prompt chunk must not let its queries see the
+/// chunk's later rows.
+#[test]
+fn batched_step_equals_solo_with_shared_kv_layers() {
+    let files = ModelFiles::open(Some(&fixtures().join("yoco"))).unwrap();
+    assert!(files.config.num_kv_shared_layers > 0);
+    let modes = cache_modes()
+        .into_iter()
+        .filter(|kv| matches!(kv.precision, Precision::Fp32 | Precision::Int4))
+        .collect();
+    batched_equals_solo(&files, modes);
+}
+
+fn batched_equals_solo(files: &ModelFiles, modes: Vec<KvConfig>) {
+    let model = Model::load(files, WeightsDType::Native).unwrap();
     let texts = [
         "The",
         "import os\nimport sys\n",
@@ -123,7 +140,7 @@ fn batched_step_equals_solo_for_every_cache_mode() {
         "the long prompt spans several chunks"
     );
     let n = 48;
-    for kv in cache_modes() {
+    for kv in modes {
         let batched = batched_greedy(&model, &kv, &prompts, n, 8);
         for (i, p) in prompts.iter().enumerate() {
             // The solo path `sample` runs (token by token through `Model::forward`).

@@ -25,17 +25,32 @@ pub fn attend(
     v: &[f32],
     pos: usize,
     out: &mut [f32],
-    mut probs_out: Option<&mut Vec<f32>>,
+    probs_out: Option<&mut Vec<f32>>,
 ) {
-    let hd = cfg.head_dim;
-    let mode = cache.config().positions;
     let pre_rope = cache.config().keys_pre_rope();
     let mut k = k.to_vec();
     if !pre_rope {
         rope.rotate_heads(&mut k, pos);
     }
     cache.append(&k, v, pos);
+    attend_cached(cfg, rope, cache, q, pos, out, probs_out);
+}
 
+/// The second half of [`attend`]: the query of the token at absolute position `pos`
+/// attends over what `cache` stores, without appending. A YOCO shared layer calls this
+/// alone, on the cache of the layer it reads.
+pub fn attend_cached(
+    cfg: &Config,
+    rope: &Rope,
+    cache: &LayerCache,
+    q: &[f32],
+    pos: usize,
+    out: &mut [f32],
+    mut probs_out: Option<&mut Vec<f32>>,
+) {
+    let hd = cfg.head_dim;
+    let mode = cache.config().positions;
+    let pre_rope = cache.config().keys_pre_rope();
     let n = cache.len();
     let mut q = q.to_vec();
     let q_pos = match mode {

@@ -5,6 +5,8 @@
 //! into their own mirror structs and converted into this one, with every derived
 //! size computed once here.
 
+use crate::kv_cache::KvConfig;
+
 /// How RoPE frequencies are rescaled for long contexts (`rope_scaling` in config.json).
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
@@ -19,6 +21,26 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         original_max_position_embeddings: usize,
     },
+}
+
+/// Attention type of one layer (transformers' `layer_types` entries).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionType {
+    /// `"full_attention"`: sees every stored row (the StreamingLLM flags still bound it).
+    Full,
+    /// `"sliding_attention"`: a query at position `p` sees keys at positions `> p − window`,
+    /// so the layer's cache holds only the last `window` tokens.
+    Sliding { window: usize },
+}
+
+impl AttentionType {
+    /// The name used in `config.json`.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionType::Full => "full_attention",
+            AttentionType::Sliding { .. } => "sliding_attention",
+        }
+    }
 }
 
 /// A validated Llama-family configuration.
@@ -36,8 +58,16 @@ pub struct Config {
     pub rope_scaling: RopeScaling,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
-    /// Mistral's sliding attention window (tokens), if the model has one.
+    /// Mistral's sliding attention window (tokens), applied as a mask in every layer, if
+    /// the model has one. Always `None` when `layer_types` is given (the window then lives
+    /// in the sliding layers' [`AttentionType`]).
     pub sliding_window: Option<usize>,
+    /// Per-layer attention types (`layer_types`); empty means every layer is full attention.
+    pub layer_types: Vec<AttentionType>,
+    /// YOCO cross-layer KV sharing (`num_kv_shared_layers` = S, `0 ≤ S < n_layers`): the
+    /// last S layers compute no K/V and attend over the cache of the last non-shared
+    /// layer of their own attention type (see [`Config::kv_source`]).
+    pub num_kv_shared_layers: usize,
     /// Qwen2-style biases on the q/k/v projections.
     pub attention_bias: bool,
     pub bos_token_id: Option<u32>,
@@ -56,6 +86,47 @@ impl Config {
     /// Query heads per key/value head (GQA group factor).
     pub fn group(&self) -> usize {
         self.n_heads / self.n_kv_heads
+    }
+
+    /// Attention type of layer `l`.
+    pub fn attention_type(&self, l: usize) -> AttentionType {
+        self.layer_types
+            .get(l)
+            .copied()
+            .unwrap_or(AttentionType::Full)
+    }
+
+    /// Layers that compute and store K/V: layers `0..layers_with_kv()`.
+    pub fn layers_with_kv(&self) -> usize {
+        self.n_layers - self.num_kv_shared_layers
+    }
+
+    /// The layer whose cache layer `l` attends over: `l` itself if it holds K/V, else the
+    /// last layer below `layers_with_kv()` with the same attention type (without
+    /// `layer_types`, layer `layers_with_kv() − 1`). `None` only for a shared layer whose
+    /// type no K/V layer has (validation rejects such configs).
+    pub fn kv_source(&self, l: usize) -> Option<usize> {
+        let owners = self.layers_with_kv();
+        if l < owners {
+            return Some(l);
+        }
+        let kind = |j: usize| std::mem::discriminant(&self.attention_type(j));
+        (0..owners).rev().find(|&j| kind(j) == kind(l))
+    }
+
+    /// The cache configuration of layer `l` (a layer that holds K/V) under the user's
+    /// `kv`: a sliding layer keeps only its last `window` tokens (`sink` 0, `window` W:
+    /// the same keys the Mistral mask `pos − key_pos < W` leaves visible), with the
+    /// user's precision, group size and positions mode; a full layer takes `kv` as is.
+    pub fn layer_kv_config(&self, l: usize, kv: &KvConfig) -> KvConfig {
+        match self.attention_type(l) {
+            AttentionType::Full => kv.clone(),
+            AttentionType::Sliding { window } => KvConfig {
+                sink: 0,
+                window: Some(window),
+                ..kv.clone()
+            },
+        }
     }
 
     /// RoPE inverse frequencies, one per rotated pair (`head_dim / 2` values),

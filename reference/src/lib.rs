@@ -17,6 +17,6 @@ pub mod model;
 pub mod quant;
 pub mod rope;
 
-pub use config::{Config, RopeScaling};
+pub use config::{AttentionType, Config, RopeScaling};
 pub use kv_cache::{KvConfig, LayerCache, PositionsMode, Precision};
 pub use model::{Model, State, Weights};

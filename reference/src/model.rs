@@ -2,9 +2,14 @@
 //!
 //! Llama family: embed → for each layer { x += o_proj(attend(rope(q), rope(k), v)) on
 //! rmsnorm(x); x += down(silu(gate(h)) * up(h)) on h = rmsnorm(x) } → rmsnorm → lm_head.
+//!
+//! YOCO sharing (`num_kv_shared_layers` = S): layers `≥ L − S` compute no K/V; their query
+//! attends over the cache of the layer [`Config::kv_source`] names, which that layer has
+//! already filled for the current token. A sliding layer's cache holds its last `window`
+//! tokens ([`Config::layer_kv_config`]).
 
-use crate::attention::attend;
-use crate::config::Config;
+use crate::attention::{attend, attend_cached};
+use crate::config::{AttentionType, Config};
 use crate::ggml::GgmlType;
 use crate::ggml_dot;
 use crate::kv_cache::{KvConfig, LayerCache};
@@ -54,10 +59,10 @@ pub struct LayerWeights {
     pub attn_norm: Vec<f32>,
     /// (q_dim, hidden)
     pub wq: Linear,
-    /// (kv_dim, hidden)
-    pub wk: Linear,
-    /// (kv_dim, hidden)
-    pub wv: Linear,
+    /// (kv_dim, hidden); `None` in a YOCO shared layer
+    pub wk: Option<Linear>,
+    /// (kv_dim, hidden); `None` in a YOCO shared layer
+    pub wv: Option<Linear>,
     /// (hidden, q_dim)
     pub wo: Linear,
     /// Qwen2-style projection biases: (q_dim), (kv_dim), (kv_dim).
@@ -97,11 +102,13 @@ pub struct Model {
     pub rope: Rope,
 }
 
-/// Per-sequence decoding state: one cache per layer.
+/// Per-sequence decoding state: one cache per layer that holds K/V (`caches[l]` for
+/// `l < cfg.layers_with_kv()`).
 #[derive(Debug, Clone)]
 pub struct State {
     pub caches: Vec<LayerCache>,
-    /// When set, the last step's attention weights per layer, `(n_heads, stored)`.
+    /// When set, the last step's attention weights per layer (all `n_layers`; a shared
+    /// layer's weights are over the rows of the cache it reads), `(n_heads, stored)`.
     pub record_probs: bool,
     pub probs: Vec<Vec<f32>>,
 }
@@ -109,8 +116,8 @@ pub struct State {
 impl State {
     pub fn new(cfg: &Config, kv: &KvConfig) -> Self {
         State {
-            caches: (0..cfg.n_layers)
-                .map(|_| LayerCache::new(kv, cfg.n_kv_heads, cfg.head_dim))
+            caches: (0..cfg.layers_with_kv())
+                .map(|l| LayerCache::new(&cfg.layer_kv_config(l, kv), cfg.n_kv_heads, cfg.head_dim))
                 .collect(),
             record_probs: false,
             probs: vec![Vec::new(); cfg.n_layers],
@@ -175,27 +182,43 @@ impl Model {
         for (l, lw) in self.weights.layers.iter().enumerate() {
             rmsnorm(&x, &lw.attn_norm, cfg.rms_norm_eps, &mut h);
             lw.wq.matvec(&h, &mut q);
-            lw.wk.matvec(&h, &mut k);
-            lw.wv.matvec(&h, &mut v);
             add_bias(&mut q, lw.bq.as_deref());
-            add_bias(&mut k, lw.bk.as_deref());
-            add_bias(&mut v, lw.bv.as_deref());
             let probs = if state.record_probs {
                 Some(&mut state.probs[l])
             } else {
                 None
             };
-            attend(
-                cfg,
-                &self.rope,
-                &mut state.caches[l],
-                &q,
-                &k,
-                &v,
-                pos,
-                &mut att,
-                probs,
-            );
+            if l < cfg.layers_with_kv() {
+                let (wk, wv) = (lw.wk.as_ref(), lw.wv.as_ref());
+                wk.expect("a layer that holds K/V has k_proj")
+                    .matvec(&h, &mut k);
+                wv.expect("a layer that holds K/V has v_proj")
+                    .matvec(&h, &mut v);
+                add_bias(&mut k, lw.bk.as_deref());
+                add_bias(&mut v, lw.bv.as_deref());
+                attend(
+                    cfg,
+                    &self.rope,
+                    &mut state.caches[l],
+                    &q,
+                    &k,
+                    &v,
+                    pos,
+                    &mut att,
+                    probs,
+                );
+            } else {
+                let src = cfg.kv_source(l).expect("validated config");
+                attend_cached(
+                    cfg,
+                    &self.rope,
+                    &state.caches[src],
+                    &q,
+                    pos,
+                    &mut att,
+                    probs,
+                );
+            }
             lw.wo.matvec(&att, &mut proj);
             for i in 0..hidden {
                 x[i] += proj[i];
@@ -231,8 +254,10 @@ fn add_bias(x: &mut [f32], b: Option<&[f32]>) {
 }
 
 impl Model {
-    /// Full-sequence causal forward without any KV cache: every layer computes K and V
-    /// for all positions, then each position attends to positions `≤` itself. Returns the
+    /// Full-sequence causal forward without any KV cache: every layer that holds K/V
+    /// computes K and V for all positions (a shared layer uses its source layer's), then
+    /// each position attends to positions `≤` itself (and, in a sliding layer or under
+    /// Mistral's `sliding_window`, `> pos − window`). Returns the
     /// logits at every position, `(tokens, vocab)`. An independent check of the cached
     /// path (no eviction, no quantisation, RoPE at absolute positions).
     pub fn forward_sequence(&self, tokens: &[u32]) -> Vec<Vec<f32>> {
@@ -243,27 +268,44 @@ impl Model {
             .map(|&t| self.weights.embed[t as usize * hidden..(t as usize + 1) * hidden].to_vec())
             .collect();
         let mut h = vec![0.0f32; hidden];
-        for lw in &self.weights.layers {
+        // (layer) → (tokens) rotated keys and values of the layers that hold K/V.
+        let mut layer_ks: Vec<Vec<Vec<f32>>> = Vec::new();
+        let mut layer_vs: Vec<Vec<Vec<f32>>> = Vec::new();
+        for (l, lw) in self.weights.layers.iter().enumerate() {
+            let owns_kv = l < cfg.layers_with_kv();
             let mut qs = Vec::with_capacity(n);
             let mut ks = Vec::with_capacity(n);
             let mut vs = Vec::with_capacity(n);
             for (pos, x) in xs.iter().enumerate() {
                 rmsnorm(x, &lw.attn_norm, cfg.rms_norm_eps, &mut h);
                 let mut q = vec![0.0f32; cfg.q_dim()];
-                let mut k = vec![0.0f32; cfg.kv_dim()];
-                let mut v = vec![0.0f32; cfg.kv_dim()];
                 lw.wq.matvec(&h, &mut q);
-                lw.wk.matvec(&h, &mut k);
-                lw.wv.matvec(&h, &mut v);
                 add_bias(&mut q, lw.bq.as_deref());
-                add_bias(&mut k, lw.bk.as_deref());
-                add_bias(&mut v, lw.bv.as_deref());
                 self.rope.rotate_heads(&mut q, pos);
-                self.rope.rotate_heads(&mut k, pos);
                 qs.push(q);
-                ks.push(k);
-                vs.push(v);
+                if owns_kv {
+                    let mut k = vec![0.0f32; cfg.kv_dim()];
+                    let mut v = vec![0.0f32; cfg.kv_dim()];
+                    lw.wk.as_ref().expect("k_proj").matvec(&h, &mut k);
+                    lw.wv.as_ref().expect("v_proj").matvec(&h, &mut v);
+                    add_bias(&mut k, lw.bk.as_deref());
+                    add_bias(&mut v, lw.bv.as_deref());
+                    self.rope.rotate_heads(&mut k, pos);
+                    ks.push(k);
+                    vs.push(v);
+                }
             }
+            if owns_kv {
+                layer_ks.push(ks);
+                layer_vs.push(vs);
+            }
+            let src = cfg.kv_source(l).expect("validated config");
+            let (ks, vs) = (&layer_ks[src], &layer_vs[src]);
+            // Keys visible to a query at `pos`: Mistral's mask, and a sliding layer's window.
+            let window = match cfg.attention_type(l) {
+                AttentionType::Full => cfg.sliding_window,
+                AttentionType::Sliding { window } => Some(window),
+            };
             for (pos, x) in xs.iter_mut().enumerate() {
                 let mut att = vec![0.0f32; cfg.q_dim()];
                 for head in 0..cfg.n_heads {
@@ -271,7 +313,7 @@ impl Model {
                     let q = &qs[pos][head * hd..(head + 1) * hd];
                     let mut scores: Vec<f32> = (0..=pos)
                         .map(|j| {
-                            let visible = cfg.sliding_window.is_none_or(|w| pos - j < w);
+                            let visible = window.is_none_or(|w| pos - j < w);
                             if !visible {
                                 return f32::NEG_INFINITY;
                             }

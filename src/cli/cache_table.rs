@@ -3,7 +3,7 @@
 use super::common::{human_bytes, open_model};
 use crate::error::Error;
 use crate::eval::apply_quant_mode;
-use crate::kv_cache::{KeyRope, KvCache, KvConfig, PositionsMode, Precision};
+use crate::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
 use crate::plot::{line_chart, Series};
 use clap::Args;
 use std::path::PathBuf;
@@ -52,7 +52,7 @@ pub struct CacheTableArgs {
 /// Fills a real cache with `t` tokens of deterministic pseudo-random K/V rows and returns
 /// the bytes its buffers hold.
 pub fn measure(cfg: &crate::config::Config, kv: &KvConfig, t: usize) -> usize {
-    let mut cache = KvCache::new(cfg, kv);
+    let mut cache = crate::model::new_cache(cfg, kv);
     let d = cfg.kv_dim();
     let mut s = 0x9E37_79B9_7F4A_7C15u64;
     let mut k = vec![0.0f32; d];
@@ -64,7 +64,7 @@ pub fn measure(cfg: &crate::config::Config, kv: &KvConfig, t: usize) -> usize {
             s ^= s << 17;
             *x = ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0;
         }
-        for l in 0..cfg.n_layers {
+        for l in 0..cache.n_layers() {
             cache.layer_mut(l).append(&k, &v, pos);
         }
     }
@@ -182,10 +182,22 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::json!({ "rows": v }));
         return Ok(());
     }
+    let sliding = (0..cfg.layers_with_kv())
+        .filter(|&l| cfg.attention_type(l) != crate::config::AttentionType::Full)
+        .count();
+    let layers = if cfg.layers_with_kv() == cfg.n_layers && sliding == 0 {
+        format!("{} layers", cfg.n_layers)
+    } else {
+        // YOCO: only the layers that hold K/V count; a sliding one holds its last window.
+        format!(
+            "{} of {} layers hold K/V, {sliding} of them sliding",
+            cfg.layers_with_kv(),
+            cfg.n_layers
+        )
+    };
     println!(
-        "KV cache of {} ({} layers x {} KV heads x head_dim {}), group {}; bytes measured from filled caches",
+        "KV cache of {} ({layers} x {} KV heads x head_dim {}), group {}; bytes measured from filled caches",
         files.path.display(),
-        cfg.n_layers,
         cfg.n_kv_heads,
         cfg.head_dim,
         a.group_size

@@ -51,6 +51,28 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     if let Some(w) = c.sliding_window {
         println!("sliding win: {w}");
     }
+    if !c.layer_types.is_empty() {
+        let types: Vec<String> = c
+            .layer_types
+            .iter()
+            .map(|t| match t {
+                crate::config::AttentionType::Full => "full".to_string(),
+                crate::config::AttentionType::Sliding { window } => format!("sliding({window})"),
+            })
+            .collect();
+        println!("layer types: {}", types.join(", "));
+    }
+    if c.num_kv_shared_layers > 0 {
+        let shared: Vec<String> = (c.layers_with_kv()..c.n_layers)
+            .map(|l| format!("{l}<-{}", c.kv_source(l).unwrap_or(l)))
+            .collect();
+        println!(
+            "kv sharing:  {} of {} layers hold K/V; shared (layer<-source): {}",
+            c.layers_with_kv(),
+            c.n_layers,
+            shared.join(", ")
+        );
+    }
     println!(
         "bos/eos:     {:?} / {:?}",
         c.bos_token_id, f.tokenizer.eos_ids

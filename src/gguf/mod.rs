@@ -337,6 +337,7 @@ impl GgufFile {
         let rope_scaling = self.rope_scaling(rope_theta, head_dim.unwrap_or(0))?;
         let tied = self.tensor("output.weight").is_none();
         let attention_bias = self.tensor("blk.0.attn_q.bias").is_some();
+        let (layer_types, sliding_window, shared) = self.layer_plan(n_layers)?;
 
         let hf = HfConfig {
             model_type: Some(ARCH.to_string()),
@@ -356,6 +357,9 @@ impl GgufFile {
             hidden_act: Some("silu".into()),
             bos_token_id: bos.map(TokenIds::One),
             eos_token_id: eos.map(TokenIds::One),
+            layer_types,
+            sliding_window,
+            num_kv_shared_layers: shared,
             ..HfConfig::default()
         };
         let cfg = hf.validate(&self.path)?;
@@ -461,6 +465,57 @@ impl GgufFile {
         })))
     }
 
+    /// YOCO sharing and per-layer attention types, under llama.cpp's keys (as its Gemma 3n
+    /// and Gemma 4 files spell them): `llama.attention.shared_kv_layers` (the last S layers
+    /// reuse K/V), `llama.attention.sliding_window_pattern` (one bool per layer, `true` =
+    /// sliding) and `llama.attention.sliding_window` (their window). Returned as the
+    /// config.json values they stand for (`layer_types`, `sliding_window`,
+    /// `num_kv_shared_layers`), which [`HfConfig::validate`] checks. Without a pattern,
+    /// `sliding_window` is not read (this engine's llama GGUF files never had one).
+    #[allow(clippy::type_complexity)]
+    fn layer_plan(
+        &self,
+        n_layers: usize,
+    ) -> Result<(
+        Option<serde_json::Value>,
+        Option<serde_json::Value>,
+        Option<serde_json::Value>,
+    )> {
+        let shared = self
+            .get_usize(&format!("{ARCH}.attention.shared_kv_layers"))?
+            .map(serde_json::Value::from);
+        let pattern_key = format!("{ARCH}.attention.sliding_window_pattern");
+        let Some(pattern) = self.parsed.metadata.get(&pattern_key) else {
+            return Ok((None, None, shared));
+        };
+        let bools = match pattern {
+            GgufValue::Array(GgufArray::Bool(b)) => b,
+            other => {
+                return Err(self.cfg_err(format!(
+                    "metadata '{pattern_key}' must be an array of bool, got {}",
+                    describe(other)
+                )))
+            }
+        };
+        if bools.len() != n_layers {
+            return Err(self.cfg_err(format!(
+                "metadata '{pattern_key}' has {} entries but {ARCH}.block_count is {n_layers}",
+                bools.len()
+            )));
+        }
+        let types = bools
+            .iter()
+            .map(|&sliding| match sliding {
+                true => "sliding_attention",
+                false => "full_attention",
+            })
+            .collect::<Vec<_>>();
+        let window = self
+            .get_usize(&format!("{ARCH}.attention.sliding_window"))?
+            .map(serde_json::Value::from);
+        Ok((Some(serde_json::Value::from(types)), window, shared))
+    }
+
     /// Checks every tensor's name and shape against `cfg`; errors name the tensor.
     fn check_shapes(&self, cfg: &Config) -> Result<()> {
         let h = cfg.hidden_size;
@@ -486,28 +541,39 @@ impl GgufFile {
         if !cfg.tie_word_embeddings {
             expected.insert("output.weight".into(), vec![cfg.vocab_size, h]);
         }
+        // attn_k/attn_v of a YOCO shared layer may be absent (ignored if present).
+        let mut optional: BTreeMap<String, Vec<usize>> = BTreeMap::new();
         for i in 0..cfg.n_layers {
             let b = |s: &str| format!("blk.{i}.{s}");
+            let kv_map = match i < cfg.layers_with_kv() {
+                true => &mut expected,
+                false => &mut optional,
+            };
+            kv_map.insert(b("attn_k.weight"), vec![cfg.kv_dim(), h]);
+            kv_map.insert(b("attn_v.weight"), vec![cfg.kv_dim(), h]);
+            if cfg.attention_bias {
+                kv_map.insert(b("attn_k.bias"), vec![cfg.kv_dim()]);
+                kv_map.insert(b("attn_v.bias"), vec![cfg.kv_dim()]);
+            }
             expected.insert(b("attn_norm.weight"), vec![h]);
             expected.insert(b("ffn_norm.weight"), vec![h]);
             expected.insert(b("attn_q.weight"), vec![cfg.q_dim(), h]);
-            expected.insert(b("attn_k.weight"), vec![cfg.kv_dim(), h]);
-            expected.insert(b("attn_v.weight"), vec![cfg.kv_dim(), h]);
             expected.insert(b("attn_output.weight"), vec![h, cfg.q_dim()]);
             expected.insert(b("ffn_gate.weight"), vec![cfg.intermediate_size, h]);
             expected.insert(b("ffn_up.weight"), vec![cfg.intermediate_size, h]);
             expected.insert(b("ffn_down.weight"), vec![h, cfg.intermediate_size]);
             if cfg.attention_bias {
                 expected.insert(b("attn_q.bias"), vec![cfg.q_dim()]);
-                expected.insert(b("attn_k.bias"), vec![cfg.kv_dim()]);
-                expected.insert(b("attn_v.bias"), vec![cfg.kv_dim()]);
             }
         }
         for t in &self.parsed.tensors {
             if t.name == "rope_freqs.weight" {
                 continue; // checked by rope_scaling()
             }
-            let Some(want) = expected.remove(&t.name) else {
+            let Some(want) = expected
+                .remove(&t.name)
+                .or_else(|| optional.remove(&t.name))
+            else {
                 let msg = match block_index(&t.name) {
                     Some(n) if n >= cfg.n_layers => format!(
                         "layer {n} does not exist: llama.block_count is {}",
