@@ -236,7 +236,6 @@ fn gen_params(s: &Shared, o: &Map<String, Value>) -> ApiResult<GenParams> {
             return Err(ApiError::bad("best_of", "only best_of = 1 is supported"));
         }
     }
-    let ctx = s.model_cfg.max_position_embeddings as u64;
     let max_tokens = match get_uint(o, "max_tokens", 1 << 24)? {
         Some(n) => Some(n),
         None => get_uint(o, "max_completion_tokens", 1 << 24)?,
@@ -308,7 +307,6 @@ fn gen_params(s: &Shared, o: &Map<String, Value>) -> ApiResult<GenParams> {
         ));
     }
     let kv = request_kv(s, o)?;
-    let _ = ctx;
     Ok(GenParams {
         stream: get_bool(o, "stream")?.unwrap_or(false),
         max_tokens: max_tokens.map(|n| n as usize),
