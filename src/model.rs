@@ -307,6 +307,7 @@ impl Model {
             if let Some(b) = &lw.bv {
                 ops::add_assign(&mut s.v, b);
             }
+            check_finite_kv(&s.k, &s.v, l, pos)?;
             let probs = if s.record_probs {
                 Some(&mut s.probs[l])
             } else {
@@ -334,6 +335,7 @@ impl Model {
             ops::add_assign(&mut s.x, &s.proj);
         }
         ops::rmsnorm(&s.x, &self.norm, c.rms_norm_eps, &mut s.h);
+        check_finite_hidden(&s.h, pos)?;
         matvec(&self.lm_head, &s.h, &mut s.logits);
         Ok(())
     }
@@ -407,6 +409,7 @@ impl Model {
                     buf.chunks_exact_mut(d).for_each(|r| ops::add_assign(r, b));
                 }
             }
+            check_finite_kv(&k, &v, l, start)?;
             for i in 0..n {
                 attend(
                     c,
@@ -433,6 +436,7 @@ impl Model {
         match all_logits {
             Some(all) => {
                 norm_rows(&x, &self.norm, &mut h);
+                check_finite_hidden(&h, start)?;
                 all.resize(n * c.vocab_size, 0.0);
                 matmul(&self.lm_head, &h, n, all);
                 s.logits
@@ -441,11 +445,35 @@ impl Model {
             None => {
                 let last = &x[(n - 1) * hd..n * hd];
                 ops::rmsnorm(last, &self.norm, c.rms_norm_eps, &mut s.h);
+                check_finite_hidden(&s.h, start + n - 1)?;
                 matvec(&self.lm_head, &s.h, &mut s.logits);
             }
         }
         Ok(())
     }
+}
+
+/// Per-step NaN/Inf checks (a few hundred compares per token). They matter on the native
+/// quantised path: its matvec quantises the activation, and the KIVI cache its rows, with
+/// scales taken by `f32::max`, which skips NaN, so NaN would silently become zeros.
+fn check_finite_hidden(h: &[f32], pos: usize) -> Result<()> {
+    if h.iter().any(|x| !x.is_finite()) {
+        return Err(Error::NonFinite(format!(
+            "non-finite hidden state at position {pos} after the final norm (model.norm.weight): \
+             check the model's weights, or an activation overflowed"
+        )));
+    }
+    Ok(())
+}
+
+fn check_finite_kv(k: &[f32], v: &[f32], layer: usize, pos: usize) -> Result<()> {
+    if k.iter().chain(v).any(|x| !x.is_finite()) {
+        return Err(Error::NonFinite(format!(
+            "non-finite K/V row in layer {layer} at position {pos} (model.layers.{layer}.self_attn): \
+             check the model's weights, or an activation overflowed"
+        )));
+    }
+    Ok(())
 }
 
 /// Builds the scalar reference model from the same files: every weight dequantised to f32

@@ -3,6 +3,7 @@
 use super::common::{human_bytes, open_model};
 use crate::error::Error;
 use crate::kv_cache::{KvCache, KvConfig, PositionsMode, Precision};
+use crate::outln;
 use crate::plot::{line_chart, Series};
 use clap::Args;
 use std::path::PathBuf;
@@ -77,8 +78,22 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
     if a.window == 0 && a.sink == 0 {
         return Err(Error::flag("--streaming-llm-window", "must be > 0 when the sink is 0").into());
     }
+    if let Some(p) = &a.plot {
+        crate::plot::check_output(p)?;
+    }
     let files = open_model(&a.model)?;
     let cfg = &files.config;
+    // The largest cache measured is the dense fp32 one at the longest length.
+    let longest = lengths.iter().copied().max().unwrap_or(0);
+    let bytes = longest as u128
+        * crate::memory::kv_bytes_per_token(cfg, Precision::Fp32)
+        * crate::memory::GROWTH_SLACK;
+    crate::memory::check_fits(bytes).map_err(|m| {
+        Error::flag(
+            "--lengths",
+            format!("a dense fp32 cache of {longest} tokens of this model {m}"),
+        )
+    })?;
     let mut rows = Vec::new();
     let mut series = Vec::new();
     for streaming in [false, true] {
@@ -122,21 +137,26 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
             .iter()
             .map(|(m, _, _, t, b)| serde_json::json!({"mode": m, "tokens": t, "bytes": b}))
             .collect();
-        println!("{}", serde_json::json!({ "rows": v }));
+        outln!("{}", serde_json::json!({ "rows": v }))?;
         return Ok(());
     }
-    println!(
+    outln!(
         "KV cache of {} ({} layers x {} KV heads x head_dim {}), group {}; bytes measured from filled caches",
         files.path.display(),
         cfg.n_layers,
         cfg.n_kv_heads,
         cfg.head_dim,
         a.group_size
-    );
-    println!(
+    )?;
+    outln!(
         "{:<28} {:>8} {:>14} {:>12} {:>9} {:>9}",
-        "mode", "tokens", "bytes", "", "vs fp32", "vs bf16"
-    );
+        "mode",
+        "tokens",
+        "bytes",
+        "",
+        "vs fp32",
+        "vs bf16"
+    )?;
     for (m, _, streaming, t, b) in &rows {
         let find = |p: Precision| {
             rows.iter()
@@ -144,7 +164,7 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
                 .map(|r| r.4)
                 .unwrap_or(1)
         };
-        println!(
+        outln!(
             "{:<28} {:>8} {:>14} {:>12} {:>9.3} {:>9.3}",
             m,
             t,
@@ -152,7 +172,7 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
             human_bytes(*b as u64),
             *b as f64 / find(Precision::Fp32) as f64,
             *b as f64 / find(Precision::Bf16) as f64
-        );
+        )?;
     }
     Ok(())
 }
