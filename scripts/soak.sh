@@ -17,7 +17,7 @@ BIN="${BIN:-target/release/tinygpt-cpu}"
 [ -x "$BIN" ] || cargo build --release
 "$BIN" sample --prompt "Once upon a time" --tokens "$TOKENS" --ignore-eos --seed 1 \
     --streaming-llm-sink 4 --streaming-llm-window 252 --kv-quantize int4 \
-    > /dev/null 2> soak_report.txt &
+    > /dev/null 2> "$CSV.report" &
 PID=$!
 START=$(date +%s)
 echo "seconds,vmrss_kib" > "$CSV"
@@ -28,7 +28,7 @@ while kill -0 "$PID" 2> /dev/null; do
 done
 wait "$PID"
 ELAPSED=$(( $(date +%s) - START ))
-cat soak_report.txt
+cat "$CSV.report"
 awk -F, -v warm="$WARMUP" -v secs="$ELAPSED" -v tokens="$TOKENS" '
     NR == 1 { next }
     $1 <= warm { base = $2; first = (first == "" ? $2 : first); next }

@@ -247,6 +247,17 @@ impl ModelFiles {
         Ok(files)
     }
 
+    /// Reads a `.tinygpt` (safetensors with the config and tokenizer in its metadata) from
+    /// bytes in memory, with the same checks as [`open`](Self::open) (tests, fuzzing).
+    pub fn from_tinygpt_bytes(bytes: &[u8], path: &Path) -> Result<ModelFiles> {
+        let files =
+            Self::from_tinygpt_backing(Arc::new(Backing::owned(bytes)), path, Format::Tinygpt)?;
+        files.check_layer_count()?;
+        crate::model::ModelTensors::collect(&files)?;
+        files.check_finite()?;
+        Ok(files)
+    }
+
     /// The file that holds the config, for messages.
     fn config_path(&self) -> PathBuf {
         match self.format {
