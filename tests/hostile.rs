@@ -898,8 +898,7 @@ fn gguf_tokenizer_errors_name_the_metadata() {
         GgufValue::Array(GgufArray::I32(vec![1; short.len()])),
     );
     let e = tinygpt_cpu::gguf::tokenizer::build(&meta, Path::new("m.gguf"))
-        .err()
-        .expect("refused")
+        .expect_err("refused")
         .to_string();
     assert!(
         e.contains("tokenizer.ggml.merges") && e.contains("\"ab\""),
