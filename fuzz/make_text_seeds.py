@@ -5,8 +5,8 @@ variants, tied and untied), and the config.json files of the test fixtures.
 Run from the repository root: python3 fuzz/make_text_seeds.py"""
 import json, os, shutil, struct, glob
 
-OUT_ST = "fuzz/seeds/safetensors_load"
-OUT_CFG = "fuzz/seeds/config_json"
+OUT_ST = "fuzz/seeds_safetensors_load"
+OUT_CFG = "fuzz/seeds_config_json"
 os.makedirs(OUT_ST, exist_ok=True)
 os.makedirs(OUT_CFG, exist_ok=True)
 
