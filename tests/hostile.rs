@@ -909,6 +909,20 @@ fn gguf_tokenizer_errors_name_the_metadata() {
 
 // ---- SIGINT -----------------------------------------------------------------------------
 
+/// CPU time (user + system) a process has used, from /proc/PID/stat.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
+    let rest = stat.rsplit_once(')').map_or("", |r| r.1);
+    let f: Vec<f64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0.0))
+        .collect();
+    // SAFETY: sysconf has no preconditions.
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (f.get(11).unwrap_or(&0.0) + f.get(12).unwrap_or(&0.0)) / tick
+}
+
 fn interrupt_after(
     mut child: std::process::Child,
     first_output: bool,
@@ -922,7 +936,12 @@ fn interrupt_after(
         let n = out.read(&mut b).unwrap();
         seen.extend_from_slice(&b[..n]);
     } else {
-        std::thread::sleep(Duration::from_millis(5000));
+        // Wait until it has run for a while on the CPU (past loading and tokenising,
+        // whatever the machine's load).
+        while cpu_seconds(child.id()) < 1.5 {
+            assert!(child.try_wait().unwrap().is_none(), "{what} ended early");
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
     // SAFETY: kill() with a pid we spawned and a valid signal number.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
@@ -973,7 +992,9 @@ fn ctrl_c_stops_with_the_partial_report() {
     let d = tempfile::tempdir().unwrap();
     let long = d.path().join("long.txt");
     let text = std::fs::read_to_string(fixtures().join("heldout.txt")).unwrap();
-    std::fs::write(&long, text.repeat(4)).unwrap();
+    // ~10K tokens: tokenised at once, tens of seconds for the scalar reference engine.
+    let cut = (40_000..).find(|&i| text.is_char_boundary(i)).unwrap();
+    std::fs::write(&long, &text[..cut]).unwrap();
     let child = bin()
         .args([
             "perplexity",
