@@ -17,6 +17,14 @@ pub struct Tokenizer {
 impl Tokenizer {
     /// Parses a tokenizer.json text; `path` names it in errors.
     pub fn from_json(json: &str, path: &Path, cfg: &Config) -> Result<Self> {
+        // Syntax first: tokenizers 0.22 panics ("Helper") on a syntax error inside the
+        // "decoder" object instead of returning it (found by the safetensors_load fuzzer).
+        serde_json::from_str::<serde::de::IgnoredAny>(json).map_err(|e| {
+            Error::tokenizer(
+                path,
+                format!("cannot parse tokenizer.json: not valid JSON ({e})"),
+            )
+        })?;
         let inner: tokenizers::Tokenizer = json
             .parse()
             .map_err(|e| Error::tokenizer(path, format!("cannot parse tokenizer.json: {e}")))?;

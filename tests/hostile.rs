@@ -1015,3 +1015,58 @@ fn ctrl_c_stops_with_the_partial_report() {
     assert!(out.contains("perplexity"), "no partial result: {out}");
     assert!(err.contains("interrupted"), "{err}");
 }
+
+// ---- crashes found by the fuzzers -----------------------------------------------------
+
+/// Every input in fuzz/regressions/TARGET/ goes through what that fuzz target runs: an
+/// error is fine, a panic is not.
+#[test]
+fn fuzz_regressions_do_not_panic() {
+    let dir = root().join("fuzz/regressions");
+    let mut n = 0;
+    for target in std::fs::read_dir(&dir).unwrap() {
+        let target = target.unwrap().path();
+        for f in std::fs::read_dir(&target).unwrap() {
+            let f = f.unwrap().path();
+            let data = std::fs::read(&f).unwrap();
+            match target.file_name().unwrap().to_str().unwrap() {
+                "safetensors_load" => {
+                    let r = tinygpt_cpu::weights::ModelFiles::from_tinygpt_bytes(
+                        &data,
+                        Path::new("fuzz.tinygpt"),
+                    );
+                    assert!(r.is_err(), "{}", f.display());
+                }
+                "config_json" => {
+                    let text = String::from_utf8_lossy(&data);
+                    if let Ok(c) = tinygpt_cpu::config::HfConfig::from_json(&text, &f) {
+                        let _ = c.validate(&f);
+                    }
+                }
+                other => panic!("no runner for fuzz target {other}"),
+            }
+            n += 1;
+        }
+    }
+    assert!(n >= 1);
+}
+
+/// The first crash: a syntax error inside tokenizer.json's "decoder" object made the
+/// tokenizers crate panic ("Helper") instead of returning an error.
+#[test]
+fn tokenizer_json_syntax_error_in_the_decoder_is_an_error() {
+    let hf = tiny_copy();
+    let path = hf.path().join("tokenizer.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let at = text.find("\"decoder\"").expect("a decoder");
+    let broken = format!(
+        "{}\"decoder\": {{\"type\": \"ByteLevel\", \"add_prefix_space\": treu}}, \"_x\":{}",
+        &text[..at],
+        &text[at + "\"decoder\":".len()..]
+    );
+    std::fs::write(&path, broken).unwrap();
+    fails_with(
+        &["inspect", p(hf.path())],
+        &["tokenizer.json", "not valid JSON"],
+    );
+}
