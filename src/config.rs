@@ -104,9 +104,13 @@ impl HfConfig {
                     SUPPORTED_ARCHS.join(", ")
                 )));
             }
-        } else if let Some(mt) = &self.model_type {
+        }
+        // transformers builds the model class from model_type, so it must agree too.
+        if let Some(mt) = &self.model_type {
             if !["llama", "mistral", "qwen2"].contains(&mt.as_str()) {
-                return Err(err(format!("unsupported model_type '{mt}'")));
+                return Err(err(format!(
+                    "unsupported model_type '{mt}' (supported: llama, mistral, qwen2)"
+                )));
             }
         }
         if let Some(act) = &self.hidden_act {
@@ -124,6 +128,32 @@ impl HfConfig {
                 None => Err(err(format!("missing '{name}'"))),
             }
         };
+        // Bounds far above any real model keep every derived size (q_dim, vocab x hidden,
+        // ...) from overflowing and turn absurd values into an error, not an allocation.
+        let capped = |v: Option<usize>, name: &str, max: usize| -> Result<Option<usize>> {
+            match v {
+                Some(x) if x > max => Err(err(format!(
+                    "'{name}' = {x} is larger than any supported model (at most {max})"
+                ))),
+                _ => Ok(v),
+            }
+        };
+        for (v, name, max) in [
+            (self.vocab_size, "vocab_size", 1 << 24),
+            (self.hidden_size, "hidden_size", 1 << 20),
+            (self.num_hidden_layers, "num_hidden_layers", 1 << 12),
+            (self.num_attention_heads, "num_attention_heads", 1 << 12),
+            (self.num_key_value_heads, "num_key_value_heads", 1 << 12),
+            (self.head_dim, "head_dim", 1 << 14),
+            (self.intermediate_size, "intermediate_size", 1 << 22),
+            (
+                self.max_position_embeddings,
+                "max_position_embeddings",
+                1 << 30,
+            ),
+        ] {
+            capped(v, name, max)?;
+        }
         let vocab_size = req(self.vocab_size, "vocab_size")?;
         let hidden_size = req(self.hidden_size, "hidden_size")?;
         let n_layers = req(self.num_hidden_layers, "num_hidden_layers")?;
@@ -153,15 +183,27 @@ impl HfConfig {
         if head_dim % 2 != 0 {
             return Err(err(format!("head_dim ({head_dim}) must be even for RoPE")));
         }
-        let rope_obj = self.rope_parameters.as_ref().or(self.rope_scaling.as_ref());
-        let rope_theta = self
-            .rope_theta
-            .or_else(|| {
-                rope_obj
-                    .and_then(|o| o.get("rope_theta"))
-                    .and_then(|v| v.as_f64())
+        // As transformers (`rope_parameters = rope_scaling or rope_parameters`): a non-empty
+        // `rope_scaling` wins over `rope_parameters`.
+        fn non_empty(v: &Option<serde_json::Value>) -> Option<&serde_json::Value> {
+            v.as_ref().filter(|v| match v {
+                serde_json::Value::Null => false,
+                serde_json::Value::Object(o) => !o.is_empty(),
+                _ => true,
             })
-            .unwrap_or(10000.0);
+        }
+        let rope_obj = non_empty(&self.rope_scaling).or(non_empty(&self.rope_parameters));
+        let nested_theta = rope_obj
+            .and_then(|o| o.get("rope_theta"))
+            .and_then(|v| v.as_f64());
+        if let (Some(top), Some(nested)) = (self.rope_theta, nested_theta) {
+            if top != nested {
+                return Err(err(format!(
+                    "rope_theta ({top}) and the rope_theta inside rope_parameters/rope_scaling ({nested}) disagree"
+                )));
+            }
+        }
+        let rope_theta = self.rope_theta.or(nested_theta).unwrap_or(10000.0);
         if !(rope_theta.is_finite() && rope_theta > 0.0) {
             return Err(err(format!(
                 "rope_theta must be positive, got {rope_theta}"
@@ -175,6 +217,11 @@ impl HfConfig {
             )));
         }
         let max_position_embeddings = self.max_position_embeddings.unwrap_or(2048);
+        if max_position_embeddings == 0 {
+            return Err(err(
+                "'max_position_embeddings' (the context length) must be > 0".into(),
+            ));
+        }
         let sliding_window = match (&self.sliding_window, self.use_sliding_window) {
             (_, Some(false)) => None,
             (Some(serde_json::Value::Number(n)), _) => {
@@ -209,6 +256,17 @@ impl HfConfig {
             .bos_token_id
             .as_ref()
             .and_then(|t| t.to_vec().first().copied());
+        for (key, id) in bos_token_id
+            .map(|b| ("bos_token_id", b))
+            .into_iter()
+            .chain(eos_token_ids.iter().map(|&e| ("eos_token_id", e)))
+        {
+            if id as usize >= vocab_size {
+                return Err(err(format!(
+                    "{key} {id} is outside the vocabulary (vocab_size {vocab_size})"
+                )));
+            }
+        }
         let is_qwen2 = self.model_type.as_deref() == Some("qwen2")
             || self
                 .architectures

@@ -32,6 +32,29 @@ pub enum Error {
     /// Generation cannot continue (context exhausted, empty prompt, ...).
     #[error("{0}")]
     Generate(String),
+    /// The model computed NaN or Inf: named by what went non-finite and where.
+    #[error("{0}")]
+    NonFinite(String),
+    /// Writing a result failed (`stream` is "stdout" or "stderr"). A closed pipe
+    /// ([`Error::is_broken_pipe`]) is not reported: the reader has gone away.
+    #[error("writing to {stream}: {}", io_message(.source))]
+    Write {
+        stream: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The run was stopped by SIGINT (ctrl-c) after printing its partial results.
+    #[error("interrupted ({0})")]
+    Interrupted(String),
+}
+
+/// An I/O error's description without the " (os error N)" suffix.
+pub fn io_message(e: &std::io::Error) -> String {
+    let s = e.to_string();
+    match s.rfind(" (os error ") {
+        Some(i) if s.ends_with(')') => s[..i].to_string(),
+        _ => s,
+    }
 }
 
 impl Error {
@@ -69,6 +92,13 @@ impl Error {
             path: path.into(),
             msg: msg.into(),
         }
+    }
+    pub fn write(stream: &'static str, source: std::io::Error) -> Self {
+        Error::Write { stream, source }
+    }
+    /// A write to a pipe whose reader has gone away (`| head`): the program stops quietly.
+    pub fn is_broken_pipe(&self) -> bool {
+        matches!(self, Error::Write { source, .. } if source.kind() == std::io::ErrorKind::BrokenPipe)
     }
     pub fn flag(flag: impl Into<String>, msg: impl Into<String>) -> Self {
         Error::Flag {

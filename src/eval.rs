@@ -29,6 +29,9 @@ pub struct PplResult {
     /// `nll[i]` = −log p(t_{i+1} | t_≤i).
     #[serde(skip)]
     pub nll: Vec<f64>,
+    /// Stopped early by SIGINT: the numbers cover the first `tokens` tokens only.
+    #[serde(skip)]
+    pub interrupted: bool,
 }
 
 /// Negative log-probability of `target` under `logits` (log-softmax in f64).
@@ -154,13 +157,14 @@ pub fn perplexity(
     // One row per attention layer: shared layers attend too (over another layer's rows).
     let mut sinks = sink_report.then(|| SinkAcc::new(engine.probs().len()));
     let mut nll = Vec::with_capacity(tokens.len() - 1);
+    let mut interrupted = false;
     for i in 0..tokens.len() - 1 {
-        let logits = engine.forward(tokens[i], i)?;
-        if logits.iter().any(|x| !x.is_finite()) {
-            return Err(Error::Generate(format!(
-                "non-finite logits at position {i}"
-            )));
+        if crate::interrupt::requested() {
+            interrupted = true;
+            break;
         }
+        let logits = engine.forward(tokens[i], i)?;
+        crate::generate::check_finite(logits, i)?;
         nll.push(nll_of(logits, tokens[i + 1]));
         if let Some(s) = sinks.as_mut() {
             s.add(engine, i);
@@ -168,6 +172,11 @@ pub fn perplexity(
         on_step(i + 1);
     }
     engine.set_record_probs(false);
+    if nll.is_empty() {
+        return Err(Error::Interrupted("before the first prediction".into()));
+    }
+    // After an interruption the result covers the tokens evaluated so far.
+    let tokens = &tokens[..nll.len() + 1];
     let nll_mean = nll.iter().sum::<f64>() / nll.len() as f64;
     // Chunk c holds the predictions of tokens [c·chunk, (c+1)·chunk) (token 0 is never
     // predicted, so the first chunk starts at 1).
@@ -191,22 +200,66 @@ pub fn perplexity(
             nll_mean,
             chunks,
             nll,
+            interrupted,
         },
         sinks.map(SinkAcc::finish),
     ))
 }
 
-/// Reads an evaluation text: a clear error for a missing, binary or empty file.
+/// Reads an evaluation text (`--text`): see [`read_text_for`].
 pub fn read_text(path: &std::path::Path) -> Result<String> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    if bytes.contains(&0) {
+    read_text_for(path, "--text")
+}
+
+/// Largest text file read (`--text`, `--prompts`).
+pub const MAX_TEXT_BYTES: u64 = 256 << 20;
+
+/// Reads a UTF-8 text file given to `flag`: a clear error for a missing, binary, empty or
+/// endless file. It is read in pieces, so `/dev/zero` is refused at its first NUL and an
+/// endless pipe at [`MAX_TEXT_BYTES`], before either fills memory.
+pub fn read_text_for(path: &std::path::Path, flag: &str) -> Result<String> {
+    use std::io::Read;
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if meta.is_dir() {
         return Err(Error::format(
             path,
-            "looks binary (contains NUL bytes); --text takes a UTF-8 text file",
+            format!("is a directory; {flag} takes a UTF-8 text file"),
         ));
     }
-    let text = String::from_utf8(bytes)
-        .map_err(|e| Error::format(path, format!("is not UTF-8 text ({e})")))?;
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut reader = file.take(MAX_TEXT_BYTES + 1);
+    let mut bytes = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = match reader.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(Error::io(path, e)),
+        };
+        if buf[..n].contains(&0) {
+            return Err(Error::format(
+                path,
+                format!("looks binary (contains NUL bytes); {flag} takes a UTF-8 text file"),
+            ));
+        }
+        bytes.extend_from_slice(&buf[..n]);
+        if bytes.len() as u64 > MAX_TEXT_BYTES {
+            return Err(Error::format(
+                path,
+                format!(
+                    "is larger than {} MiB; {flag} takes a text file of at most that size",
+                    MAX_TEXT_BYTES >> 20
+                ),
+            ));
+        }
+    }
+    let text = String::from_utf8(bytes).map_err(|e| {
+        Error::format(
+            path,
+            format!("is not UTF-8 text ({e}); {flag} takes a UTF-8 text file"),
+        )
+    })?;
     if text.trim().is_empty() {
         return Err(Error::format(path, "is empty"));
     }
@@ -281,12 +334,18 @@ pub fn parse_modes(
         kv.window = None;
         kv.sink = 0;
         if mode != "dense" {
+            let mut seen: Vec<&str> = Vec::new();
             for kvp in mode.split(',').map(str::trim) {
                 let (k, v) = kvp.split_once('=').ok_or_else(|| {
                     bad(format!(
                         "'{kvp}' in mode '{mode}' is not key=value (or 'dense')"
                     ))
                 })?;
+                let (k, v) = (k.trim(), v.trim());
+                if seen.contains(&k) {
+                    return Err(bad(format!("mode '{mode}' gives '{k}' twice")));
+                }
+                seen.push(k);
                 let num = || -> Result<usize> {
                     v.parse::<usize>().map_err(|_| {
                         bad(format!(
@@ -346,6 +405,9 @@ pub fn parse_modes(
             if kv.group_size == 0 {
                 return Err(bad(format!("mode '{mode}': group must be > 0")));
             }
+        }
+        if out.iter().any(|(m, _)| m == mode) {
+            return Err(bad(format!("mode '{mode}' is listed twice")));
         }
         out.push((mode.to_string(), kv));
     }

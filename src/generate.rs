@@ -168,7 +168,11 @@ pub struct GenerateOptions {
 #[derive(Debug, Clone)]
 pub struct GenerateResult {
     pub prompt_ids: Vec<u32>,
+    /// Empty when the run did not keep its ids ([`generate_with`]).
     pub generated_ids: Vec<u32>,
+    /// Tokens generated (EOS included when generation stopped on it).
+    pub generated_tokens: usize,
+    /// The continuation; empty when the run did not keep it.
     pub text: String,
     pub prefill_secs: f64,
     pub decode_secs: f64,
@@ -178,6 +182,8 @@ pub struct GenerateResult {
     pub current_length: usize,
     pub kv_bytes: usize,
     pub stopped_at_eos: bool,
+    /// Stopped early by SIGINT.
+    pub interrupted: bool,
 }
 
 impl GenerateResult {
@@ -199,7 +205,7 @@ fn rate(n: usize, secs: f64) -> f64 {
 
 /// Refuses a run that would pass the context length with an unbounded cache.
 pub fn check_context(prompt_len: usize, opts: &GenerateOptions) -> Result<()> {
-    let total = prompt_len + opts.max_tokens;
+    let total = prompt_len.saturating_add(opts.max_tokens);
     if !opts.bounded_cache && !opts.allow_past_context && total > opts.context_length {
         return Err(Error::Generate(format!(
             "prompt ({prompt_len} tokens) + --tokens {} = {total} tokens exceeds the model's context length ({}); \
@@ -211,23 +217,73 @@ pub fn check_context(prompt_len: usize, opts: &GenerateOptions) -> Result<()> {
     Ok(())
 }
 
-fn check_finite(logits: &[f32], pos: usize) -> Result<()> {
-    if logits.iter().any(|x| !x.is_finite()) {
-        return Err(Error::Generate(format!(
-            "the model produced non-finite logits at position {pos} (NaN/Inf in the weights or an overflow)"
+/// Refuses a bounded (StreamingLLM) cache that would still hold more rows than the model's
+/// context length: `total` tokens run, of which at most sink + window stay. A window larger
+/// than the context is no bound at all (`--allow-past-context` says so explicitly).
+pub fn check_cache_rows(
+    kv: &KvConfig,
+    total: usize,
+    context_length: usize,
+    allow_past_context: bool,
+) -> Result<()> {
+    let Some(window) = kv.window else {
+        return Ok(());
+    };
+    let cap = kv.sink.saturating_add(window);
+    let rows = total.min(cap);
+    if !allow_past_context && rows > context_length {
+        return Err(Error::flag(
+            "--streaming-llm-window",
+            format!(
+                "sink {} + window {window} would keep {rows} tokens in the cache, more than the \
+                 model's context length ({context_length}); make sink + window at most \
+                 {context_length}, or pass --allow-past-context",
+                kv.sink
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses non-finite logits (NaN/Inf weights, or an overflow) instead of sampling garbage.
+pub fn check_finite(logits: &[f32], pos: usize) -> Result<()> {
+    if let Some(i) = logits.iter().position(|x| !x.is_finite()) {
+        return Err(Error::NonFinite(format!(
+            "non-finite logits at position {pos} (logit {i} = {}): check the model's weights \
+             (NaN/Inf in a tensor) or its activations (an overflow)",
+            logits[i]
         )));
     }
     Ok(())
 }
 
 /// Prefills `prompt_ids`, then samples up to `max_tokens` new tokens. `on_text` receives
-/// the decoded text as it is produced.
+/// the decoded text as it is produced. Keeps the generated ids and text in the result
+/// (memory grows with the tokens; see [`generate_with`] for a run that holds nothing).
 pub fn generate(
     engine: &mut dyn Engine,
     tok: &Tokenizer,
     prompt_ids: &[u32],
     opts: &GenerateOptions,
     on_text: &mut dyn FnMut(&str),
+) -> Result<GenerateResult> {
+    generate_with(engine, tok, prompt_ids, opts, true, &mut |s| {
+        on_text(s);
+        Ok(())
+    })
+}
+
+/// [`generate`] with a fallible `on_text` (an error stops the run and is returned) and a
+/// choice: `keep` holds `generated_ids` and `text` in the result; without it nothing grows
+/// with the number of generated tokens (both stay empty; `generated_tokens` counts). Stops
+/// early, with `interrupted` set, once [`crate::interrupt::requested`].
+pub fn generate_with(
+    engine: &mut dyn Engine,
+    tok: &Tokenizer,
+    prompt_ids: &[u32],
+    opts: &GenerateOptions,
+    keep: bool,
+    on_text: &mut dyn FnMut(&str) -> Result<()>,
 ) -> Result<GenerateResult> {
     if prompt_ids.is_empty() {
         return Err(Error::Generate(
@@ -246,21 +302,30 @@ pub fn generate(
     let prefill_secs = t0.elapsed().as_secs_f64();
 
     let mut generated = Vec::new();
+    let mut n_generated = 0usize;
     let mut stream = StreamDecoder::new();
     let mut stopped_at_eos = false;
+    let mut interrupted = false;
     let t1 = Instant::now();
     let mut decode_steps = 0usize;
-    while generated.len() < opts.max_tokens {
-        generated.push(next);
+    while n_generated < opts.max_tokens {
+        if crate::interrupt::requested() {
+            interrupted = true;
+            break;
+        }
+        n_generated += 1;
+        if keep {
+            generated.push(next);
+        }
         if tok.is_eos(next) && !opts.ignore_eos {
             stopped_at_eos = true;
             break;
         }
         let delta = stream.push(tok, next)?;
         if !delta.is_empty() {
-            on_text(&delta);
+            on_text(&delta)?;
         }
-        if generated.len() == opts.max_tokens {
+        if n_generated == opts.max_tokens {
             break;
         }
         let logits = engine.forward(next, pos)?;
@@ -270,15 +335,16 @@ pub fn generate(
         next = sampler.sample(logits);
     }
     let decode_secs = t1.elapsed().as_secs_f64();
-    let text_ids: Vec<u32> = if stopped_at_eos {
-        generated[..generated.len() - 1].to_vec()
+    let text = if keep {
+        let n = generated.len() - usize::from(stopped_at_eos);
+        tok.decode(&generated[..n])?
     } else {
-        generated.clone()
+        String::new()
     };
-    let text = tok.decode(&text_ids)?;
     Ok(GenerateResult {
         prompt_ids: prompt_ids.to_vec(),
         generated_ids: generated,
+        generated_tokens: n_generated,
         text,
         prefill_secs,
         decode_secs,
@@ -287,5 +353,6 @@ pub fn generate(
         current_length: pos,
         kv_bytes: engine.kv_bytes(),
         stopped_at_eos,
+        interrupted,
     })
 }

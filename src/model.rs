@@ -377,6 +377,7 @@ impl Model {
                 if let Some(b) = &lw.bv {
                     ops::add_assign(&mut s.v, b);
                 }
+                check_finite_kv(&s.k, &s.v, l, pos)?;
                 attend(
                     c,
                     &self.rope,
@@ -417,6 +418,7 @@ impl Model {
             ops::add_assign(&mut s.x, &s.proj);
         }
         ops::rmsnorm(&s.x, &self.norm, c.rms_norm_eps, &mut s.h);
+        check_finite_hidden(&s.h, pos)?;
         matvec(&self.lm_head, &s.h, &mut s.logits);
         Ok(())
     }
@@ -496,6 +498,7 @@ impl Model {
                             .for_each(|r| ops::add_assign(r, b));
                     }
                 }
+                check_finite_kv(&k, &v, l, start)?;
                 if self.kv_source.iter().skip(l + 1).any(|&src| src == l) {
                     replay[l] = Some((s.cache.layer(l).clone(), k.clone(), v.clone()));
                 }
@@ -553,6 +556,7 @@ impl Model {
         match all_logits {
             Some(all) => {
                 norm_rows(&x, &self.norm, &mut h);
+                check_finite_hidden(&h, start)?;
                 all.resize(n * c.vocab_size, 0.0);
                 matmul(&self.lm_head, &h, n, all);
                 s.logits
@@ -561,11 +565,35 @@ impl Model {
             None => {
                 let last = &x[(n - 1) * hd..n * hd];
                 ops::rmsnorm(last, &self.norm, c.rms_norm_eps, &mut s.h);
+                check_finite_hidden(&s.h, start + n - 1)?;
                 matvec(&self.lm_head, &s.h, &mut s.logits);
             }
         }
         Ok(())
     }
+}
+
+/// Per-step NaN/Inf checks (a few hundred compares per token). They matter on the native
+/// quantised path: its matvec quantises the activation, and the KIVI cache its rows, with
+/// scales taken by `f32::max`, which skips NaN, so NaN would silently become zeros.
+fn check_finite_hidden(h: &[f32], pos: usize) -> Result<()> {
+    if h.iter().any(|x| !x.is_finite()) {
+        return Err(Error::NonFinite(format!(
+            "non-finite hidden state at position {pos} after the final norm (model.norm.weight): \
+             check the model's weights, or an activation overflowed"
+        )));
+    }
+    Ok(())
+}
+
+fn check_finite_kv(k: &[f32], v: &[f32], layer: usize, pos: usize) -> Result<()> {
+    if k.iter().chain(v).any(|x| !x.is_finite()) {
+        return Err(Error::NonFinite(format!(
+            "non-finite K/V row in layer {layer} at position {pos} (model.layers.{layer}.self_attn): \
+             check the model's weights, or an activation overflowed"
+        )));
+    }
+    Ok(())
 }
 
 /// Builds the scalar reference model from the same files: every weight dequantised to f32
@@ -738,6 +766,9 @@ impl Model {
                     buf.chunks_exact_mut(d).for_each(|r| ops::add_assign(r, b));
                 }
             }
+            if shared_source.is_none() {
+                check_finite_kv(&k, &v, l, steps[0].start)?;
+            }
             // Split `att` into each sequence's rows, then attend per sequence.
             let mut att_parts: Vec<&mut [f32]> = Vec::with_capacity(steps.len());
             let mut rest: &mut [f32] = &mut att;
@@ -808,6 +839,7 @@ impl Model {
         for ((st, &o), hr) in steps.iter().zip(&offsets).zip(last.chunks_exact_mut(hd)) {
             let r = o + st.tokens.len() - 1;
             ops::rmsnorm(&x[r * hd..(r + 1) * hd], &self.norm, c.rms_norm_eps, hr);
+            check_finite_hidden(hr, st.start + st.tokens.len() - 1)?;
         }
         let mut logits = vec![0.0f32; b * c.vocab_size];
         matmul(&self.lm_head, &last, b, &mut logits);

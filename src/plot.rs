@@ -31,7 +31,10 @@ fn font_available() -> bool {
                 }
             }
         }
-        eprintln!("warning: no TrueType font found; the chart has no labels");
+        // A closed stderr must not turn a warning into a panic.
+        let _ = crate::cli::out::err(format_args!(
+            "warning: no TrueType font found; the chart has no labels\n"
+        ));
         false
     })
 }
@@ -145,5 +148,35 @@ where
             .map_err(|x| e(&x))?;
     }
     root.present().map_err(|x| e(&x))?;
+    Ok(())
+}
+
+/// Checks, before any work is done, that a chart can be written to `path`: a `.png` or
+/// `.svg` name in an existing, writable directory. A file that did not exist is removed
+/// again.
+pub fn check_output(path: &Path) -> Result<()> {
+    let bad = |m: String| Error::flag("--plot", format!("{}: {m}", path.display()));
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    if !ext.eq_ignore_ascii_case("png") && !ext.eq_ignore_ascii_case("svg") {
+        return Err(bad("expected a .png or .svg file name".into()));
+    }
+    if path.is_dir() {
+        return Err(bad("is a directory".into()));
+    }
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(|e| {
+            bad(format!(
+                "cannot be written: {}",
+                crate::error::io_message(&e)
+            ))
+        })?;
+    if !existed {
+        let _ = std::fs::remove_file(path);
+    }
     Ok(())
 }

@@ -17,6 +17,14 @@ pub struct Tokenizer {
 impl Tokenizer {
     /// Parses a tokenizer.json text; `path` names it in errors.
     pub fn from_json(json: &str, path: &Path, cfg: &Config) -> Result<Self> {
+        // Syntax first: tokenizers 0.22 panics ("Helper") on a syntax error inside the
+        // "decoder" object instead of returning it (found by the safetensors_load fuzzer).
+        serde_json::from_str::<serde::de::IgnoredAny>(json).map_err(|e| {
+            Error::tokenizer(
+                path,
+                format!("cannot parse tokenizer.json: not valid JSON ({e})"),
+            )
+        })?;
         let inner: tokenizers::Tokenizer = json
             .parse()
             .map_err(|e| Error::tokenizer(path, format!("cannot parse tokenizer.json: {e}")))?;
@@ -123,6 +131,10 @@ impl StreamDecoder {
     }
 
     /// Adds one id; returns the new text it completes (possibly empty).
+    ///
+    /// Ids before `prev` are dropped once emitted, so memory stays flat however long the
+    /// stream runs; a tail that decodes to nothing for [`Self::MAX_PENDING`] ids (special
+    /// tokens, which decoding skips) is flushed as it stands.
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
         let prev_text = if self.cur > self.prev {
@@ -131,14 +143,32 @@ impl StreamDecoder {
             String::new()
         };
         let text = tok.decode(&self.ids[self.prev..])?;
+        let mut delta = String::new();
         if text.len() > prev_text.len() && !text.ends_with('\u{FFFD}') {
-            if let Some(delta) = text.get(prev_text.len()..) {
-                let delta = delta.to_string();
+            if let Some(d) = text.get(prev_text.len()..) {
+                delta = d.to_string();
                 self.prev = self.cur;
                 self.cur = self.ids.len();
-                return Ok(delta);
             }
+        } else if self.ids.len() - self.cur > Self::MAX_PENDING {
+            // Nothing printable for a long run of ids: restart the window after them.
+            delta = text.get(prev_text.len()..).unwrap_or("").to_string();
+            self.prev = self.ids.len();
+            self.cur = self.ids.len();
         }
-        Ok(String::new())
+        if self.prev > 0 {
+            self.ids.drain(..self.prev);
+            self.cur -= self.prev;
+            self.prev = 0;
+        }
+        Ok(delta)
+    }
+
+    /// Ids held beyond the last emitted text before they are flushed anyway.
+    pub const MAX_PENDING: usize = 64;
+
+    /// Ids held now (bounded: at most the last emitted run plus [`Self::MAX_PENDING`]).
+    pub fn held(&self) -> usize {
+        self.ids.len()
     }
 }

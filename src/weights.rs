@@ -56,6 +56,7 @@ impl Backing {
 
     /// Memory-maps `path` read-only.
     pub fn mmap(path: &Path) -> Result<Backing> {
+        regular_file(path)?;
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: the map is read-only and private to this process. Another process
         // truncating or rewriting the model file while we run is outside our control
@@ -235,8 +236,84 @@ pub const BUNDLED_NAME: &str = "<bundled tiny model>";
 
 impl ModelFiles {
     /// Opens `MODEL`: a Hugging Face directory, a `.gguf`, a `.tinygpt`, or (None) the
-    /// bundled default model.
+    /// bundled default model. The config is checked against the tensors (every tensor the
+    /// forward pass needs, with its shape) and every weight against NaN/Inf before anything
+    /// is allocated from the config's sizes.
     pub fn open(path: Option<&Path>) -> Result<ModelFiles> {
+        let files = Self::open_unchecked(path)?;
+        files.check_layer_count()?;
+        crate::model::ModelTensors::collect(&files)?;
+        files.check_finite()?;
+        Ok(files)
+    }
+
+    /// Reads a `.tinygpt` (safetensors with the config and tokenizer in its metadata) from
+    /// bytes in memory, with the same checks as [`open`](Self::open) (tests, fuzzing).
+    pub fn from_tinygpt_bytes(bytes: &[u8], path: &Path) -> Result<ModelFiles> {
+        let files =
+            Self::from_tinygpt_backing(Arc::new(Backing::owned(bytes)), path, Format::Tinygpt)?;
+        files.check_layer_count()?;
+        crate::model::ModelTensors::collect(&files)?;
+        files.check_finite()?;
+        Ok(files)
+    }
+
+    /// The file that holds the config, for messages.
+    fn config_path(&self) -> PathBuf {
+        match self.format {
+            Format::HfDir => self.path.join("config.json"),
+            _ => self.path.clone(),
+        }
+    }
+
+    /// Refuses a config that promises more layers than the weights hold, before a vector
+    /// of `num_hidden_layers` anything is allocated.
+    fn check_layer_count(&self) -> Result<()> {
+        let held = self
+            .tensors
+            .keys()
+            .filter_map(|n| {
+                n.strip_prefix("model.layers.")?
+                    .split('.')
+                    .next()?
+                    .parse::<usize>()
+                    .ok()
+            })
+            .max()
+            .map_or(0, |m| m + 1);
+        if self.config.n_layers > held {
+            return Err(Error::config(
+                self.config_path(),
+                format!(
+                    "num_hidden_layers is {} but the weights hold {held} layer(s)",
+                    self.config.n_layers
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a weight holding NaN or Inf (for block-quantised tensors: a non-finite scale
+    /// or minimum), naming the tensor. One pass over the weights, in parallel.
+    pub fn check_finite(&self) -> Result<()> {
+        use rayon::prelude::*;
+        let tensors: Vec<&Tensor> = self.tensors.values().collect();
+        let bad = tensors
+            .par_iter()
+            .find_map_first(|t| first_non_finite(t.dtype, t.data.bytes()).map(|i| (t, i)));
+        match bad {
+            Some((t, i)) => Err(Error::tensor(
+                &self.path,
+                &t.name,
+                format!(
+                    "holds a non-finite value (NaN or Inf) at element {i}: the weights are corrupt"
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    fn open_unchecked(path: Option<&Path>) -> Result<ModelFiles> {
         let Some(path) = path else {
             return Self::from_tinygpt_backing(
                 Arc::new(Backing::Static(&BUNDLED.0)),
@@ -248,6 +325,8 @@ impl ModelFiles {
         if meta.is_dir() {
             return Self::open_hf_dir(path);
         }
+        // A FIFO would block in open(), a device has no size: only regular files hold models.
+        regular_file(path)?;
         let mut magic = [0u8; 4];
         {
             use std::io::Read;
@@ -260,6 +339,16 @@ impl ModelFiles {
         if &magic == b"GGUF" {
             return Self::open_gguf(path);
         }
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        if ext.eq_ignore_ascii_case("gguf") {
+            return Err(Error::format(
+                path,
+                format!(
+                    "not a GGUF file: it starts with {:02x?} instead of the magic \"GGUF\"",
+                    &magic[..meta.len().min(4) as usize]
+                ),
+            ));
+        }
         let backing = Arc::new(Backing::mmap(path)?);
         Self::from_tinygpt_backing(backing, path, Format::Tinygpt)
     }
@@ -270,6 +359,7 @@ impl ModelFiles {
         format: Format,
     ) -> Result<ModelFiles> {
         let bytes = backing.bytes();
+        check_safetensors_header(bytes, path)?;
         let (_, st_meta) = safetensors::SafeTensors::read_metadata(bytes)
             .map_err(|e| Error::format(path, format!("not a .tinygpt/safetensors file: {e}")))?;
         let md = st_meta.metadata().clone().unwrap_or_default();
@@ -301,23 +391,22 @@ impl ModelFiles {
 
     fn open_hf_dir(dir: &Path) -> Result<ModelFiles> {
         let config_path = dir.join("config.json");
-        if !config_path.is_file() {
+        if !config_path.exists() {
             return Err(Error::format(
                 dir,
                 "directory has no config.json (expected a Hugging Face model directory)",
             ));
         }
-        let config_json =
-            std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+        let config_json = read_side_file(&config_path)?;
         let config = HfConfig::from_json(&config_json, &config_path)?.validate(&config_path)?;
 
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
         let mut files: Vec<PathBuf> = Vec::new();
-        if single.is_file() {
+        if single.exists() {
             files.push(single);
-        } else if index.is_file() {
-            let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+        } else if index.exists() {
+            let text = read_side_file(&index)?;
             let v: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| Error::format(&index, format!("not valid JSON: {e}")))?;
             let map = v
@@ -357,10 +446,10 @@ impl ModelFiles {
             }
         }
         let tok_path = dir.join("tokenizer.json");
-        if !tok_path.is_file() {
+        if !tok_path.exists() {
             return Err(Error::format(dir, "directory has no tokenizer.json"));
         }
-        let tok_json = std::fs::read_to_string(&tok_path).map_err(|e| Error::io(&tok_path, e))?;
+        let tok_json = read_side_file(&tok_path)?;
         let tokenizer = Tokenizer::from_json(&tok_json, &tok_path, &config)?;
         let chat_template = read_chat_template(dir);
         Ok(ModelFiles {
@@ -465,7 +554,7 @@ impl ModelFiles {
 
 /// Chat template from tokenizer_config.json (a string, or a list of named templates).
 fn read_chat_template(dir: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(dir.join("tokenizer_config.json")).ok();
+    let text = read_side_file(&dir.join("tokenizer_config.json")).ok();
     let from_cfg = text.and_then(|t| {
         let v: serde_json::Value = serde_json::from_str(&t).ok()?;
         match v.get("chat_template")? {
@@ -478,12 +567,174 @@ fn read_chat_template(dir: &Path) -> Option<String> {
             _ => None,
         }
     });
-    from_cfg.or_else(|| std::fs::read_to_string(dir.join("chat_template.jinja")).ok())
+    from_cfg.or_else(|| read_side_file(&dir.join("chat_template.jinja")).ok())
+}
+
+/// Largest JSON/text side file of a model directory read (tokenizer.json of a 256K
+/// vocabulary is ~20 MiB).
+pub const MAX_SIDE_FILE_BYTES: u64 = 256 << 20;
+
+/// Metadata of `path`, refused unless it is a regular file (a FIFO would block in
+/// `open`, `/dev/zero` never ends, a directory is not a file).
+pub fn regular_file(path: &Path) -> Result<std::fs::Metadata> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        let kind = if meta.is_dir() {
+            "a directory"
+        } else {
+            "not a regular file (a FIFO, device or socket)"
+        };
+        return Err(Error::format(
+            path,
+            format!("is {kind}; expected a model file"),
+        ));
+    }
+    Ok(meta)
+}
+
+/// Reads a side file (config.json, tokenizer.json, ...) as text: a regular file of at most
+/// [`MAX_SIDE_FILE_BYTES`].
+pub fn read_side_file(path: &Path) -> Result<String> {
+    let meta = regular_file(path)?;
+    if meta.len() > MAX_SIDE_FILE_BYTES {
+        return Err(Error::format(
+            path,
+            format!(
+                "is {} bytes; a model's JSON/text files are at most {} MiB",
+                meta.len(),
+                MAX_SIDE_FILE_BYTES >> 20
+            ),
+        ));
+    }
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    String::from_utf8(bytes).map_err(|e| Error::format(path, format!("is not UTF-8 text ({e})")))
+}
+
+/// Checks a safetensors header the way the `safetensors` crate does, but naming the
+/// tensor at fault: the header length, the JSON, and each tensor's shape, dtype and data
+/// offsets against the data section.
+pub fn check_safetensors_header(bytes: &[u8], path: &Path) -> Result<()> {
+    if bytes.len() < 8 {
+        return Err(Error::format(
+            path,
+            format!(
+                "not a safetensors file: {} bytes, shorter than the 8-byte header length",
+                bytes.len()
+            ),
+        ));
+    }
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+    let rest = (bytes.len() - 8) as u64;
+    if n > rest {
+        return Err(Error::format(
+            path,
+            format!("not a safetensors file: the header length {n} runs past the end of the file ({} bytes)", bytes.len()),
+        ));
+    }
+    let header = &bytes[8..8 + n as usize];
+    let v: serde_json::Value = serde_json::from_slice(header).map_err(|e| {
+        Error::format(
+            path,
+            format!("not a safetensors file: its header is not JSON ({e})"),
+        )
+    })?;
+    let obj = v.as_object().ok_or_else(|| {
+        Error::format(
+            path,
+            "not a safetensors file: its header is not a JSON object",
+        )
+    })?;
+    let data_len = rest - n;
+    for (name, info) in obj.iter().filter(|(k, _)| k.as_str() != "__metadata__") {
+        let bad = |m: String| Error::tensor(path, name, m);
+        let dtype = info
+            .get("dtype")
+            .and_then(|d| d.as_str())
+            .ok_or_else(|| bad("has no 'dtype'".into()))?;
+        let shape: Vec<u64> = info
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|x| x.as_u64()).collect())
+            .ok_or_else(|| bad("'shape' is not a list of non-negative integers".into()))?;
+        let offsets: Vec<u64> = info
+            .get("data_offsets")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|x| x.as_u64()).collect())
+            .filter(|o: &Vec<u64>| o.len() == 2)
+            .ok_or_else(|| bad("'data_offsets' is not a pair of byte offsets".into()))?;
+        let (begin, end) = (offsets[0], offsets[1]);
+        if begin > end || end > data_len {
+            return Err(bad(format!(
+                "data_offsets [{begin}, {end}] lie outside the data section ({data_len} bytes)"
+            )));
+        }
+        let elem: Option<u64> = match dtype {
+            "F64" | "I64" | "U64" => Some(8),
+            "F32" | "I32" | "U32" => Some(4),
+            "F16" | "BF16" | "I16" | "U16" => Some(2),
+            "I8" | "U8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => Some(1),
+            _ => None,
+        };
+        let need = shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .and_then(|numel| elem.map(|e| numel.checked_mul(e)))
+            .ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
+        if let Some(need) = need {
+            if need != end - begin {
+                return Err(bad(format!(
+                    "shape {shape:?} of {dtype} needs {need} bytes but data_offsets [{begin}, {end}] hold {}",
+                    end - begin
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Index of the first non-finite value of a tensor's bytes (for block types: the first
+/// element of the first block whose f16 scale or minimum is NaN/Inf), or `None`.
+pub fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<usize> {
+    // An IEEE value is NaN/Inf when its exponent bits are all ones.
+    fn scan16(bytes: &[u8], mask: u16) -> Option<usize> {
+        bytes
+            .chunks_exact(2)
+            .position(|c| u16::from_le_bytes([c[0], c[1]]) & mask == mask)
+    }
+    match dtype {
+        DType::F32 => {
+            const MASK: u32 = 0x7f80_0000;
+            // Word-wise OR-reduction first (vectorises), then locate.
+            let bad_word = |c: &[u8]| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & MASK == MASK;
+            let mut base = 0;
+            for chunk in bytes.chunks(4096) {
+                if chunk
+                    .chunks_exact(4)
+                    .fold(false, |acc, c| acc | bad_word(c))
+                {
+                    return chunk.chunks_exact(4).position(bad_word).map(|i| base + i);
+                }
+                base += chunk.len() / 4;
+            }
+            None
+        }
+        DType::F16 => scan16(bytes, 0x7c00),
+        DType::BF16 => scan16(bytes, 0x7f80),
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+            // Q8_0 and Q4_0 start each block with an f16 scale, Q4_1 with a scale and a minimum.
+            let halves = if dtype == DType::Q4_1 { 4 } else { 2 };
+            bytes
+                .chunks_exact(dtype.block_bytes())
+                .position(|b| scan16(&b[..halves], 0x7c00).is_some())
+                .map(|blk| blk * dtype.block_len())
+        }
+    }
 }
 
 /// Reads every tensor of a safetensors buffer, keeping views into `backing`.
 fn read_safetensors(backing: &Arc<Backing>, path: &Path) -> Result<BTreeMap<String, Tensor>> {
     let bytes = backing.bytes();
+    check_safetensors_header(bytes, path)?;
     let st = safetensors::SafeTensors::deserialize(bytes)
         .map_err(|e| Error::format(path, format!("invalid safetensors file: {e}")))?;
     let base = bytes.as_ptr() as usize;

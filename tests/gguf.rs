@@ -1259,7 +1259,15 @@ fn files_written_by_gguf_py_parse() {
 #[test]
 fn huge_block_count_is_an_error_without_allocating() {
     // Found by the fuzzer: a block count of 2^40 used to build a per-layer table first.
+    // (Since issue 11 the config's bound on the layer count refuses it before the tensors.)
     let g = tiny_model(3).kv("llama.block_count", V::U64(1 << 40));
+    let e = open_err(&g);
+    assert!(
+        e.contains("num_hidden_layers") && e.contains("1099511627776"),
+        "{e}"
+    );
+    // A count within the bound but beyond the tensors names the first missing tensor.
+    let g = tiny_model(3).kv("llama.block_count", V::U64(1000));
     let e = open_err(&g);
     assert!(
         e.contains("tensor 'blk.2.attn_norm.weight'") && e.contains("missing"),

@@ -58,6 +58,7 @@ fn combos() -> Vec<KvConfig> {
                     sink: if streaming { SINK } else { 0 },
                     window: streaming.then_some(WINDOW),
                     positions,
+                    ..KvConfig::default()
                 });
             }
         }
@@ -74,6 +75,7 @@ fn engine_vs_reference(p: Precision) -> f32 {
         Precision::Bf16 => 2e-2,
         Precision::Int8 => 5e-2,
         Precision::Int4 => 0.25,
+        Precision::Int2 => 1.0,
     }
 }
 

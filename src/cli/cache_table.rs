@@ -4,6 +4,7 @@ use super::common::{human_bytes, open_model};
 use crate::error::Error;
 use crate::eval::apply_quant_mode;
 use crate::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
+use crate::outln;
 use crate::plot::{line_chart, Series};
 use clap::Args;
 use std::path::PathBuf;
@@ -109,8 +110,22 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
     if names.is_empty() {
         return Err(Error::flag("--modes", "no modes given").into());
     }
+    if let Some(p) = &a.plot {
+        crate::plot::check_output(p)?;
+    }
     let files = open_model(&a.model)?;
     let cfg = &files.config;
+    // The largest cache measured is the dense fp32 one at the longest length.
+    let longest = lengths.iter().copied().max().unwrap_or(0);
+    let bytes = longest as u128
+        * crate::memory::kv_bytes_per_token(cfg, Precision::Fp32)
+        * crate::memory::GROWTH_SLACK;
+    crate::memory::check_fits(bytes).map_err(|m| {
+        Error::flag(
+            "--lengths",
+            format!("a dense fp32 cache of {longest} tokens of this model {m}"),
+        )
+    })?;
     let mut rows = Vec::new();
     let mut series = Vec::new();
     for streaming in [false, true] {
@@ -179,7 +194,7 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
             .iter()
             .map(|(m, _, _, t, b)| serde_json::json!({"mode": m, "tokens": t, "bytes": b}))
             .collect();
-        println!("{}", serde_json::json!({ "rows": v }));
+        outln!("{}", serde_json::json!({ "rows": v }))?;
         return Ok(());
     }
     let sliding = (0..cfg.layers_with_kv())
@@ -195,19 +210,19 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
             cfg.n_layers
         )
     };
-    println!(
+    outln!(
         "KV cache of {} ({layers} x {} KV heads x head_dim {}), group {}; bytes measured from filled caches",
         files.path.display(),
         cfg.n_kv_heads,
         cfg.head_dim,
         a.group_size
-    );
-    println!(
+    )?;
+    outln!(
         "{:<28} {:>8} {:>14} {:>12} {:>9} {:>9}",
         "mode", "tokens", "bytes", "", "vs fp32", "vs bf16"
-    );
+    )?;
     for (m, fp32, bf16, t, b) in &rows {
-        println!(
+        outln!(
             "{:<28} {:>8} {:>14} {:>12} {:>9.3} {:>9.3}",
             m,
             t,
@@ -215,7 +230,7 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
             human_bytes(*b as u64),
             *b as f64 / (*fp32).max(1) as f64,
             *b as f64 / (*bf16).max(1) as f64
-        );
+        )?;
     }
     Ok(())
 }

@@ -244,6 +244,7 @@ pub enum Loaded {
 impl Loaded {
     pub fn load(files: &ModelFiles, engine: &EngineArgs) -> Result<Loaded> {
         let w = engine.weights_dtype(files.format);
+        crate::memory::check_weights_fit(files, w, engine.engine == EngineKind::Reference)?;
         Ok(match engine.engine {
             EngineKind::Optimized => Loaded::Optimized(crate::model::Model::load(files, w)?),
             EngineKind::Reference => Loaded::Reference(crate::model::reference_model(files, w)?),

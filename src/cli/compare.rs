@@ -4,8 +4,9 @@ use super::common::{open_model, CacheArgs, EngineArgs, Loaded};
 use super::perplexity::mode_name;
 use crate::error::Error;
 use crate::eval::{apply_quant_mode, parse_modes};
-use crate::generate::{generate, GenerateOptions};
+use crate::generate::{check_cache_rows, generate, GenerateOptions};
 use crate::kv_cache::Precision;
+use crate::outln;
 use crate::sampler::SamplerConfig;
 use clap::Args;
 use std::path::PathBuf;
@@ -43,7 +44,14 @@ pub fn run(a: CompareArgs) -> anyhow::Result<()> {
 
 fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
     let base = a.cache.kv_config()?;
-    let text = crate::eval::read_text(&a.prompts)?;
+    if a.tokens == 0 {
+        return Err(Error::flag(
+            "--tokens",
+            "must be at least 1 (agreement over zero tokens means nothing)",
+        )
+        .into());
+    }
+    let text = crate::eval::read_text_for(&a.prompts, "--prompts")?;
     let prompts: Vec<&str> = text
         .lines()
         .map(str::trim)
@@ -70,13 +78,24 @@ fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
     baseline.residual = 0;
     baseline.key_rope = crate::kv_cache::KeyRope::Post;
     let files = open_model(&a.model)?;
-    for (_, kv) in &modes {
+    for (_, kv) in modes
+        .iter()
+        .chain([(String::new(), baseline.clone())].iter())
+    {
         crate::kv_cache::validate(kv, &files.config)?;
     }
     let loaded = Loaded::load(&files, &a.engine)?;
     let mut rows = Vec::new();
     for prompt in &prompts {
         let ids = files.tokenizer.encode(prompt)?;
+        for (_, kv) in &modes {
+            check_cache_rows(
+                kv,
+                ids.len().saturating_add(a.tokens),
+                files.config.max_position_embeddings,
+                a.cache.allow_past_context,
+            )?;
+        }
         let greedy = |kv: &crate::kv_cache::KvConfig| -> anyhow::Result<Vec<u32>> {
             let opts = GenerateOptions {
                 max_tokens: a.tokens,
@@ -107,25 +126,25 @@ fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
         }
     }
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({ "baseline": mode_name(&baseline), "rows": rows })
-        );
+        )?;
         return Ok(());
     }
-    println!("{:<10} {:>6} {:>8}  prompt", "mode", "match", "tokens");
+    outln!("{:<10} {:>6} {:>8}  prompt", "mode", "match", "tokens")?;
     for r in &rows {
         let p = r["prompt"].as_str().unwrap_or("");
         let short: String = p.chars().take(50).collect();
-        println!(
+        outln!(
             "{:<10} {:>6} {:>8}  {short}",
             r["mode"].as_str().unwrap_or(""),
             r["prefix_match"],
             r["tokens"]
-        );
+        )?;
     }
-    println!();
-    println!("{:<10} {:>18}", "mode", "mean prefix match");
+    outln!()?;
+    outln!("{:<10} {:>18}", "mode", "mean prefix match")?;
     for (name, _) in &modes {
         let ms: Vec<f64> = rows
             .iter()
@@ -136,7 +155,7 @@ fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
             })
             .collect();
         let mean = ms.iter().sum::<f64>() / ms.len().max(1) as f64;
-        println!("{:<10} {:>17.1}%", name, mean * 100.0);
+        outln!("{:<10} {:>17.1}%", name, mean * 100.0)?;
     }
     Ok(())
 }

@@ -21,13 +21,45 @@ pub fn run(a: ConvertArgs) -> anyhow::Result<()> {
             Error::format(&a.hf_dir, "convert takes a Hugging Face model directory").into(),
         );
     }
+    check_not_an_input(&a.hf_dir, &a.out)?;
     write_tinygpt(&f, &a.out)?;
-    eprintln!(
+    crate::errln!(
         "wrote {} ({} tensors, {} parameters)",
         a.out.display(),
         f.tensors.len(),
         f.parameter_count()
-    );
+    )?;
+    Ok(())
+}
+
+/// Refuses an output path that is a directory or one of the files the model is read from
+/// (same device and inode, so links and `dir/../dir/x` spellings are caught too):
+/// overwriting its own input would destroy the model being converted.
+fn check_not_an_input(dir: &std::path::Path, out: &std::path::Path) -> crate::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(out_meta) = std::fs::metadata(out) else {
+        return Ok(()); // a new file cannot be an input
+    };
+    if out_meta.is_dir() {
+        return Err(Error::format(
+            out,
+            "is a directory; give the .tinygpt file to write",
+        ));
+    }
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+    for entry in entries.flatten() {
+        if let Ok(m) = std::fs::metadata(entry.path()) {
+            if m.dev() == out_meta.dev() && m.ino() == out_meta.ino() {
+                return Err(Error::format(
+                    out,
+                    format!(
+                        "is {}, one of the files being converted; write the .tinygpt elsewhere",
+                        entry.path().display()
+                    ),
+                ));
+            }
+        }
+    }
     Ok(())
 }
 
@@ -67,7 +99,17 @@ pub fn write_tinygpt(f: &ModelFiles, out: &std::path::Path) -> crate::Result<()>
     }
     let bytes = safetensors::serialize(views, Some(meta))
         .map_err(|e| Error::format(out, format!("cannot write: {e}")))?;
-    std::fs::write(out, align_data_section(&bytes)).map_err(|e| Error::io(out, e))?;
+    // Written beside the target and renamed over it: a failed write (full disk) never
+    // leaves a truncated model under the final name.
+    let mut tmp_name = out.file_name().unwrap_or_default().to_os_string();
+    tmp_name.push(format!(".tmp{}", std::process::id()));
+    let tmp = out.with_file_name(tmp_name);
+    let written =
+        std::fs::write(&tmp, align_data_section(&bytes)).and_then(|()| std::fs::rename(&tmp, out));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(Error::io(out, e));
+    }
     Ok(())
 }
 

@@ -1,6 +1,7 @@
 //! `tinygpt-cpu inspect`: what a model file holds.
 
 use super::common::human_bytes;
+use crate::outln;
 use crate::weights::ModelFiles;
 use clap::Args;
 use std::path::PathBuf;
@@ -14,42 +15,44 @@ pub struct InspectArgs {
 pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     let f = ModelFiles::open(a.model.as_deref())?;
     let c = &f.config;
-    println!("model:       {}", f.path.display());
-    println!("format:      {}", f.format.name());
-    println!(
+    outln!("model:       {}", f.path.display())?;
+    outln!("format:      {}", f.format.name())?;
+    outln!(
         "file size:   {} ({} bytes)",
         human_bytes(f.file_bytes),
         f.file_bytes
-    );
-    println!(
+    )?;
+    outln!(
         "parameters:  {} ({:.2}M)",
         f.parameter_count(),
         f.parameter_count() as f64 / 1e6
-    );
+    )?;
     let dt: Vec<String> = f
         .dtype_summary()
         .iter()
         .map(|(k, v)| format!("{k} x{v}"))
         .collect();
-    println!("dtypes:      {}", dt.join(", "));
-    println!(
+    outln!("dtypes:      {}", dt.join(", "))?;
+    outln!(
         "vocab:       {} (tokenizer: {})",
         c.vocab_size,
         f.tokenizer.vocab_size()
-    );
-    println!("hidden:      {}", c.hidden_size);
-    println!("layers:      {}", c.n_layers);
-    println!(
+    )?;
+    outln!("hidden:      {}", c.hidden_size)?;
+    outln!("layers:      {}", c.n_layers)?;
+    outln!(
         "heads:       {} (kv heads {}, head_dim {})",
-        c.n_heads, c.n_kv_heads, c.head_dim
-    );
-    println!("ffn:         {}", c.intermediate_size);
-    println!("context:     {}", c.max_position_embeddings);
-    println!("rope theta:  {} ({:?})", c.rope_theta, c.rope_scaling);
-    println!("rms eps:     {}", c.rms_norm_eps);
-    println!("tied embed:  {}", c.tie_word_embeddings);
+        c.n_heads,
+        c.n_kv_heads,
+        c.head_dim
+    )?;
+    outln!("ffn:         {}", c.intermediate_size)?;
+    outln!("context:     {}", c.max_position_embeddings)?;
+    outln!("rope theta:  {} ({:?})", c.rope_theta, c.rope_scaling)?;
+    outln!("rms eps:     {}", c.rms_norm_eps)?;
+    outln!("tied embed:  {}", c.tie_word_embeddings)?;
     if let Some(w) = c.sliding_window {
-        println!("sliding win: {w}");
+        outln!("sliding win: {w}")?;
     }
     if !c.layer_types.is_empty() {
         let types: Vec<String> = c
@@ -60,30 +63,31 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
                 crate::config::AttentionType::Sliding { window } => format!("sliding({window})"),
             })
             .collect();
-        println!("layer types: {}", types.join(", "));
+        outln!("layer types: {}", types.join(", "))?;
     }
     if c.num_kv_shared_layers > 0 {
         let shared: Vec<String> = (c.layers_with_kv()..c.n_layers)
             .map(|l| format!("{l}<-{}", c.kv_source(l).unwrap_or(l)))
             .collect();
-        println!(
+        outln!(
             "kv sharing:  {} of {} layers hold K/V; shared (layer<-source): {}",
             c.layers_with_kv(),
             c.n_layers,
             shared.join(", ")
-        );
+        )?;
     }
-    println!(
+    outln!(
         "bos/eos:     {:?} / {:?}",
-        c.bos_token_id, f.tokenizer.eos_ids
-    );
-    println!(
+        c.bos_token_id,
+        f.tokenizer.eos_ids
+    )?;
+    outln!(
         "chat tmpl:   {}",
         if f.chat_template.is_some() {
             "yes"
         } else {
             "no"
         }
-    );
+    )?;
     Ok(())
 }

@@ -5,6 +5,7 @@ pub mod common;
 pub mod compare;
 pub mod convert;
 pub mod inspect;
+pub mod out;
 pub mod perplexity;
 pub mod sample;
 pub mod serve;
@@ -40,7 +41,8 @@ pub enum Command {
     Serve(serve::ServeArgs),
 }
 
-/// Runs the parsed command.
+/// Runs the parsed command. Output goes through [`out`]: a closed or full stdout is an
+/// [`Error::Write`](crate::Error::Write), never a panic.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Sample(a) => sample::run(a),

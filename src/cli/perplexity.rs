@@ -3,9 +3,9 @@
 use super::common::{open_model, progress, CacheArgs, EngineArgs, Loaded};
 use crate::error::Error;
 use crate::eval::{parse_modes, perplexity, read_text, PplResult, SinkReport, SINK_POSITIONS};
-use crate::generate::{check_context, GenerateOptions};
+use crate::generate::check_cache_rows;
+use crate::outln;
 use crate::plot::{line_chart, Series};
-use crate::sampler::SamplerConfig;
 use clap::Args;
 use std::path::PathBuf;
 
@@ -46,6 +46,8 @@ pub struct PerplexityArgs {
 
 pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
     let engine = a.engine.clone();
+    crate::interrupt::install()
+        .map_err(|e| Error::Generate(format!("cannot handle SIGINT: {e}")))?;
     engine.in_pool(move || run_in_pool(a))
 }
 
@@ -54,18 +56,16 @@ fn run_in_pool(a: PerplexityArgs) -> anyhow::Result<()> {
     if a.chunk == 0 {
         return Err(Error::flag("--chunk", "must be > 0").into());
     }
-    if a.max_tokens == Some(0) {
-        return Err(Error::flag("--max-tokens", "must be > 0").into());
+    if let Some(n) = a.max_tokens.filter(|&n| n < 2) {
+        return Err(Error::flag(
+            "--max-tokens",
+            format!("must be at least 2 (perplexity predicts each token from the ones before it), got {n}"),
+        )
+        .into());
     }
     if let Some(p) = &a.plot {
-        let ext = p.extension().and_then(|e| e.to_str()).unwrap_or("");
-        if !ext.eq_ignore_ascii_case("png") && !ext.eq_ignore_ascii_case("svg") {
-            return Err(Error::flag(
-                "--plot",
-                format!("{}: expected a .png or .svg file name", p.display()),
-            )
-            .into());
-        }
+        // Before the evaluation, not after it: a bad path must not cost the results.
+        crate::plot::check_output(p)?;
     }
     let text = read_text(&a.text)?;
     let files = open_model(&a.model)?;
@@ -83,21 +83,44 @@ fn run_in_pool(a: PerplexityArgs) -> anyhow::Result<()> {
         )
         .into());
     }
+    if a.sink_report && tokens.len() < SINK_POSITIONS + 2 {
+        return Err(Error::flag(
+            "--sink-report",
+            format!(
+                "needs at least {} tokens of text (queries that can see the first {SINK_POSITIONS} positions); {} has {}",
+                SINK_POSITIONS + 2,
+                a.text.display(),
+                tokens.len()
+            ),
+        )
+        .into());
+    }
     let modes = match &a.compare_modes {
         Some(spec) => parse_modes(spec, &base)?,
         None => vec![(mode_name(&base), base.clone())],
     };
+    let ctx = files.config.max_position_embeddings;
     for (_, kv) in &modes {
         crate::kv_cache::validate(kv, &files.config)?;
-        let opts = GenerateOptions {
-            max_tokens: 0,
-            sampler: SamplerConfig::greedy(),
-            ignore_eos: true,
-            context_length: files.config.max_position_embeddings,
-            allow_past_context: a.cache.allow_past_context,
-            bounded_cache: kv.window.is_some(),
-        };
-        check_context(tokens.len(), &opts)?;
+        // The cache holds tokens.len() - 1 rows at most (the last token is only predicted).
+        let rows = tokens.len() - 1;
+        if kv.window.is_none() && !a.cache.allow_past_context && rows > ctx {
+            return Err(Error::Generate(format!(
+                "{} is {} tokens, more than the model's context length ({ctx}) with a dense cache; \
+                 evaluate fewer with --max-tokens {}, bound the cache with \
+                 --streaming-llm-sink N --streaming-llm-window M, or pass --allow-past-context",
+                a.text.display(),
+                tokens.len(),
+                ctx + 1
+            ))
+            .into());
+        }
+        check_cache_rows(kv, rows, ctx, a.cache.allow_past_context)?;
+        let bytes = rows.min(kv.window.map_or(usize::MAX, |w| kv.sink.saturating_add(w))) as u128
+            * crate::memory::kv_bytes_per_token(&files.config, crate::memory::widest_precision(&kv))
+            * crate::memory::GROWTH_SLACK;
+        crate::memory::check_fits(bytes)
+            .map_err(|m| Error::flag("--max-tokens", format!("the KV cache {m}")))?;
     }
     let loaded = Loaded::load(&files, &a.engine)?;
     let mut results: Vec<(String, PplResult, Option<SinkReport>)> = Vec::new();
@@ -110,9 +133,15 @@ fn run_in_pool(a: PerplexityArgs) -> anyhow::Result<()> {
             }
         })?;
         pb.finish_and_clear();
+        let stop = r.interrupted;
         results.push((name.clone(), r, s));
+        if stop {
+            break;
+        }
     }
 
+    print_results(&a, &results)?;
+    crate::cli::out::flush()?;
     if let Some(p) = &a.plot {
         let series: Vec<Series> = results
             .iter()
@@ -129,7 +158,20 @@ fn run_in_pool(a: PerplexityArgs) -> anyhow::Result<()> {
             &series,
         )?;
     }
+    if let Some((name, r, _)) = results.iter().find(|r| r.1.interrupted) {
+        return Err(Error::Interrupted(format!(
+            "mode {name} stopped after {} of {} tokens; the results above cover the tokens evaluated",
+            r.tokens,
+            tokens.len()
+        ))
+        .into());
+    }
+    Ok(())
+}
 
+type ModeResult = (String, PplResult, Option<SinkReport>);
+
+fn print_results(a: &PerplexityArgs, results: &[ModeResult]) -> anyhow::Result<()> {
     if a.json {
         let first = &results[0];
         let mut v = serde_json::json!({
@@ -155,31 +197,33 @@ fn run_in_pool(a: PerplexityArgs) -> anyhow::Result<()> {
         if let Some(s) = &first.2 {
             v["sink_report"] = serde_json::to_value(s)?;
         }
-        println!("{}", serde_json::to_string(&v)?);
+        outln!("{}", serde_json::to_string(&v)?)?;
         return Ok(());
     }
-    for (name, r, s) in &results {
-        println!(
+    for (name, r, s) in results {
+        outln!(
             "{name}: perplexity {:.4} (nll {:.4}) over {} tokens",
-            r.ppl, r.nll_mean, r.tokens
-        );
+            r.ppl,
+            r.nll_mean,
+            r.tokens
+        )?;
         for c in &r.chunks {
-            println!("  tokens [{:>6}, {:>6})  ppl {:.4}", c.start, c.end, c.ppl);
+            outln!("  tokens [{:>6}, {:>6})  ppl {:.4}", c.start, c.end, c.ppl)?;
         }
         if let Some(s) = s {
-            print_sinks(s);
+            print_sinks(s)?;
         }
     }
     if results.len() > 1 {
-        println!();
-        println!("{:<40} {:>12} {:>10}", "mode", "perplexity", "vs first");
-        for (name, r, _) in &results {
-            println!(
+        outln!()?;
+        outln!("{:<40} {:>12} {:>10}", "mode", "perplexity", "vs first")?;
+        for (name, r, _) in results {
+            outln!(
                 "{:<40} {:>12.4} {:>+9.2}%",
                 name,
                 r.ppl,
                 (r.ppl / results[0].1.ppl - 1.0) * 100.0
-            );
+            )?;
         }
     }
     Ok(())
@@ -211,21 +255,21 @@ fn smooth_nll(nll: &[f64], w: usize) -> Vec<(f64, f64)> {
         .collect()
 }
 
-fn print_sinks(s: &SinkReport) {
-    println!(
+fn print_sinks(s: &SinkReport) -> crate::Result<()> {
+    outln!(
         "  attention mass on the first {SINK_POSITIONS} positions (mean over {} queries and heads; uniform = {:.4}):",
         s.queries, s.uniform
-    );
+    )?;
     let head: Vec<String> = (0..SINK_POSITIONS).map(|p| format!("{p:>7}")).collect();
-    println!("  {:<8}{}", "layer", head.join(""));
+    outln!("  {:<8}{}", "layer", head.join(""))?;
     for (l, m) in s.per_layer.iter().enumerate() {
         let row: Vec<String> = m.iter().map(|v| format!("{v:>7.3}")).collect();
-        println!("  {:<8}{}", l, row.join(""));
+        outln!("  {:<8}{}", l, row.join(""))?;
     }
     let row: Vec<String> = s.overall.iter().map(|v| format!("{v:>7.3}")).collect();
-    println!("  {:<8}{}", "all", row.join(""));
-    println!(
+    outln!("  {:<8}{}", "all", row.join(""))?;
+    outln!(
         "  position 0 gets {:.1}x the uniform share",
         s.overall[0] / s.uniform.max(1e-12)
-    );
+    )
 }

@@ -3,13 +3,14 @@
 use super::common::{human_bytes, open_model, CacheArgs, EngineArgs, EngineKind};
 use crate::error::Error;
 use crate::generate::{
-    check_context, generate, Engine, EngineRun, GenerateOptions, GenerateResult, ReferenceRun,
+    check_cache_rows, check_context, generate_with, Engine, EngineRun, GenerateOptions,
+    GenerateResult, ReferenceRun,
 };
 use crate::kv_cache::KvConfig;
 use crate::model::{reference_model, Model};
 use crate::sampler::SamplerConfig;
+use crate::{errln, outln};
 use clap::Args;
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -17,20 +18,20 @@ use std::time::Instant;
 pub struct SampleArgs {
     /// A .tinygpt file, a .gguf file, or a Hugging Face model directory (default: the bundled model).
     pub model: Option<PathBuf>,
-    /// The text to continue.
-    #[arg(long)]
+    /// The text to continue (may start with '-').
+    #[arg(long, allow_hyphen_values = true)]
     pub prompt: String,
     /// Maximum new tokens.
     #[arg(long, default_value_t = 128)]
     pub tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Keep only the K most likely tokens (0 = off).
     #[arg(long = "top-k", default_value_t = 40)]
     pub top_k: usize,
     /// Nucleus sampling: keep the smallest set of tokens with this much probability.
-    #[arg(long = "top-p", default_value_t = 0.95)]
+    #[arg(long = "top-p", default_value_t = 0.95, allow_negative_numbers = true)]
     pub top_p: f32,
     /// RNG seed (default: random; the report prints it).
     #[arg(long)]
@@ -45,13 +46,17 @@ pub struct SampleArgs {
     /// Keep generating after the model's end-of-sequence token.
     #[arg(long = "ignore-eos")]
     pub ignore_eos: bool,
-    /// Print one JSON object on stdout instead of streaming text.
+    /// Print one JSON object on stdout instead of streaming text. The object lists every
+    /// generated id, so --json holds them (and the text) in memory until the end; without
+    /// it nothing grows with the number of generated tokens.
     #[arg(long)]
     pub json: bool,
 }
 
 pub fn run(a: SampleArgs) -> anyhow::Result<()> {
     let engine = a.engine.clone();
+    crate::interrupt::install()
+        .map_err(|e| Error::Generate(format!("cannot handle SIGINT: {e}")))?;
     engine.in_pool(move || run_in_pool(a))
 }
 
@@ -109,15 +114,36 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
         bounded_cache: kv.window.is_some(),
     };
     check_context(prompt_ids.len(), &opts)?;
+    let total = prompt_ids.len().saturating_add(a.tokens);
+    check_cache_rows(
+        &kv,
+        total,
+        files.config.max_position_embeddings,
+        a.cache.allow_past_context,
+    )?;
+    let rows = kv
+        .window
+        .map_or(total, |w| total.min(kv.sink.saturating_add(w)));
+    let kv_bytes = rows as u128
+        * crate::memory::kv_bytes_per_token(&files.config, crate::memory::widest_precision(&kv))
+        * crate::memory::GROWTH_SLACK;
+    crate::memory::check_fits(kv_bytes).map_err(|m| {
+        let flag = if kv.window.is_some() {
+            "--streaming-llm-window"
+        } else {
+            "--tokens"
+        };
+        Error::flag(flag, format!("a KV cache of {rows} tokens {m}"))
+    })?;
     let wdtype = a.engine.weights_dtype(files.format);
+    crate::memory::check_weights_fit(&files, wdtype, a.engine.engine == EngineKind::Reference)?;
 
-    let stdout = std::io::stdout();
     let json = a.json;
-    let mut on_text = |s: &str| {
-        if !json {
-            let mut out = stdout.lock();
-            let _ = out.write_all(s.as_bytes());
-            let _ = out.flush();
+    let mut on_text = |s: &str| -> crate::Result<()> {
+        if json {
+            Ok(())
+        } else {
+            crate::cli::out::stream(s)
         }
     };
     let (res, load_secs, layers_with_kv) = match a.engine.engine {
@@ -127,7 +153,14 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
             let mut run = EngineRun::new(&model, &kv);
             let lw = run.layers_with_kv();
             (
-                generate(&mut run, &files.tokenizer, &prompt_ids, &opts, &mut on_text)?,
+                generate_with(
+                    &mut run,
+                    &files.tokenizer,
+                    &prompt_ids,
+                    &opts,
+                    json,
+                    &mut on_text,
+                )?,
                 load_secs,
                 lw,
             )
@@ -138,7 +171,14 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
             let mut run = ReferenceRun::new(&model, &kv);
             let lw = run.layers_with_kv();
             (
-                generate(&mut run, &files.tokenizer, &prompt_ids, &opts, &mut on_text)?,
+                generate_with(
+                    &mut run,
+                    &files.tokenizer,
+                    &prompt_ids,
+                    &opts,
+                    json,
+                    &mut on_text,
+                )?,
                 load_secs,
                 lw,
             )
@@ -146,10 +186,11 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
     };
     if json {
         let v = json_report(&res, &kv, layers_with_kv);
-        println!("{}", serde_json::to_string(&v)?);
+        outln!("{}", serde_json::to_string(&v)?)?;
     } else {
-        println!();
+        outln!()?;
     }
+    crate::cli::out::flush()?;
     report(
         &res,
         &kv,
@@ -157,7 +198,14 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
         load_secs,
         seed,
         a.temperature,
-    );
+    )?;
+    if res.interrupted {
+        return Err(Error::Interrupted(format!(
+            "stopped after {} generated tokens",
+            res.generated_tokens
+        ))
+        .into());
+    }
     Ok(())
 }
 
@@ -200,7 +248,7 @@ fn report(
     load_secs: f64,
     seed: u64,
     temperature: f32,
-) {
+) -> crate::Result<()> {
     let stored = if res.stored_tokens < res.current_length {
         format!("stored {} (StreamingLLM cap)", res.stored_tokens)
     } else {
@@ -211,20 +259,20 @@ fn report(
     } else {
         format!("seed {seed}")
     };
-    eprintln!(
+    errln!(
         "[{model}] load {:.2}s | prompt {} tok, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s{} | {sampling}",
         load_secs,
         res.prompt_ids.len(),
         res.prefill_tok_s(),
-        res.generated_ids.len(),
+        res.generated_tokens,
         res.decode_tok_s(),
         if res.stopped_at_eos { " (EOS)" } else { "" },
-    );
-    eprintln!(
+    )?;
+    errln!(
         "[kv] {} | {} | current length {} | {}",
         kv.quant_name(),
         human_bytes(res.kv_bytes as u64),
         res.current_length,
         stored
-    );
+    )
 }

@@ -322,6 +322,12 @@ impl GgufFile {
         let rope_theta = self.get_f64(&k("rope.freq_base"))?.unwrap_or(10000.0);
         let eps = self.get_f64(&k("attention.layer_norm_rms_epsilon"))?;
         let ctx = self.get_usize(&k("context_length"))?;
+        if ctx == Some(0) {
+            return Err(self.cfg_err(format!(
+                "{} is 0 (the context length must be > 0)",
+                k("context_length")
+            )));
+        }
         let bos = self.get_usize("tokenizer.ggml.bos_token_id")?;
         let eos = self.get_usize("tokenizer.ggml.eos_token_id")?;
         let to_u32 = |x: usize, key: &str| {

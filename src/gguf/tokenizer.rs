@@ -145,8 +145,15 @@ fn opt_bool(meta: &BTreeMap<String, GgufValue>, key: &str, path: &Path) -> Resul
 /// Builds the tokenizer; `path` names the file in errors.
 pub fn build(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<tokenizers::Tokenizer> {
     let json = tokenizer_json(meta, path)?;
-    tokenizers::Tokenizer::from_str(&json)
-        .map_err(|e| Error::tokenizer(path, format!("building the tokenizer failed: {e}")))
+    tokenizers::Tokenizer::from_str(&json).map_err(|e| {
+        // The position is in JSON generated here, not in the file: drop it.
+        let msg = e.to_string();
+        let msg = msg.split(" at line ").next().unwrap_or(&msg).to_string();
+        Error::tokenizer(
+            path,
+            format!("the tokenizer.ggml.* metadata does not make a valid tokenizer: {msg}"),
+        )
+    })
 }
 
 /// The `tokenizer.json` text equivalent to the file's tokenizer metadata (what [`build`]
@@ -232,6 +239,15 @@ pub fn tokenizer_json(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result
         let mut parts = m.split(' ');
         match (parts.next(), parts.next(), parts.next()) {
             (Some(a), Some(b), None) if !a.is_empty() && !b.is_empty() => {
+                // The BPE model refuses a merge whose parts or result are not tokens; say
+                // which metadata entry, not where in the generated JSON.
+                for part in [a, b, &format!("{a}{b}")] {
+                    if !vocab.contains_key(part) {
+                        return Err(err(format!(
+                            "tokenizer.ggml.merges #{i} {m:?} uses {part:?}, which is not among the {n} entries of tokenizer.ggml.tokens"
+                        )));
+                    }
+                }
                 merges_json.push(json!([a, b]));
             }
             _ => {

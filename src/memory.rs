@@ -1,0 +1,135 @@
+//! Memory estimates checked before allocating: a request that cannot fit is refused with
+//! the flag or config key named, instead of aborting in the allocator.
+
+use crate::config::Config;
+use crate::kv_cache::Precision;
+
+/// Bytes this process can still allocate: the smaller of the system's `MemAvailable` and
+/// what the address-space limit (`ulimit -v`) leaves above the current mappings. `None`
+/// when neither is known (not Linux), in which case nothing is refused.
+pub fn available_bytes() -> Option<u64> {
+    let avail = proc_field("/proc/meminfo", "MemAvailable:").map(|kib| kib * 1024);
+    let as_left = address_space_limit().map(|limit| {
+        let used = proc_field("/proc/self/status", "VmSize:").unwrap_or(0) * 1024;
+        limit.saturating_sub(used)
+    });
+    match (avail, as_left) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// A `kB` field of a /proc file (`/proc/meminfo`, `/proc/self/status`).
+fn proc_field(file: &str, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(file).ok()?;
+    let line = text.lines().find(|l| l.starts_with(key))?;
+    line[key.len()..].split_whitespace().next()?.parse().ok()
+}
+
+/// RLIMIT_AS from /proc/self/limits (soft limit), if set.
+fn address_space_limit() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = text.lines().find(|l| l.starts_with("Max address space"))?;
+    line["Max address space".len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Upper bound of the KV cache bytes one token adds across all layers when both K and V
+/// are stored at `precision` (KIVI's scale/zero and the f32 residual group rounded up).
+/// For a cache with different K and V precisions pass the wider one
+/// ([`widest_precision`]).
+pub fn kv_bytes_per_token(cfg: &Config, precision: Precision) -> u128 {
+    let values = 2 * cfg.n_layers as u128 * cfg.kv_dim() as u128;
+    // Bytes per value, in eighths: int8 1 byte + f16 scale/zero per group; int4 half a
+    // byte + the same. Both rounded up generously.
+    let eighths: u128 = match precision {
+        Precision::Fp32 => 32,
+        Precision::Fp16 | Precision::Bf16 => 16,
+        Precision::Int8 => 10,
+        Precision::Int4 => 6,
+        Precision::Int2 => 4,
+    };
+    values * eighths / 8
+}
+
+/// The wider of a cache's K and V precisions, for [`kv_bytes_per_token`].
+pub fn widest_precision(kv: &crate::kv_cache::KvConfig) -> Precision {
+    let bits = |p: Precision| match p {
+        Precision::Fp32 => 32,
+        Precision::Fp16 | Precision::Bf16 => 16,
+        Precision::Int8 => 8,
+        Precision::Int4 => 4,
+        Precision::Int2 => 2,
+    };
+    let (k, v) = (kv.key_precision(), kv.value_precision());
+    if bits(k) >= bits(v) {
+        k
+    } else {
+        v
+    }
+}
+
+/// Human-readable size.
+pub fn human(n: u128) -> String {
+    let gib = n as f64 / (1u64 << 30) as f64;
+    if gib >= 1.0 {
+        format!("{gib:.1} GiB")
+    } else {
+        format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64)
+    }
+}
+
+/// A dense cache's buffers grow by doubling: while one grows, the old and the new buffer
+/// coexist. Estimates of a growing cache are multiplied by this.
+pub const GROWTH_SLACK: u128 = 2;
+
+/// `Err(msg)` when `bytes` exceed what this process can still allocate.
+pub fn check_fits(bytes: u128) -> std::result::Result<(), String> {
+    match available_bytes() {
+        Some(avail) if bytes > avail as u128 => Err(format!(
+            "needs about {} but only {} is available",
+            human(bytes),
+            human(avail as u128)
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Refuses a weight conversion that cannot fit: `--weights-dtype f32/bf16` copies every
+/// tensor not already in that dtype, and the scalar reference engine dequantises all of
+/// them to f32 (mmapped weights in their file dtype cost nothing here).
+pub fn check_weights_fit(
+    files: &crate::weights::ModelFiles,
+    wdtype: crate::model::WeightsDType,
+    reference: bool,
+) -> crate::Result<()> {
+    use crate::dtype::DType;
+    use crate::model::WeightsDType;
+    let target = match (reference, wdtype) {
+        (true, _) | (false, WeightsDType::F32) => Some(DType::F32),
+        (false, WeightsDType::Bf16) => Some(DType::BF16),
+        (false, WeightsDType::Native) => None,
+    };
+    let Some(target) = target else {
+        return Ok(());
+    };
+    let bytes: u128 = files
+        .tensors
+        .values()
+        .filter(|t| t.dtype != target)
+        .map(|t| t.numel() as u128 * target.block_bytes() as u128)
+        .sum();
+    check_fits(bytes).map_err(|m| {
+        crate::Error::flag(
+            if reference {
+                "--engine"
+            } else {
+                "--weights-dtype"
+            },
+            format!("converting the weights to {} {m}", target.name()),
+        )
+    })
+}
