@@ -444,32 +444,42 @@ fn sliding_layers_equal_the_mistral_mask() {
     let mut masked = ModelFiles::open(None).unwrap();
     masked.config.sliding_window = Some(w);
     let prompt = ids(&golden("tiny.json")["prompts"][1]["prompt_ids"]);
-    for positions in [PositionsMode::Original] {
+    // Original positions only: in `cache` mode keys rotate by slot, and slots differ by
+    // design between a window of W rows and a dense cache. Plain row precisions only: KIVI
+    // groups are cut by token index within each cache, so they differ too.
+    let wd = WeightsDType::Native;
+    let (a, b) = (
+        Model::load(&sliding, wd).unwrap(),
+        Model::load(&masked, wd).unwrap(),
+    );
+    let ra = reference_model(&sliding, wd).unwrap();
+    let rb = reference_model(&masked, wd).unwrap();
+    for precision in [Precision::Fp32, Precision::Bf16] {
         let kv = KvConfig {
-            positions,
+            precision,
             ..KvConfig::default()
         };
-        for wd in [WeightsDType::Native] {
-            let a = Model::load(&sliding, wd).unwrap();
-            let b = Model::load(&masked, wd).unwrap();
-            let ra = reference_model(&sliding, wd).unwrap();
-            let rb = reference_model(&masked, wd).unwrap();
-            let mut ea = EngineRun::new(&a, &kv);
-            let ga = greedy(&mut ea, &prompt, 80);
-            let gb = greedy(&mut EngineRun::new(&b, &kv), &prompt, 80);
-            let gra = greedy(&mut ReferenceRun::new(&ra, &kv), &prompt, 80);
-            let grb = greedy(&mut ReferenceRun::new(&rb, &kv), &prompt, 80);
-            assert_eq!(ga.ids, gb.ids);
-            assert_eq!(gra.ids, grb.ids);
-            let mut worst = 0.0f32;
-            for i in 0..80 {
-                worst = worst.max(max_abs_diff(&ga.logits[i], &gb.logits[i]));
-                worst = worst.max(max_abs_diff(&gra.logits[i], &grb.logits[i]));
-            }
-            eprintln!("sliding cache vs Mistral mask: max |Δlogit| {worst:e}");
-            assert!(worst < 1e-5, "{worst}");
-            assert_eq!(ea.stored_tokens(), w);
+        let mut ea = EngineRun::new(&a, &kv);
+        let ga = greedy(&mut ea, &prompt, 80);
+        let gb = greedy(&mut EngineRun::new(&b, &kv), &prompt, 80);
+        let gra = greedy(&mut ReferenceRun::new(&ra, &kv), &prompt, 80);
+        let grb = greedy(&mut ReferenceRun::new(&rb, &kv), &prompt, 80);
+        assert_eq!(ga.ids, gb.ids, "{precision:?}");
+        assert_eq!(gra.ids, grb.ids, "{precision:?}");
+        let mut worst = 0.0f32;
+        for i in 0..80 {
+            worst = worst.max(max_abs_diff(&ga.logits[i], &gb.logits[i]));
+            worst = worst.max(max_abs_diff(&gra.logits[i], &grb.logits[i]));
         }
+        eprintln!("{precision:?}: sliding cache vs Mistral mask: max |Δlogit| {worst:e}");
+        // fp32: only the order of summing exp(−inf) = 0 terms differs. bf16: that last-bit
+        // difference can round a later K/V value to a neighbouring bf16 (budget as above).
+        let budget = match precision {
+            Precision::Fp32 => 1e-5,
+            p => engine_vs_reference(p),
+        };
+        assert!(worst < budget, "{precision:?}: {worst}");
+        assert_eq!(ea.stored_tokens(), w);
     }
 }
 
