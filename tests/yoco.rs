@@ -567,6 +567,18 @@ fn cli_reports_account_for_sharing() {
         "{text}"
     );
 
+    // convert carries the keys into .tinygpt metadata (and writes no k/v for shared layers).
+    let out_path = std::env::temp_dir().join(format!("yoco-{}.tinygpt", std::process::id()));
+    let out = run(&["convert", dir, out_path.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let converted = ModelFiles::open(Some(&out_path)).unwrap();
+    assert_eq!(converted.config, yoco_files().config);
+    std::fs::remove_file(&out_path).unwrap();
+
     // The sink report covers all 6 attention layers (shared ones over their source's rows).
     let heldout = fixtures().join("heldout.txt");
     let out = run(&[
