@@ -3,7 +3,7 @@
 //!
 //! Attention reads the cache where it lies, one KV head at a time, through
 //! [`LayerKv::for_each_run`]: runs of consecutive slots of one storage region. Nothing
-//! is dequantised into a copy of the cache; per storage type (DESIGN.md §2):
+//! is dequantised into a copy of the cache; per storage type (docs/design.md §2):
 //!
 //! * f32 rows (full-precision prefix, fp32 body, the K residual): direct SIMD dot/axpy.
 //! * f16/bf16 rows: widened to f32 in registers inside the dot/axpy.
@@ -333,7 +333,7 @@ impl AttnScratch {
 /// * `probs_out`: if given, receives each head's softmax weights over the stored rows,
 ///   `(n_heads, stored)`.
 ///
-/// RoPE placement follows the cache's positions mode (DESIGN.md §3); Mistral's
+/// RoPE placement follows the cache's positions mode (docs/design.md §3); Mistral's
 /// `sliding_window` hides keys with `pos − key_pos ≥ sliding_window`.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(

@@ -3,7 +3,7 @@
 //!
 //! `ppl = exp(mean_{i≥1} −log p(t_i | t_<i))` where each `p` comes from the logits of
 //! [`Engine::forward`] one token at a time — with whatever eviction and KV precision the
-//! engine's cache applies (DESIGN.md §4).
+//! engine's cache applies (docs/design.md §4).
 
 use crate::error::{Error, Result};
 use crate::generate::Engine;

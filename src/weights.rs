@@ -1,6 +1,6 @@
 //! Model files → named tensors, memory-mapped where possible.
 //!
-//! A [`ModelFiles`] is what opening `MODEL` yields, whatever its format (DESIGN.md §5):
+//! A [`ModelFiles`] is what opening `MODEL` yields, whatever its format (docs/design.md §5):
 //! the validated config, every tensor under its Hugging Face name with its file dtype and
 //! row-major shape, the tokenizer, and the chat template if the model has one. Tensor
 //! bytes point into a shared backing buffer — an mmap of the file, the bundled model

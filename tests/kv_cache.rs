@@ -1,5 +1,5 @@
 //! The engine's KV cache and attention against the reference crate (the oracle), plus the
-//! eviction and byte-accounting properties of DESIGN.md §2–§4.
+//! eviction and byte-accounting properties of docs/design.md §2–§4.
 //!
 //! Error budgets (named, used below):
 //! * `ENGINE_VS_REFERENCE`: attention outputs and softmax weights, relative to the

@@ -1,4 +1,4 @@
-//! KIVI quantiser properties (DESIGN.md §2), for the engine's kernels and the reference,
+//! KIVI quantiser properties (docs/design.md §2), for the engine's kernels and the reference,
 //! and the known failure classes pushed through whole caches.
 //!
 //! Error budgets (named, used below):

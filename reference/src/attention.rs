@@ -12,7 +12,7 @@ use crate::rope::Rope;
 /// * `probs_out`: if given, receives each head's softmax weights over the stored rows,
 ///   `(n_heads, stored)` (used by the sink report).
 ///
-/// RoPE placement follows the cache's positions mode (DESIGN.md §3) and, in `original`
+/// RoPE placement follows the cache's positions mode (docs/design.md §3) and, in `original`
 /// mode, its `key_rope`: `post` stores keys rotated to their position; `pre` stores them
 /// unrotated and rotates each stored key by its stored absolute position here.
 #[allow(clippy::too_many_arguments)]

@@ -1,6 +1,6 @@
 //! The validated model configuration shared by the reference and the engine.
 //!
-//! This is the second stage of the two-stage config (DESIGN.md §6): file formats
+//! This is the second stage of the two-stage config (docs/design.md §6): file formats
 //! (Hugging Face `config.json`, GGUF metadata, `.tinygpt`) are parsed by the engine
 //! into their own mirror structs and converted into this one, with every derived
 //! size computed once here.

@@ -1,11 +1,11 @@
 //! The reference KV cache: which rows survive (policy) and how they are held (storage).
 //!
-//! Policy (DESIGN.md §3): after each append, if more than `sink + window` rows are
+//! Policy (docs/design.md §3): after each append, if more than `sink + window` rows are
 //! stored, the oldest non-sink row is dropped, so exactly the first `sink` and the
 //! last `window` tokens remain. Rows are kept in logical order (oldest first) with
 //! their absolute positions stored explicitly.
 //!
-//! Storage (DESIGN.md §2), per row. K and V each have a precision
+//! Storage (docs/design.md §2), per row. K and V each have a precision
 //! ([`KvConfig::key_precision`], [`KvConfig::value_precision`]: `precision` unless
 //! overridden for one side):
 //! * fp32/fp16/bf16: the row cast on store (f16 saturating at ±65504), f32 on read.
@@ -38,7 +38,7 @@ use crate::quant::{f16_saturating, pack_codes, unpack_codes, Affine, Bits};
 use half::{bf16, f16};
 use std::collections::BTreeMap;
 
-/// Tokens kept at full precision at the start of a KIVI cache (DESIGN.md §2).
+/// Tokens kept at full precision at the start of a KIVI cache (docs/design.md §2).
 pub const FULL_PRECISION_ROWS: usize = 4;
 
 /// Storage precision of cached K/V rows.
@@ -85,7 +85,7 @@ impl Precision {
     }
 }
 
-/// Where RoPE positions come from (DESIGN.md §3).
+/// Where RoPE positions come from (docs/design.md §3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PositionsMode {
     /// Keys are rotated to their original absolute position; the query uses its

@@ -1,4 +1,4 @@
-//! KIVI affine quantisation (DESIGN.md §2), written to be read.
+//! KIVI affine quantisation (docs/design.md §2), written to be read.
 //!
 //! Over a slice `x` (a K channel within a token group, or one KV head's slice of a V row):
 //!

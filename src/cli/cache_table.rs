@@ -219,7 +219,12 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
     )?;
     outln!(
         "{:<28} {:>8} {:>14} {:>12} {:>9} {:>9}",
-        "mode", "tokens", "bytes", "", "vs fp32", "vs bf16"
+        "mode",
+        "tokens",
+        "bytes",
+        "",
+        "vs fp32",
+        "vs bf16"
     )?;
     for (m, fp32, bf16, t, b) in &rows {
         outln!(

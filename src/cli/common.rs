@@ -55,7 +55,7 @@ pub enum WeightsArg {
     Bf16,
 }
 
-/// KV cache flags (DESIGN.md §4).
+/// KV cache flags (docs/design.md §4).
 #[derive(Args, Debug, Clone)]
 pub struct CacheArgs {
     /// StreamingLLM: attention-sink tokens kept forever.

@@ -1,4 +1,4 @@
-//! The command-line surface (DESIGN.md §4): one file per subcommand.
+//! The command-line surface (docs/design.md §4): one file per subcommand.
 
 pub mod cache_table;
 pub mod common;

@@ -209,7 +209,7 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The `--json` object of DESIGN.md §4.
+/// The `--json` object of docs/design.md §4.
 pub fn json_report(
     res: &GenerateResult,
     kv: &KvConfig,

@@ -1,4 +1,4 @@
-//! The engine's KV cache = eviction policy × storage (DESIGN.md §2–§3, §6).
+//! The engine's KV cache = eviction policy × storage (docs/design.md §2–§3, §6).
 //!
 //! * [`policy`]: which token rows survive StreamingLLM eviction (a pure function of the
 //!   number of rows appended).
@@ -15,7 +15,7 @@
 //! ```
 //!
 //! `P` is `max(4, sink)` when K or V is KIVI (the first rows stay at full precision,
-//! DESIGN.md §2; K groups start after them) and `sink` otherwise. Prefix rows are f32 under
+//! docs/design.md §2; K groups start after them) and `sink` otherwise. Prefix rows are f32 under
 //! KIVI and at each side's precision otherwise. Since every body row is a non-sink row, at most
 //! `window` body rows are ever stored, so writing body row `b` into ring slot
 //! `b % window` overwrites exactly the row that eviction drops: eviction is O(1) and
@@ -51,7 +51,7 @@ use policy::Policy;
 use storage::{ChannelQuant, ChannelRun, Plain, PlainKind, PlainRun, TokenQuant, TokenRun};
 pub use tinygpt_reference::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
 
-/// Rows kept at full precision at the start of a KIVI cache (DESIGN.md §2).
+/// Rows kept at full precision at the start of a KIVI cache (docs/design.md §2).
 pub const FULL_PRECISION_ROWS: usize = 4;
 /// Largest accepted `--kv-group-size`.
 pub const MAX_GROUP_SIZE: usize = 1 << 16;

@@ -1,4 +1,4 @@
-//! Eviction policy: which rows survive (DESIGN.md §3), independent of how they are stored.
+//! Eviction policy: which rows survive (docs/design.md §3), independent of how they are stored.
 //!
 //! Rows are numbered by their *token index* `t` (0 for the first row ever appended to
 //! the layer, +1 per append). After `T` appends under StreamingLLM `(sink, window)`, the

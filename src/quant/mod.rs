@@ -1,4 +1,4 @@
-//! KIVI affine quantisation kernels (DESIGN.md §2); the scalar oracle is
+//! KIVI affine quantisation kernels (docs/design.md §2); the scalar oracle is
 //! `tinygpt_reference::quant`, and these must agree with it bit for bit.
 //!
 //! ```text
