@@ -117,10 +117,7 @@ fn run_in_pool(a: PerplexityArgs) -> anyhow::Result<()> {
         }
         check_cache_rows(kv, rows, ctx, a.cache.allow_past_context)?;
         let bytes = rows.min(kv.window.map_or(usize::MAX, |w| kv.sink.saturating_add(w))) as u128
-            * crate::memory::kv_bytes_per_token(
-                &files.config,
-                crate::memory::widest_precision(&kv),
-            )
+            * crate::memory::kv_bytes_per_token(&files.config, crate::memory::widest_precision(kv))
             * crate::memory::GROWTH_SLACK;
         crate::memory::check_fits(bytes)
             .map_err(|m| Error::flag("--max-tokens", format!("the KV cache {m}")))?;
