@@ -23,7 +23,7 @@
 
 mod common;
 use common::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use tinygpt_cpu::eval::perplexity;
 use tinygpt_cpu::generate::{Engine, EngineRun, ReferenceRun};
 use tinygpt_cpu::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
@@ -186,35 +186,12 @@ fn bundled_model_engine_and_reference_perplexity_agree() {
     run_table(&fixtures().join("tiny"), 320, &caches(60));
 }
 
-fn smollm2() -> Option<PathBuf> {
-    let p = std::env::var_os("TINYGPT_SMOLLM2")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                .join(".cache/tinygpt-cpu/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    if p.is_file() {
-        return Some(p);
-    }
-    if std::env::var_os("CI").is_some() {
-        panic!(
-            "SmolLM2 GGUF not found at {}: CI must run scripts/fetch-smollm2.sh",
-            p.display()
-        );
-    }
-    eprintln!(
-        "skipping: SmolLM2 not found at {} (run scripts/fetch-smollm2.sh)",
-        p.display()
-    );
-    None
-}
-
 /// head_dim 64, GQA 3 (SmolLM2): the shape where the issue saw the two sides disagree.
 /// 96 tokens (the scalar reference runs ~10 tokens/s on this model), so K groups of 32
 /// complete twice; a 40-row window evicts from token 44 on.
 #[test]
 fn smollm2_engine_and_reference_perplexity_agree() {
-    let Some(p) = smollm2() else { return };
+    let Some(p) = smollm2_path() else { return };
     let kvs: Vec<KvConfig> = caches(40)
         .into_iter()
         .filter(|kv| kv.positions == PositionsMode::Original)

@@ -674,15 +674,9 @@ fn sigterm_drains_running_requests_then_exits() {
 // ---------------------------------------------------------------------------------------
 // SmolLM2 (skipped without the GGUF): chat through the model's template.
 
-fn smollm2() -> Option<PathBuf> {
-    let p = PathBuf::from(std::env::var_os("TINYGPT_SMOLLM2")?);
-    p.exists().then_some(p)
-}
-
 #[test]
 fn smollm2_greedy_chat_equals_sample_chat_under_load() {
-    let Some(model) = smollm2() else {
-        eprintln!("TINYGPT_SMOLLM2 not set: skipped");
+    let Some(model) = smollm2_path() else {
         return;
     };
     let m = model.to_str().unwrap();

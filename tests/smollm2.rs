@@ -12,31 +12,7 @@ use tinygpt_cpu::model::{Model, WeightsDType};
 use tinygpt_cpu::weights::ModelFiles;
 
 fn model_path() -> Option<PathBuf> {
-    let p = std::env::var_os("TINYGPT_SMOLLM2")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let cache = std::env::var_os("TINYGPT_CACHE")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| {
-                    PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                        .join(".cache/tinygpt-cpu")
-                });
-            cache.join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    if p.is_file() {
-        return Some(p);
-    }
-    if std::env::var_os("CI").is_some() {
-        panic!(
-            "SmolLM2 GGUF not found at {}: CI must run scripts/fetch-smollm2.sh",
-            p.display()
-        );
-    }
-    eprintln!(
-        "skipping: SmolLM2 not found at {} (run scripts/fetch-smollm2.sh)",
-        p.display()
-    );
-    None
+    smollm2_path()
 }
 
 struct Prompt {

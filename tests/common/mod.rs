@@ -12,6 +12,37 @@ pub fn fixtures() -> PathBuf {
     root().join("fixtures")
 }
 
+/// The SmolLM2-135M GGUF fetched by scripts/fetch-smollm2.sh: `TINYGPT_SMOLLM2`, else
+/// `$TINYGPT_CACHE` (or `~/.cache/tinygpt-cpu`)`/smollm2/...`. Without it a test skips
+/// locally (printing why) and fails in CI (where `CI` is set), which must fetch it.
+pub fn smollm2_path() -> Option<PathBuf> {
+    let p = std::env::var_os("TINYGPT_SMOLLM2")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let cache = std::env::var_os("TINYGPT_CACHE")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                        .join(".cache/tinygpt-cpu")
+                });
+            cache.join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    if p.is_file() {
+        return Some(p);
+    }
+    if std::env::var_os("CI").is_some() {
+        panic!(
+            "SmolLM2 GGUF not found at {}: CI must run scripts/fetch-smollm2.sh",
+            p.display()
+        );
+    }
+    eprintln!(
+        "skipping: SmolLM2 not found at {} (run scripts/fetch-smollm2.sh)",
+        p.display()
+    );
+    None
+}
+
 pub fn golden(name: &str) -> serde_json::Value {
     let p = fixtures().join("golden").join(name);
     let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
