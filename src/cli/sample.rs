@@ -1,13 +1,11 @@
 //! `tinygpt-cpu sample`: stream a continuation of a prompt.
 
-use super::common::{human_bytes, open_model, CacheArgs, EngineArgs, EngineKind};
+use super::common::{human_bytes, open_model, CacheArgs, EngineArgs, EngineKind, Loaded};
 use crate::error::Error;
 use crate::generate::{
-    check_cache_rows, check_context, generate_with, Engine, EngineRun, GenerateOptions,
-    GenerateResult, ReferenceRun,
+    check_cache_rows, check_context, generate_with, GenerateOptions, GenerateResult,
 };
 use crate::kv_cache::KvConfig;
-use crate::model::{reference_model, Model};
 use crate::sampler::SamplerConfig;
 use crate::{errln, outln};
 use clap::Args;
@@ -146,44 +144,18 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
             crate::cli::out::stream(s)
         }
     };
-    let (res, load_secs, layers_with_kv) = match a.engine.engine {
-        EngineKind::Optimized => {
-            let model = Model::load(&files, wdtype)?;
-            let load_secs = t_load.elapsed().as_secs_f64();
-            let mut run = EngineRun::new(&model, &kv);
-            let lw = run.layers_with_kv();
-            (
-                generate_with(
-                    &mut run,
-                    &files.tokenizer,
-                    &prompt_ids,
-                    &opts,
-                    json,
-                    &mut on_text,
-                )?,
-                load_secs,
-                lw,
-            )
-        }
-        EngineKind::Reference => {
-            let model = reference_model(&files, wdtype)?;
-            let load_secs = t_load.elapsed().as_secs_f64();
-            let mut run = ReferenceRun::new(&model, &kv);
-            let lw = run.layers_with_kv();
-            (
-                generate_with(
-                    &mut run,
-                    &files.tokenizer,
-                    &prompt_ids,
-                    &opts,
-                    json,
-                    &mut on_text,
-                )?,
-                load_secs,
-                lw,
-            )
-        }
-    };
+    let loaded = Loaded::load(&files, &a.engine)?;
+    let load_secs = t_load.elapsed().as_secs_f64();
+    let mut run = loaded.run(&kv);
+    let layers_with_kv = run.layers_with_kv();
+    let res = generate_with(
+        &mut *run,
+        &files.tokenizer,
+        &prompt_ids,
+        &opts,
+        json,
+        &mut on_text,
+    )?;
     if json {
         let v = json_report(&res, &kv, layers_with_kv);
         outln!("{}", serde_json::to_string(&v)?)?;
