@@ -23,20 +23,6 @@ fn fails_with(args: &[&str], needles: &[&str]) {
     );
 }
 
-/// Copies the tiny HF directory into a temp dir so a test can break one file.
-fn tiny_copy() -> tempfile::TempDir {
-    let d = tempfile::tempdir().unwrap();
-    for f in [
-        "config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    ] {
-        std::fs::copy(fixtures().join("tiny").join(f), d.path().join(f)).unwrap();
-    }
-    d
-}
-
 fn p(x: &Path) -> &str {
     x.to_str().unwrap()
 }

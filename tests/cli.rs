@@ -12,21 +12,6 @@ fn run(args: &[&str]) -> Output {
     bin().args(args).output().expect("binary runs")
 }
 
-fn json_of(out: &Output) -> serde_json::Value {
-    assert!(
-        out.status.success(),
-        "exit {:?}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "stdout is not one JSON object ({e}): {}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
-}
-
 #[test]
 fn sample_default_model_streams_text() {
     let out = run(&[

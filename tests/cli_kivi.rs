@@ -3,28 +3,12 @@
 //! and cache-table; the new `--compare-modes` keys and mode names; bad values get a short
 //! error naming the flag.
 
-use std::process::{Command, Output};
+mod common;
+use common::*;
+use std::process::Output;
 
 fn run(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tinygpt-cpu"))
-        .args(args)
-        .output()
-        .expect("binary runs")
-}
-
-fn json_of(out: &Output) -> serde_json::Value {
-    assert!(
-        out.status.success(),
-        "exit {:?}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "stdout is not one JSON object ({e}): {}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
+    cli().args(args).output().expect("binary runs")
 }
 
 fn fails_naming(args: &[&str], needle: &str) {

@@ -9,7 +9,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_tinygpt-cpu"))
+    common::cli()
 }
 
 fn run(args: &[&str]) -> Output {
@@ -47,20 +47,6 @@ fn fails_with(args: &[&str], needles: &[&str]) {
 
 fn p(x: &Path) -> &str {
     x.to_str().unwrap()
-}
-
-/// The tiny HF directory, copied so one file can be broken.
-fn tiny_copy() -> tempfile::TempDir {
-    let d = tempfile::tempdir().unwrap();
-    for f in [
-        "config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    ] {
-        std::fs::copy(fixtures().join("tiny").join(f), d.path().join(f)).unwrap();
-    }
-    d
 }
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {

@@ -140,3 +140,33 @@ pub fn cli() -> std::process::Command {
         None => std::process::Command::new(bin),
     }
 }
+
+/// Asserts a CLI run succeeded and parses its stdout as one JSON object.
+pub fn json_of(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not one JSON object ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+/// Copies the tiny HF directory into a temp dir so a test can break one file.
+pub fn tiny_copy() -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(fixtures().join("tiny").join(f), d.path().join(f)).unwrap();
+    }
+    d
+}
