@@ -1,10 +1,11 @@
 //! The engine's KV cache = eviction policy × storage (docs/design.md §2–§3, §6).
 //!
-//! * [`policy`]: which token rows survive StreamingLLM eviction (a pure function of the
-//!   number of rows appended).
-//! * `storage`: how rows are held: plain f32/f16/bf16 rows or KIVI int8/int4/int2 rows,
-//!   K and V each at their own precision ([`KvConfig::key_precision`],
-//!   [`KvConfig::value_precision`]).
+//! * [`policy`]: which token rows survive and in which slot each one lives
+//!   ([`EvictionPolicy`]; the project's policy is [`StreamingLlm`] sink + window).
+//! * `storage`: how rows are held, one store per side and region behind
+//!   [`storage::KeyStore`] / [`storage::ValueStore`]: plain f32/f16/bf16 rows or KIVI
+//!   int8/int4/int2 rows, K and V each at their own precision
+//!   ([`KvConfig::key_precision`], [`KvConfig::value_precision`]).
 //!
 //! ## Layer layout
 //! A layer's rows are split by token index `t` into two regions:
@@ -19,25 +20,18 @@
 //! KIVI and at each side's precision otherwise. Since every body row is a non-sink row, at most
 //! `window` body rows are ever stored, so writing body row `b` into ring slot
 //! `b % window` overwrites exactly the row that eviction drops: eviction is O(1) and
-//! copies nothing. K group `g = b / G` keeps its `(scale, zero)` in group slot
-//! `g % (ceil(window / G) + 1)` (or `g`), written once when the group completes.
-//!
-//! Under KIVI with residual `R` (the newest `R` tokens of a KIVI side stay f32), K group
-//! `g` is quantised at the append after which `T − R ≥ P + (g + 1)·G` (for R = 0: the
-//! append of its `G`-th row), over those of its rows that are still stored after that
-//! append's eviction (the reference does the same), so appending costs O(kv_dim) amortised
-//! and no row is ever re-quantised. Until then K rows wait in an f32 ring of `R + G` rows.
-//! A V row is quantised when it leaves the newest `R` (at append for R = 0); until then it
-//! waits in an f32 ring of `min(R, window)` rows, slot `b % min(R, window)`, and it is
-//! quantised from there just before the ring slot is reused.
+//! copies nothing. The policy gives the slots ([`EvictionPolicy::append`],
+//! [`EvictionPolicy::slot`]); a store sees its region's rows through `storage::Region`
+//! and keeps its own bookkeeping (KIVI K groups and residual, the KIVI V residual: see
+//! `storage/kivi_k.rs` and `storage/kivi_v.rs`).
 //!
 //! Every read dequantises into f32 (`read_key`, `read_value`, `gather_head`); integer
 //! codes never leave `storage`. Attention does not read rows one by one: it walks
-//! [`LayerKv::for_each_run`], which cuts the stored rows (oldest first) into runs of
-//! consecutive slots of one region (prefix, body ring segment, one K group, the K
-//! residual ring, the quantised V rows or the V residual ring) and hands out storage's
-//! run views, whose fused kernels fold the KIVI scales
-//! and zeros into the dot products instead of dequantising the cache.
+//! [`LayerKv::for_each_key_run`] and [`LayerKv::for_each_value_run`], which cut the
+//! stored rows (oldest first) into runs of consecutive slots of one store (where the
+//! policy's runs break, and where the store's do) and hand out the store's run views,
+//! whose fused kernels fold the KIVI scales and zeros into the dot products instead of
+//! dequantising the cache.
 //!
 //! Positions are stored explicitly per row (`prefix_pos`, `body_pos`).
 
@@ -46,9 +40,8 @@ pub(crate) mod storage;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::quant::Bits;
-use policy::Policy;
-use storage::{ChannelQuant, ChannelRun, Plain, PlainKind, PlainRun, TokenQuant, TokenRun};
+pub use policy::{EvictionPolicy, StreamingLlm};
+use storage::{stores_for, KeyRun, KeyStore, Region, Shape, ValueRun, ValueStore};
 pub use tinygpt_reference::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
 
 /// Rows kept at full precision at the start of a KIVI cache (docs/design.md §2).
@@ -140,25 +133,6 @@ pub fn validate(kv: &KvConfig, cfg: &Config) -> Result<()> {
     Ok(())
 }
 
-/// KIVI code width of a precision, if it is a KIVI one.
-fn kivi_bits(p: Precision) -> Option<Bits> {
-    match p {
-        Precision::Int8 => Some(Bits::Int8),
-        Precision::Int4 => Some(Bits::Int4),
-        Precision::Int2 => Some(Bits::Int2),
-        _ => None,
-    }
-}
-
-/// Element type of a plain (non-KIVI) side.
-fn plain_kind(p: Precision) -> PlainKind {
-    match p {
-        Precision::Fp16 => PlainKind::F16,
-        Precision::Bf16 => PlainKind::Bf16,
-        _ => PlainKind::F32,
-    }
-}
-
 /// Length of the prefix region (see the module docs).
 pub fn prefix_len(kv: &KvConfig) -> usize {
     if kv.is_kivi() {
@@ -168,149 +142,86 @@ pub fn prefix_len(kv: &KvConfig) -> usize {
     }
 }
 
+/// One layer's cache: K and V of every stored token, all KV heads. `P` decides which
+/// rows are kept and where ([`EvictionPolicy`]); the stores hold them ([`storage`]).
 #[derive(Debug, Clone)]
-enum BodyK {
-    Plain(Plain),
-    Kivi(ChannelQuant),
-}
-
-#[derive(Debug, Clone)]
-enum BodyV {
-    Plain(Plain),
-    /// Codes, plus the f32 residual ring (`min(R, window)` rows) when R > 0.
-    Kivi(TokenQuant, Option<Plain>),
-}
-
-/// A run's keys as storage holds them.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum KeyRun<'a> {
-    /// f32/f16/bf16 rows: prefix rows, plain body rows, or the f32 K residual.
-    Plain(PlainRun<'a>),
-    /// KIVI codes of one complete K group.
-    Channel(ChannelRun<'a>),
-}
-
-/// A run's values as storage holds them.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum ValueRun<'a> {
-    Plain(PlainRun<'a>),
-    /// KIVI codes with one `(scale, zero)` per row.
-    Token(TokenRun<'a>),
-}
-
-impl KeyRun<'_> {
-    pub(crate) fn len(&self) -> usize {
-        match self {
-            KeyRun::Plain(r) => r.len(),
-            KeyRun::Channel(r) => r.len(),
-        }
-    }
-}
-
-impl ValueRun<'_> {
-    pub(crate) fn len(&self) -> usize {
-        match self {
-            ValueRun::Plain(r) => r.len(),
-            ValueRun::Token(r) => r.len(),
-        }
-    }
-}
-
-/// Stored rows `first..first + len` (logical slots, oldest first) of one KV head, held
-/// in consecutive storage slots of one region (and one K group).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Run<'a> {
-    pub first: usize,
-    pub len: usize,
-    /// Row id of the first row: prefix row `t` is `t`, body ring slot `s` is `P + s`; the
-    /// run's rows have ids `id..id + len` (for per-row tables such as RoPE angles).
-    pub id: usize,
-    pub key: KeyRun<'a>,
-    pub value: ValueRun<'a>,
-}
-
-/// Where a stored row lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Loc {
-    /// Prefix row `t` (slot `t`).
-    Prefix(usize),
-    /// Body row `b` in ring slot `slot`.
-    Body { b: usize, slot: usize },
-}
-
-/// One layer's cache: K and V of every stored token, all KV heads.
-#[derive(Debug, Clone)]
-pub struct LayerKv {
+pub struct LayerKv<P = StreamingLlm> {
     kv: KvConfig,
-    policy: Policy,
+    policy: P,
     kv_heads: usize,
     head_dim: usize,
-    /// Prefix length `P`.
+    /// Prefix length `P` (the policy's `body_start`).
     prefix: usize,
-    /// Ring capacity of the body (`window`), or `None` to grow.
-    ring: Option<usize>,
-    /// Group-parameter slots of the K ring, or `None` to grow.
-    group_ring: Option<usize>,
-    /// KIVI residual R.
-    residual: usize,
-    /// Rows of the V residual ring (`min(R, window)`), when V is KIVI and R > 0.
-    v_res_cap: usize,
-    /// Rows appended so far (`T`).
-    appended: usize,
     /// (prefix slots) absolute positions
     prefix_pos: Vec<usize>,
     /// (body slots) absolute positions
     body_pos: Vec<usize>,
-    /// (kv_heads, prefix slots, head_dim): f32 under KIVI, else the cache precision
-    prefix_k: Plain,
-    /// (kv_heads, prefix slots, head_dim)
-    prefix_v: Plain,
-    /// (kv_heads, body slots, head_dim) plain, or KIVI codes + group params + residual
-    body_k: BodyK,
-    /// (kv_heads, body slots, head_dim) plain, or KIVI codes + per-token params
-    body_v: BodyV,
+    /// (kv_heads, prefix slots, head_dim): f32 under KIVI, else each side's precision
+    prefix_k: Box<dyn KeyStore>,
+    prefix_v: Box<dyn ValueStore>,
+    /// the body rows at each side's precision
+    body_k: Box<dyn KeyStore>,
+    body_v: Box<dyn ValueStore>,
 }
 
-impl LayerKv {
+/// A run of stored rows handed to attention: logical slots `first..first + rows.len()`
+/// of one KV head, held in consecutive slots of one store.
+pub(crate) struct RunAt<'r, R: ?Sized> {
+    pub first: usize,
+    /// Row id of the first row: prefix row `t` is `t`, body slot `s` is `P + s`; the
+    /// run's rows have ids `id..id + len` (for per-row tables such as RoPE angles).
+    pub id: usize,
+    pub rows: &'r R,
+}
+
+fn region(policy: &dyn EvictionPolicy, start: usize, end: usize) -> Region<'_> {
+    Region { policy, start, end }
+}
+
+impl LayerKv<StreamingLlm> {
+    /// A layer under the StreamingLLM policy of `kv` (`sink`, `window`).
     pub fn new(kv: &KvConfig, n_kv_heads: usize, head_dim: usize) -> Self {
-        let g = kv.group_size.max(1);
-        let r = kv.residual;
-        let v_res_cap = kv.window.map_or(r, |w| r.min(w));
+        let policy = StreamingLlm::new(kv.sink, kv.window, prefix_len(kv));
+        Self::with_policy(kv, n_kv_heads, head_dim, policy)
+    }
+}
+
+impl<P: EvictionPolicy + Clone> LayerKv<P> {
+    /// A layer under any eviction policy; `policy.body_start()` must be
+    /// [`prefix_len`]`(kv)`.
+    pub fn with_policy(kv: &KvConfig, n_kv_heads: usize, head_dim: usize, policy: P) -> Self {
+        let prefix = prefix_len(kv);
+        assert_eq!(policy.body_start(), prefix, "policy's body_start");
+        let body = Shape {
+            kv_heads: n_kv_heads,
+            head_dim,
+            group_size: kv.group_size.max(1),
+            residual: kv.residual,
+            capacity: policy.body_slots(),
+        };
         let (kp, vp) = (kv.key_precision(), kv.value_precision());
-        let body_k = match kivi_bits(kp) {
-            Some(bits) => BodyK::Kivi(ChannelQuant::new(bits, n_kv_heads, head_dim, g, r)),
-            None => BodyK::Plain(Plain::new(plain_kind(kp), n_kv_heads, head_dim)),
-        };
-        let body_v = match kivi_bits(vp) {
-            Some(bits) => BodyV::Kivi(
-                TokenQuant::new(bits, n_kv_heads, head_dim),
-                (v_res_cap > 0).then(|| Plain::new(PlainKind::F32, n_kv_heads, head_dim)),
-            ),
-            None => BodyV::Plain(Plain::new(plain_kind(vp), n_kv_heads, head_dim)),
-        };
         // Prefix rows are f32 under KIVI (either side), else at each side's precision.
         let (pk, pv) = if kv.is_kivi() {
-            (PlainKind::F32, PlainKind::F32)
+            (Precision::Fp32, Precision::Fp32)
         } else {
-            (plain_kind(kp), plain_kind(vp))
+            (kp, vp)
+        };
+        let pre = Shape {
+            capacity: None,
+            ..body
         };
         LayerKv {
             kv: kv.clone(),
-            policy: Policy::new(kv),
+            policy,
             kv_heads: n_kv_heads,
             head_dim,
-            prefix: prefix_len(kv),
-            ring: kv.window,
-            group_ring: kv.window.map(|w| w.div_ceil(g) + 1),
-            residual: r,
-            v_res_cap,
-            appended: 0,
+            prefix,
             prefix_pos: Vec::new(),
             body_pos: Vec::new(),
-            prefix_k: Plain::new(pk, n_kv_heads, head_dim),
-            prefix_v: Plain::new(pv, n_kv_heads, head_dim),
-            body_k,
-            body_v,
+            prefix_k: stores_for(pk, pre).0,
+            prefix_v: stores_for(pv, pre).1,
+            body_k: stores_for(kp, body).0,
+            body_v: stores_for(vp, body).1,
         }
     }
 
@@ -323,152 +234,97 @@ impl LayerKv {
     pub fn head_dim(&self) -> usize {
         self.head_dim
     }
+    /// The eviction policy.
+    pub fn policy(&self) -> &P {
+        &self.policy
+    }
 
     /// Rows stored.
     pub fn len(&self) -> usize {
-        self.policy.stored(self.appended)
+        self.policy.stored()
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
     /// Rows appended since creation (the sequence length seen by this layer).
     pub fn appended(&self) -> usize {
-        self.appended
+        self.policy.appended()
     }
 
+    /// Where stored row `i` lives: `(in the prefix, region row)`.
     #[inline]
-    fn body_slot(&self, b: usize) -> usize {
-        match self.ring {
-            Some(m) => b % m,
-            None => b,
-        }
-    }
-
-    #[inline]
-    fn group_slot(&self, g: usize) -> usize {
-        match self.group_ring {
-            Some(m) => g % m,
-            None => g,
-        }
-    }
-
-    #[inline]
-    fn loc(&self, i: usize) -> Loc {
-        let t = self.policy.token_at(self.appended, i);
+    fn loc(&self, i: usize) -> (bool, usize) {
+        let t = self.policy.token_at(i);
         if t < self.prefix {
-            Loc::Prefix(t)
+            (true, t)
         } else {
-            let b = t - self.prefix;
-            Loc::Body {
-                b,
-                slot: self.body_slot(b),
-            }
+            (false, t - self.prefix)
         }
     }
 
-    /// Body rows that have left the newest R (`max(0, T − R − P)`): KIVI V rows below it
-    /// are quantised.
     #[inline]
-    fn body_left(&self) -> usize {
-        self.appended
-            .saturating_sub(self.residual)
-            .saturating_sub(self.prefix)
+    fn prefix_region(&self) -> Region<'_> {
+        region(&self.policy, 0, self.prefix)
     }
 
-    /// Number of quantised K groups so far (the groups that have left the newest R).
     #[inline]
-    fn groups_done(&self) -> usize {
-        self.body_left() / self.kv.group_size.max(1)
+    fn body_region(&self) -> Region<'_> {
+        region(&self.policy, self.prefix, usize::MAX)
     }
 
     /// Appends one token's rows (`(kv_heads, head_dim)` each; `k` already rotated in
-    /// `original` positions mode with post-RoPE keys) at absolute position `pos`, then
-    /// evicts per the policy and quantises what leaves the newest R rows.
+    /// `original` positions mode with post-RoPE keys) at absolute position `pos`: the
+    /// policy evicts and picks the row's slot, then the stores take the row (and
+    /// quantise what leaves the newest R rows).
     pub fn append(&mut self, k: &[f32], v: &[f32], pos: usize) {
         let kv_dim = self.kv_heads * self.head_dim;
         debug_assert_eq!(k.len(), kv_dim);
         debug_assert_eq!(v.len(), kv_dim);
-        let t = self.appended;
-        self.appended += 1;
-        if t < self.prefix {
-            self.prefix_k.write(t, k);
-            self.prefix_v.write(t, v);
-            storage_set(&mut self.prefix_pos, t, pos);
-            return;
-        }
-        let b = t - self.prefix;
-        let slot = self.body_slot(b);
-        storage_set(&mut self.body_pos, slot, pos);
-        let (ring, prefix, hd) = (self.ring, self.prefix, self.head_dim);
-        let slot_of = move |b: usize| match ring {
-            Some(m) => b % m,
-            None => b,
+        let t = self.policy.appended();
+        let slot = self.policy.append();
+        let p = self.prefix;
+        let (b, at, pos_buf, ks, vs) = if t < p {
+            let at = region(&self.policy, 0, p);
+            (
+                t,
+                at,
+                &mut self.prefix_pos,
+                &mut self.prefix_k,
+                &mut self.prefix_v,
+            )
+        } else {
+            let at = region(&self.policy, p, usize::MAX);
+            (
+                t - p,
+                at,
+                &mut self.body_pos,
+                &mut self.body_k,
+                &mut self.body_v,
+            )
         };
-        let first_stored = self
-            .policy
-            .window_start(self.appended)
-            .saturating_sub(prefix);
-        // The body row that has just left the newest R rows, if any.
-        let leaving = (t >= self.residual + prefix).then(|| t - self.residual - prefix);
-        let v_cap = self.v_res_cap;
-        match &mut self.body_v {
-            BodyV::Plain(p) => p.write(slot, v),
-            BodyV::Kivi(q, None) => q.write(slot, v),
-            BodyV::Kivi(q, Some(res)) => {
-                // Quantise the leaving row (if still stored) before its ring slot is reused.
-                if let Some(lb) = leaving.filter(|&lb| lb >= first_stored) {
-                    let mut row = [0.0f32; 256];
-                    let mut heap = Vec::new();
-                    let row: &mut [f32] = if hd <= row.len() {
-                        &mut row[..hd]
-                    } else {
-                        heap.resize(hd, 0.0);
-                        &mut heap
-                    };
-                    for h in 0..self.kv_heads {
-                        res.read(h, lb % v_cap, row);
-                        q.write_head(h, slot_of(lb), row);
-                    }
-                }
-                res.write(b % v_cap, v);
-            }
+        if let Some(s) = slot {
+            storage_set(pos_buf, s, pos);
         }
-        let g = self.kv.group_size.max(1);
-        match &mut self.body_k {
-            BodyK::Plain(p) => p.write(slot, k),
-            BodyK::Kivi(q) => {
-                q.write_residual(b, k);
-                if let Some(lb) = leaving.filter(|&lb| (lb + 1).is_multiple_of(g)) {
-                    // The group has left the newest R: quantise its stored rows once.
-                    let rows = (lb + 1 - g).max(first_stored)..lb + 1;
-                    if !rows.is_empty() {
-                        let group_slot = match self.group_ring {
-                            Some(m) => (lb / g) % m,
-                            None => lb / g,
-                        };
-                        q.complete_group(rows, group_slot, slot_of);
-                    }
-                }
-            }
-        }
+        vs.append(b, slot, v, &at);
+        ks.append(b, slot, k, &at);
     }
 
-    /// Row id of stored row `i` (prefix row `t`: `t`; body ring slot `s`: `P + s`; see
-    /// [`Run::id`]).
+    /// Row id of stored row `i` (prefix row `t`: `t`; body slot `s`: `P + s`; see
+    /// [`RunAt::id`]).
     #[inline]
     pub(crate) fn row_id(&self, i: usize) -> usize {
         match self.loc(i) {
-            Loc::Prefix(t) => t,
-            Loc::Body { slot, .. } => self.prefix + slot,
+            (true, t) => t,
+            (false, b) => self.prefix + self.policy.slot(self.prefix + b),
         }
     }
 
     /// One past the largest row id a stored row can have now.
     pub(crate) fn row_id_bound(&self) -> usize {
         self.prefix
-            + match self.ring {
+            + match self.policy.body_slots() {
                 Some(m) => m,
-                None => self.appended.saturating_sub(self.prefix),
+                None => self.appended().saturating_sub(self.prefix),
             }
     }
 
@@ -480,9 +336,12 @@ impl LayerKv {
     /// Absolute position of stored row `i` (0 = oldest).
     #[inline]
     pub fn position(&self, i: usize) -> usize {
-        match self.loc(i) {
-            Loc::Prefix(t) => self.prefix_pos[t],
-            Loc::Body { slot, .. } => self.body_pos[slot],
+        let t = self.policy.token_at(i);
+        let slot = self.policy.slot(t);
+        if t < self.prefix {
+            self.prefix_pos[slot]
+        } else {
+            self.body_pos[slot]
         }
     }
 
@@ -490,196 +349,107 @@ impl LayerKv {
     /// pre-RoPE in `cache` positions mode).
     pub fn read_key(&self, i: usize, h: usize, out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.head_dim);
-        let mut params = vec![0.0; 2 * self.head_dim];
-        let (s, z) = params.split_at_mut(self.head_dim);
-        let mut none = usize::MAX;
-        self.read_key_at(self.loc(i), h, out, &mut none, s, z);
-    }
-
-    /// Reads the key at `loc`; `cur_group` caches which group's f32 parameters are in
-    /// `scale`/`zero` (usize::MAX for none), so consecutive rows reuse them.
-    #[inline]
-    fn read_key_at(
-        &self,
-        loc: Loc,
-        h: usize,
-        out: &mut [f32],
-        cur_group: &mut usize,
-        scale: &mut [f32],
-        zero: &mut [f32],
-    ) {
-        match loc {
-            Loc::Prefix(t) => self.prefix_k.read(h, t, out),
-            Loc::Body { b, slot } => match &self.body_k {
-                BodyK::Plain(p) => p.read(h, slot, out),
-                BodyK::Kivi(q) => {
-                    let g = b / self.kv.group_size.max(1);
-                    if g < self.groups_done() {
-                        if *cur_group != g {
-                            q.load_params(h, self.group_slot(g), scale, zero);
-                            *cur_group = g;
-                        }
-                        q.read_quant(h, slot, scale, zero, out)
-                    } else {
-                        q.read_residual(h, b, out)
-                    }
-                }
-            },
+        match self.loc(i) {
+            (true, t) => self.prefix_k.read(h, t, &self.prefix_region(), out),
+            (false, b) => self.body_k.read(h, b, &self.body_region(), out),
         }
-    }
-
-    #[inline]
-    fn read_value_at(&self, loc: Loc, h: usize, out: &mut [f32]) {
-        match loc {
-            Loc::Prefix(t) => self.prefix_v.read(h, t, out),
-            Loc::Body { b, slot } => match &self.body_v {
-                BodyV::Plain(p) => p.read(h, slot, out),
-                BodyV::Kivi(_, Some(res)) if b >= self.body_left() => {
-                    res.read(h, b % self.v_res_cap, out)
-                }
-                BodyV::Kivi(q, _) => q.read(h, slot, out),
-            },
-        }
-    }
-
-    /// Dequantises KV head `h` of every stored row, oldest first, into `keys` and
-    /// `values` (`(stored, head_dim)` each). `params` is scratch for a K group's f32
-    /// parameters.
-    pub fn gather_head(
-        &self,
-        h: usize,
-        keys: &mut [f32],
-        values: &mut [f32],
-        params: &mut Vec<f32>,
-    ) {
-        let hd = self.head_dim;
-        let n = self.len();
-        debug_assert!(keys.len() >= n * hd && values.len() >= n * hd);
-        params.resize(2 * hd, 0.0);
-        let (scale, zero) = params.split_at_mut(hd);
-        let mut cur_group = usize::MAX;
-        let t = self.appended;
-        let sinks = 0..self.policy.sinks_stored(t);
-        let recent = self.policy.window_start(t)..t;
-        for (i, tok) in sinks.chain(recent).enumerate() {
-            let loc = if tok < self.prefix {
-                Loc::Prefix(tok)
-            } else {
-                let b = tok - self.prefix;
-                Loc::Body {
-                    b,
-                    slot: self.body_slot(b),
-                }
-            };
-            let (k, v) = (
-                &mut keys[i * hd..(i + 1) * hd],
-                &mut values[i * hd..(i + 1) * hd],
-            );
-            self.read_key_at(loc, h, k, &mut cur_group, scale, zero);
-            self.read_value_at(loc, h, v);
-        }
-    }
-
-    /// Calls `f` on the runs that make up KV head `h`'s stored rows, in logical order
-    /// (their `first` fields are `0, len_0, len_0 + len_1, ...` up to `len()`). Runs break
-    /// at the sink/recent seam, the prefix/body border, the ring's wrap, the start of
-    /// the K residual and the wrap of its ring, the start of the V residual and the wrap
-    /// of its ring; under a group ring (StreamingLLM) also at every K group border,
-    /// whereas a dense cache's complete groups share one run (its parameter slots are
-    /// consecutive; `ChannelRun` walks the groups itself), so a 16K-row dense step costs a
-    /// handful of runs instead of 512 per head.
-    pub(crate) fn for_each_run<'a>(&'a self, h: usize, mut f: impl FnMut(Run<'a>)) {
-        let t = self.appended;
-        let p = self.prefix;
-        let g = self.kv.group_size.max(1);
-        let k_res_cap = match &self.body_k {
-            BodyK::Kivi(q) => Some(q.residual_cap()),
-            BodyK::Plain(_) => None,
-        };
-        let v_res = matches!(self.body_v, BodyV::Kivi(_, Some(_)));
-        let done = self.groups_done();
-        let left = self.body_left();
-        let mut first = 0;
-        let sinks = (0, self.policy.sinks_stored(t));
-        let recent = (self.policy.window_start(t), t);
-        for (a, b) in [sinks, recent] {
-            let pe = b.min(p);
-            if a < pe {
-                let len = pe - a;
-                f(Run {
-                    first,
-                    len,
-                    id: a,
-                    key: KeyRun::Plain(self.prefix_k.run(h, a..pe)),
-                    value: ValueRun::Plain(self.prefix_v.run(h, a..pe)),
-                });
-                first += len;
-            }
-            let (mut bi, b_end) = (a.max(p).saturating_sub(p), b.saturating_sub(p));
-            while bi < b_end {
-                let mut end = b_end;
-                if let Some(m) = self.ring {
-                    end = end.min((bi / m + 1) * m);
-                }
-                if let Some(cap) = k_res_cap {
-                    end = if bi / g < done {
-                        // Quantised K groups share a run while their parameter slots are
-                        // consecutive (no group ring).
-                        if self.group_ring.is_none() {
-                            end.min(done * g)
-                        } else {
-                            end.min((bi / g + 1) * g)
-                        }
-                    } else {
-                        // The K residual, up to its ring's wrap.
-                        end.min((bi / cap + 1) * cap)
-                    };
-                }
-                if v_res {
-                    let cap = self.v_res_cap;
-                    end = if bi < left {
-                        end.min(left)
-                    } else {
-                        end.min((bi / cap + 1) * cap)
-                    };
-                }
-                let len = end - bi;
-                let slot = self.body_slot(bi);
-                let slots = slot..slot + len;
-                let key = match &self.body_k {
-                    BodyK::Plain(q) => KeyRun::Plain(q.run(h, slots.clone())),
-                    BodyK::Kivi(q) if bi / g < done => {
-                        KeyRun::Channel(q.run(h, slots.clone(), self.group_slot(bi / g), bi % g))
-                    }
-                    BodyK::Kivi(q) => KeyRun::Plain(q.residual_run(h, bi..end)),
-                };
-                let value = match &self.body_v {
-                    BodyV::Plain(q) => ValueRun::Plain(q.run(h, slots)),
-                    BodyV::Kivi(_, Some(res)) if bi >= left => {
-                        let r0 = bi % self.v_res_cap;
-                        ValueRun::Plain(res.run(h, r0..r0 + len))
-                    }
-                    BodyV::Kivi(q, _) => ValueRun::Token(q.run(h, slots)),
-                };
-                debug_assert_eq!((key.len(), value.len()), (len, len));
-                f(Run {
-                    first,
-                    len,
-                    id: p + slot,
-                    key,
-                    value,
-                });
-                first += len;
-                bi = end;
-            }
-        }
-        debug_assert_eq!(first, self.len());
     }
 
     /// Dequantises KV head `h` of stored row `i`'s value into `out`.
     pub fn read_value(&self, i: usize, h: usize, out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.head_dim);
-        self.read_value_at(self.loc(i), h, out);
+        match self.loc(i) {
+            (true, t) => self.prefix_v.read(h, t, &self.prefix_region(), out),
+            (false, b) => self.body_v.read(h, b, &self.body_region(), out),
+        }
+    }
+
+    /// Dequantises KV head `h` of every stored row, oldest first, into `keys` and
+    /// `values` (`(stored, head_dim)` each).
+    pub fn gather_head(&self, h: usize, keys: &mut [f32], values: &mut [f32]) {
+        let hd = self.head_dim;
+        let n = self.len();
+        debug_assert!(keys.len() >= n * hd && values.len() >= n * hd);
+        for i in 0..n {
+            self.read_key(i, h, &mut keys[i * hd..(i + 1) * hd]);
+            self.read_value(i, h, &mut values[i * hd..(i + 1) * hd]);
+        }
+    }
+
+    /// Calls `f(first, in_prefix, region rows)` for the policy's runs: stored rows
+    /// `first..first + rows.len()` (logical order) are consecutive rows of one region in
+    /// consecutive slots.
+    fn for_each_span(&self, mut f: impl FnMut(usize, bool, std::ops::Range<usize>)) {
+        let (n, p) = (self.len(), self.prefix);
+        let mut i = 0;
+        while i < n {
+            let e = self.policy.run_end(i, n);
+            let t = self.policy.token_at(i);
+            let (in_prefix, b) = if t < p { (true, t) } else { (false, t - p) };
+            f(i, in_prefix, b..b + (e - i));
+            i = e;
+        }
+        debug_assert_eq!(i, n);
+    }
+
+    /// Calls `f` on the key runs that make up KV head `h`'s stored rows, in logical order
+    /// (their `first` fields are `0, len_0, len_0 + len_1, ...` up to `len()`). Runs break
+    /// where the policy's do (sink/recent seam, prefix/body border, ring wrap) and where
+    /// the store's do (e.g. KIVI K: group borders under a ring, the residual and its
+    /// ring's wrap).
+    pub(crate) fn for_each_key_run(
+        &self,
+        h: usize,
+        mut f: impl for<'r> FnMut(RunAt<'r, dyn KeyRun + 'r>),
+    ) {
+        self.for_each_span(|mut first, in_prefix, rows| {
+            let (store, at, base) = if in_prefix {
+                (&self.prefix_k, self.prefix_region(), 0)
+            } else {
+                (&self.body_k, self.body_region(), self.prefix)
+            };
+            let mut b = rows.start;
+            while b < rows.end {
+                let e = store.run_end(b, rows.end, &at);
+                let id = base + at.slot(b);
+                store.with_run(h, b..e, &at, &mut |r| f(RunAt { first, id, rows: r }));
+                first += e - b;
+                b = e;
+            }
+        })
+    }
+
+    /// As [`LayerKv::for_each_key_run`], for the value runs (cut by V's store).
+    pub(crate) fn for_each_value_run(
+        &self,
+        h: usize,
+        mut f: impl for<'r> FnMut(RunAt<'r, dyn ValueRun + 'r>),
+    ) {
+        self.for_each_span(|mut first, in_prefix, rows| {
+            let (store, at, base) = if in_prefix {
+                (&self.prefix_v, self.prefix_region(), 0)
+            } else {
+                (&self.body_v, self.body_region(), self.prefix)
+            };
+            let mut b = rows.start;
+            while b < rows.end {
+                let e = store.run_end(b, rows.end, &at);
+                let id = base + at.slot(b);
+                store.with_run(h, b..e, &at, &mut |r| f(RunAt { first, id, rows: r }));
+                first += e - b;
+                b = e;
+            }
+        })
+    }
+
+    /// Passes attention's per-row probability mass to the policy, if it wants it.
+    pub(crate) fn observe(&mut self, mass: &[f32]) {
+        self.policy.observe(mass)
+    }
+
+    /// Whether the policy wants [`LayerKv::observe`].
+    pub(crate) fn observes(&self) -> bool {
+        self.policy.observes()
     }
 
     /// Stored row `i`'s key, all KV heads, as f32 (`kv_heads * head_dim` values).
@@ -706,42 +476,11 @@ impl LayerKv {
     /// full-precision prefix/residual rows (positions are bookkeeping and not counted).
     /// Ring slots that hold no stored row are not counted.
     pub fn bytes(&self) -> usize {
-        let t = self.appended;
-        let p = self.prefix;
-        let prefix_rows = self.policy.stored_in(t, 0, p);
-        let body_rows = self.policy.stored_in(t, p, t);
-        let mut total = prefix_rows * (self.prefix_k.row_bytes() + self.prefix_v.row_bytes());
-        match &self.body_v {
-            BodyV::Plain(v) => total += body_rows * v.row_bytes(),
-            BodyV::Kivi(v, res) => {
-                // Rows still in the residual are f32.
-                let (res_rows, res_row_bytes) = match res {
-                    Some(r) => (
-                        self.policy.stored_in(t, p + self.body_left(), t),
-                        r.row_bytes(),
-                    ),
-                    None => (0, 0),
-                };
-                total += (body_rows - res_rows) * v.row_bytes() + res_rows * res_row_bytes;
-            }
-        }
-        match &self.body_k {
-            BodyK::Plain(k) => total += body_rows * k.row_bytes(),
-            BodyK::Kivi(k) => {
-                let g = self.kv.group_size.max(1);
-                let done = self.groups_done();
-                let quant_end = p + done * g;
-                let residual_rows = self.policy.stored_in(t, quant_end, t);
-                let quant_rows = body_rows - residual_rows;
-                // Complete groups that still have a stored row.
-                let first_b = self.policy.window_start(t).max(p) - p;
-                let live_groups = done.saturating_sub(first_b / g);
-                total += quant_rows * k.code_row_bytes()
-                    + residual_rows * k.residual_row_bytes()
-                    + live_groups * k.group_bytes();
-            }
-        }
-        total
+        let (pre, body) = (self.prefix_region(), self.body_region());
+        self.prefix_k.bytes(&pre)
+            + self.prefix_v.bytes(&pre)
+            + self.body_k.bytes(&body)
+            + self.body_v.bytes(&body)
     }
 }
 
@@ -804,8 +543,9 @@ impl KvCache {
 mod tests {
     use super::*;
 
-    /// The runs tile the stored rows in logical order, never cross a ring wrap (nor a K
-    /// group under a group ring; dense KIVI runs span many complete groups), and their rows (read through the run views) are bit-identical to
+    /// The key runs and the value runs each tile the stored rows in logical order, never
+    /// cross a ring wrap (nor a K group under a group ring; dense KIVI runs span many
+    /// complete groups), and their rows (read through the run views) are bit-identical to
     /// `key(i)` / `value(i)`, across prefix, sinks, ring wraps, complete groups and the
     /// residual, for every precision.
     #[test]
@@ -853,33 +593,38 @@ mod tests {
                         "{precision:?}/{v_precision:?} G={g} R={residual} sink={sink} window={window:?} t={t}"
                     );
                     for h in 0..kv_heads {
-                        let mut next = 0;
-                        let (mut got, mut want) = (vec![0.0f32; hd], vec![0.0f32; hd]);
                         let mut buf = vec![0.0f32; 3 * hd];
                         let mut params = vec![0.0f32; 2 * hd];
-                        layer.for_each_run(h, |run| {
-                            assert_eq!(run.first, next, "{ctx}: runs out of order");
-                            assert!(run.len > 0, "{ctx}: empty run");
-                            next += run.len;
-                            let check_key = |r0: usize, rows: &mut [f32]| {
-                                for (r, k) in rows.chunks_exact(hd).enumerate() {
-                                    let i = run.first + r0 + r;
-                                    layer.read_key(i, h, &mut want);
-                                    assert_eq!(bits(k), bits(&want), "{ctx} h={h} key row {i}");
-                                }
-                            };
-                            match run.key {
-                                KeyRun::Plain(k) => k.for_each_block(&mut buf, check_key),
-                                KeyRun::Channel(k) => {
-                                    k.for_each_block(&mut buf, &mut params, check_key)
-                                }
-                            }
-                            for r in 0..run.len {
+                        let mut want = vec![0.0f32; hd];
+                        let mut next = 0;
+                        layer.for_each_key_run(h, |run| {
+                            assert_eq!(run.first, next, "{ctx}: key runs out of order");
+                            assert!(run.rows.len() > 0, "{ctx}: empty key run");
+                            next += run.rows.len();
+                            run.rows
+                                .for_each_block(&mut buf, &mut params, &mut |r0, rows| {
+                                    for (r, k) in rows.chunks_exact(hd).enumerate() {
+                                        let i = run.first + r0 + r;
+                                        layer.read_key(i, h, &mut want);
+                                        assert_eq!(bits(k), bits(&want), "{ctx} h={h} key row {i}");
+                                        assert_eq!(
+                                            run.id + r0 + r,
+                                            layer.row_id(i),
+                                            "{ctx} id {i}"
+                                        );
+                                    }
+                                });
+                        });
+                        assert_eq!(next, layer.len(), "{ctx}: key runs do not cover the rows");
+                        let mut got = vec![0.0f32; hd];
+                        let mut next = 0;
+                        layer.for_each_value_run(h, |run| {
+                            assert_eq!(run.first, next, "{ctx}: value runs out of order");
+                            assert!(run.rows.len() > 0, "{ctx}: empty value run");
+                            next += run.rows.len();
+                            for r in 0..run.rows.len() {
                                 let i = run.first + r;
-                                match run.value {
-                                    ValueRun::Plain(v) => v.read(r, &mut got),
-                                    ValueRun::Token(v) => v.read(r, &mut got),
-                                }
+                                run.rows.read(r, &mut got);
                                 layer.read_value(i, h, &mut want);
                                 assert_eq!(bits(&got), bits(&want), "{ctx} h={h} value row {i}");
                             }

@@ -12,12 +12,12 @@
 //! `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, plus the scalar tail
 //! `Σ_{i ≥ n8} w_i·x_i` summed from zero. The kernels keep several rows (or rows ×
 //! tokens) in flight, one accumulator each, and reduce eight of them with one transpose
-//! ([`crate::quant::reduce8`]).
+//! ([`crate::ops::simd::reduce8`]).
 
 use super::qdot::{self, Packed, QuantizedActs, GROUP};
 use super::simd::{load8, Elem};
 use crate::dtype::DType;
-use crate::quant::reduce8;
+use crate::ops::simd::reduce8;
 use crate::weights::{dequantize_into, Tensor, TensorBytes};
 use half::{bf16, f16};
 use rayon::prelude::*;

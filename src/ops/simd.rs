@@ -1,4 +1,5 @@
-//! Vector primitives over `wide::f32x8`, each with a scalar tail.
+//! Vector primitives over `wide::f32x8`, each with a scalar tail. Depends on nothing
+//! else in the crate (`quant` and the cache's kernels build on it, never the reverse).
 
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 use wide::{f32x8, i32x8, u16x8};
@@ -63,6 +64,33 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// f16 with round-to-nearest-even, saturating at `±f16::MAX` instead of overflowing.
+#[inline]
+pub fn f16_saturating(x: f32) -> f16 {
+    let h = f16::from_f32(x);
+    if h.is_infinite() {
+        if x > 0.0 {
+            f16::MAX
+        } else {
+            f16::MIN
+        }
+    } else {
+        h
+    }
+}
+
+/// Reduces eight rows' partial sums at once: `part[k] = (lanes, tail)` of row `k`, and
+/// lane `k` of the result is row `k`'s total, always summed in the same order
+/// (`((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) + tail`) so a row's value does
+/// not depend on which block it was reduced in. One transpose instead of eight
+/// horizontal reductions.
+#[inline(always)]
+pub fn reduce8(part: [(f32x8, f32); 8]) -> f32x8 {
+    let t = f32x8::transpose(part.map(|x| x.0));
+    let sum = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+    sum + f32x8::from(part.map(|x| x.1))
+}
+
 /// Scalar twin of [`dot`] (sequential sum), for tests.
 pub fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
@@ -102,7 +130,7 @@ impl Elem for f16 {
     /// Saturating, so a value just beyond f16's range does not become infinite.
     #[inline]
     fn from_f32(x: f32) -> Self {
-        crate::quant::f16_saturating(x)
+        f16_saturating(x)
     }
     #[inline]
     fn to_f32(self) -> f32 {

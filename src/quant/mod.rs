@@ -22,68 +22,15 @@
 use half::{f16, slice::HalfFloatSliceExt};
 use wide::{f32x8, i32x8, u16x8, u32x8, u8x16};
 
-/// int8 codes: `q ∈ [INT8_QMIN, INT8_QMAX]`.
-pub const INT8_QMIN: i32 = -128;
-pub const INT8_QMAX: i32 = 127;
-/// int4 codes: `q ∈ [INT4_QMIN, INT4_QMAX]`.
-pub const INT4_QMIN: i32 = -8;
-pub const INT4_QMAX: i32 = 7;
-/// int2 codes: `q ∈ [INT2_QMIN, INT2_QMAX]`.
-pub const INT2_QMIN: i32 = -2;
-pub const INT2_QMAX: i32 = 1;
+/// The code width and its ranges are types shared with the reference (one definition);
+/// every computation below is the engine's own.
+pub use tinygpt_reference::quant::{
+    Bits, INT2_QMAX, INT2_QMIN, INT4_QMAX, INT4_QMIN, INT8_QMAX, INT8_QMIN,
+};
 /// Lower bound of every scale, before the f16 rounding.
 pub const MIN_SCALE: f32 = 1e-5;
 
-/// A KIVI code width.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Bits {
-    Int8,
-    Int4,
-    Int2,
-}
-
-impl Bits {
-    #[inline]
-    pub fn qmin(self) -> i32 {
-        match self {
-            Bits::Int8 => INT8_QMIN,
-            Bits::Int4 => INT4_QMIN,
-            Bits::Int2 => INT2_QMIN,
-        }
-    }
-    #[inline]
-    pub fn qmax(self) -> i32 {
-        match self {
-            Bits::Int8 => INT8_QMAX,
-            Bits::Int4 => INT4_QMAX,
-            Bits::Int2 => INT2_QMAX,
-        }
-    }
-    /// Bytes holding `n` packed codes.
-    #[inline]
-    pub fn packed_len(self, n: usize) -> usize {
-        match self {
-            Bits::Int8 => n,
-            Bits::Int4 => n.div_ceil(2),
-            Bits::Int2 => n.div_ceil(4),
-        }
-    }
-}
-
-/// f16 with round-to-nearest-even, saturating at `±f16::MAX` instead of overflowing.
-#[inline]
-pub fn f16_saturating(x: f32) -> f16 {
-    let h = f16::from_f32(x);
-    if h.is_infinite() {
-        if x > 0.0 {
-            f16::MAX
-        } else {
-            f16::MIN
-        }
-    } else {
-        h
-    }
-}
+pub use crate::ops::simd::f16_saturating;
 
 /// Stored `(scale, zero)` for a slice with minimum `lo` and maximum `hi`.
 #[inline]
@@ -341,15 +288,7 @@ fn widen_hi(b: u8x16) -> f32x8 {
     i32x8::from_u16x8(u16x8::from_u8x16_high(b)).round_float()
 }
 
-use crate::ops::simd::{load8, store8};
-
-/// `f16[..8]` → f32x8 (`half`'s 8-lane conversion: F16C / NEON when compiled for them).
-#[inline(always)]
-fn load8_f16(x: &[f16]) -> f32x8 {
-    let mut a = [0.0f32; 8];
-    x[..8].convert_to_f32_slice(&mut a);
-    f32x8::from(a)
-}
+use crate::ops::simd::{load8, reduce8, store8, Elem};
 
 /// `Σ_j w[j] · u_j` over a packed row of `w.len()` codes (the offset codes themselves,
 /// no scale or zero: the caller folded them into `w`).
@@ -460,8 +399,8 @@ pub fn fold_channels(q: &[f32], scale: &[f16], zero: &[f16], qs: &mut [f32]) -> 
     let mut c = 0;
     while c + 8 <= n {
         let qv = load8(&q[c..]);
-        store8(&mut qs[c..], qv * load8_f16(&scale[c..]));
-        acc = qv.mul_add(load8_f16(&zero[c..]), acc);
+        store8(&mut qs[c..], qv * f16::load8(&scale[c..]));
+        acc = qv.mul_add(f16::load8(&zero[c..]), acc);
         c += 8;
     }
     let mut bias = acc.reduce_add();
@@ -480,18 +419,6 @@ pub fn fold_channels_scalar(q: &[f32], scale: &[f16], zero: &[f16], qs: &mut [f3
         bias += q[c] * zero[c].to_f32();
     }
     bias
-}
-
-/// Reduces eight rows' partial sums at once: `part[k] = (lanes, tail)` of row `k`, and
-/// lane `k` of the result is row `k`'s total, always summed in the same order
-/// (`((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) + tail`) so a row's value does
-/// not depend on which block it was reduced in. One transpose instead of eight
-/// horizontal reductions.
-#[inline(always)]
-pub(crate) fn reduce8(part: [(f32x8, f32); 8]) -> f32x8 {
-    let t = f32x8::transpose(part.map(|x| x.0));
-    let sum = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
-    sum + f32x8::from(part.map(|x| x.1))
 }
 
 /// Calls `$f::<W, HD>(args)` with `HD` the head dim if it is one of the common ones
@@ -702,17 +629,9 @@ mod tests {
 
     #[test]
     fn constants_match_reference() {
-        assert_eq!(
-            (INT8_QMIN, INT8_QMAX, INT4_QMIN, INT4_QMAX, MIN_SCALE),
-            (
-                r::INT8_QMIN,
-                r::INT8_QMAX,
-                r::INT4_QMIN,
-                r::INT4_QMAX,
-                r::MIN_SCALE
-            )
-        );
-        assert_eq!((INT2_QMIN, INT2_QMAX), (r::INT2_QMIN, r::INT2_QMAX));
+        assert_eq!(MIN_SCALE, r::MIN_SCALE);
+        assert_eq!((INT8_QMIN, INT8_QMAX), (-128, 127));
+        assert_eq!((INT4_QMIN, INT4_QMAX), (-8, 7));
         assert_eq!((INT2_QMIN, INT2_QMAX), (-2, 1));
     }
 

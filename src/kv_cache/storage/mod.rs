@@ -1,0 +1,227 @@
+//! How stored rows are held: one *store* per side (K or V) and region (prefix or body).
+//!
+//! A store implements [`KeyStore`] (for K) or [`ValueStore`] (for V), both on top of
+//! [`RowStore`]. The layer hands each store its rows by *region row* `b` (the store's
+//! `b`-th appended row; the region says which rows are still stored and which slot each
+//! one has, see [`Region`]), and reads them back through *run views*: a run is a range of
+//! consecutive region rows held in consecutive slots of one KV head, and its view
+//! ([`KeyRun`], [`ValueRun`]) is all attention sees of it: fused kernels (scores of
+//! queries against the rows, probability-weighted sums of the rows) that fold any scales
+//! and zeros into the arithmetic instead of dequantising. Stores are chosen once per
+//! layer, in [`stores_for`], the one place that maps a [`Precision`] to its storage.
+//!
+//! | store | file | rows |
+//! |---|---|---|
+//! | [`plain::Rows<E>`] | `plain.rs` | f32 / f16 / bf16 rows, `E` widened to f32 in registers |
+//! | [`kivi_k::ChannelQuant`] | `kivi_k.rs` | KIVI K: per-channel `(scale, zero)` per group of G rows, f32 residual ring |
+//! | [`kivi_v::TokenQuant`] | `kivi_v.rs` | KIVI V: per-token `(scale, zero)`, optional f32 residual ring |
+//!
+//! Every buffer is split per KV head so one head's rows are contiguous (what a fused
+//! attention kernel streams over); a *slot* is a row index inside these buffers.
+//! Buffers grow lazily up to the slot written, so a bounded ring allocates at most
+//! `window` slots and an unbounded cache grows amortised O(1) per row.
+//!
+//! Code packing: `packed(n)` is `n` bytes for int8, `ceil(n / 2)` for int4, whose
+//! element `2j` is the **low** nibble of byte `j` and element `2j + 1` the **high**
+//! nibble, and `ceil(n / 4)` for int2, element `4j + i` in bits `2i..2i + 2` of byte `j`
+//! (see [`crate::quant`]). Codes are never handed out: every read dequantises into f32.
+
+pub(crate) mod kivi_k;
+pub(crate) mod kivi_v;
+pub(crate) mod plain;
+
+use super::policy::EvictionPolicy;
+use crate::quant::Bits;
+use half::{bf16, f16};
+use std::fmt::Debug;
+use std::ops::Range;
+use tinygpt_reference::kv_cache::Precision;
+
+pub(crate) use crate::ops::simd::Elem;
+
+/// Shape and settings shared by every store of a layer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shape {
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// KIVI K group length G (≥ 1).
+    pub group_size: usize,
+    /// KIVI residual R.
+    pub residual: usize,
+    /// Slots of the region's ring, or `None` to grow.
+    pub capacity: Option<usize>,
+}
+
+/// The K store and the V store of a precision. **The one place that maps a precision to
+/// its storage**: a new precision is one store type (implementing [`KeyStore`] and/or
+/// [`ValueStore`]) plus one arm here (and its arm in [`Precision`]).
+pub(crate) fn stores_for(p: Precision, s: Shape) -> (Box<dyn KeyStore>, Box<dyn ValueStore>) {
+    fn plain<E: Elem + Debug>(s: Shape) -> (Box<dyn KeyStore>, Box<dyn ValueStore>) {
+        (
+            Box::new(plain::Rows::<E>::new(s.kv_heads, s.head_dim)),
+            Box::new(plain::Rows::<E>::new(s.kv_heads, s.head_dim)),
+        )
+    }
+    fn kivi(bits: Bits, s: Shape) -> (Box<dyn KeyStore>, Box<dyn ValueStore>) {
+        (
+            Box::new(kivi_k::ChannelQuant::new(bits, s)),
+            Box::new(kivi_v::TokenQuant::new(bits, s)),
+        )
+    }
+    match p {
+        Precision::Fp32 => plain::<f32>(s),
+        Precision::Fp16 => plain::<f16>(s),
+        Precision::Bf16 => plain::<bf16>(s),
+        Precision::Int8 => kivi(Bits::Int8, s),
+        Precision::Int4 => kivi(Bits::Int4, s),
+        Precision::Int2 => kivi(Bits::Int2, s),
+    }
+}
+
+/// One region of a layer (prefix or body) as a store sees it: region row `b` is token
+/// `start + b`; which rows are stored and in which slot is the eviction policy's answer.
+#[derive(Clone, Copy)]
+pub(crate) struct Region<'a> {
+    pub(crate) policy: &'a dyn EvictionPolicy,
+    /// Token index of region row 0.
+    pub(crate) start: usize,
+    /// One past the region's last token index (`usize::MAX`: unbounded).
+    pub(crate) end: usize,
+}
+
+impl Region<'_> {
+    /// Region rows appended so far.
+    #[inline]
+    pub(crate) fn appended(&self) -> usize {
+        self.policy
+            .appended()
+            .min(self.end)
+            .saturating_sub(self.start)
+    }
+    /// Slot of stored region row `b`.
+    #[inline]
+    pub(crate) fn slot(&self, b: usize) -> usize {
+        self.policy.slot(self.start + b)
+    }
+    /// Whether region row `b` is stored.
+    #[inline]
+    pub(crate) fn is_stored(&self, b: usize) -> bool {
+        self.policy.is_stored(self.start + b)
+    }
+    /// How many of region rows `[lo, hi)` are stored.
+    #[inline]
+    pub(crate) fn stored_in(&self, lo: usize, hi: usize) -> usize {
+        let cap = |x: usize| self.start.saturating_add(x).min(self.end);
+        self.policy.stored_in(cap(lo), cap(hi))
+    }
+    /// Region rows stored.
+    #[inline]
+    pub(crate) fn stored(&self) -> usize {
+        self.stored_in(0, self.appended())
+    }
+    /// The oldest stored region row (`appended()` if none).
+    #[inline]
+    pub(crate) fn first_stored(&self) -> usize {
+        self.policy
+            .first_stored_from(self.start)
+            .saturating_sub(self.start)
+            .min(self.appended())
+    }
+}
+
+/// What every store does: hold rows, read them back as f32, say where runs must break,
+/// count bytes.
+pub(crate) trait RowStore: Debug + Send + Sync {
+    /// Takes region row `b` (`(kv_heads, head_dim)` values), stored in `slot`, or not
+    /// stored at all (`None`: a policy may refuse a row), after the policy has evicted
+    /// for this append; quantises whatever this append makes due.
+    fn append(&mut self, b: usize, slot: Option<usize>, row: &[f32], at: &Region<'_>);
+    /// Stored region row `b` of KV head `h` as f32 (`head_dim` values).
+    fn read(&self, h: usize, b: usize, at: &Region<'_>, out: &mut [f32]);
+    /// The end (≤ `end`) of the longest run from region row `b` that this store can hand
+    /// out as one view (rows `b..end` are stored in consecutive slots).
+    fn run_end(&self, b: usize, end: usize, at: &Region<'_>) -> usize;
+    /// Bytes held for the region's stored rows (data, scales, zeros, f32 residual rows).
+    fn bytes(&self, at: &Region<'_>) -> usize;
+}
+
+/// A K store: runs are scored against queries.
+pub(crate) trait KeyStore: RowStore {
+    fn clone_box(&self) -> Box<dyn KeyStore>;
+    /// Calls `f` with a view of region rows `rows` of KV head `h` (a range accepted by
+    /// [`RowStore::run_end`]).
+    fn with_run(
+        &self,
+        h: usize,
+        rows: Range<usize>,
+        at: &Region<'_>,
+        f: &mut dyn FnMut(&dyn KeyRun),
+    );
+}
+
+/// A V store: runs are summed with probability weights.
+pub(crate) trait ValueStore: RowStore {
+    fn clone_box(&self) -> Box<dyn ValueStore>;
+    /// As [`KeyStore::with_run`].
+    fn with_run(
+        &self,
+        h: usize,
+        rows: Range<usize>,
+        at: &Region<'_>,
+        f: &mut dyn FnMut(&dyn ValueRun),
+    );
+}
+
+impl Clone for Box<dyn KeyStore> {
+    fn clone(&self) -> Self {
+        self.clone_box()
+    }
+}
+
+impl Clone for Box<dyn ValueStore> {
+    fn clone(&self) -> Self {
+        self.clone_box()
+    }
+}
+
+/// Consecutive stored K rows of one KV head, as one store holds them.
+pub(crate) trait KeyRun {
+    /// Rows in the run.
+    fn len(&self) -> usize;
+    /// Scores `out[j * stride + r] = q_j · k_r` of the `qs.len() / head_dim` queries `qs`
+    /// against every row. A row's score must not depend on how the rows were cut into
+    /// runs (blocks of eight pad with zeros, see `quant::reduce8`). `fold` is
+    /// `(queries, head_dim)` scratch.
+    fn dot_rows(&self, qs: &[f32], fold: &mut [f32], out: &mut [f32], stride: usize);
+    /// Calls `f(r0, rows)` with the rows as f32 (exactly what `LayerKv::read_key`
+    /// returns) in `buf`, a block of up to `buf.len() / head_dim` rows at a time (`rows`:
+    /// `(m, head_dim)`, run rows `r0..r0 + m`). `params` is `2 * head_dim` scratch.
+    fn for_each_block(
+        &self,
+        buf: &mut [f32],
+        params: &mut [f32],
+        f: &mut dyn FnMut(usize, &mut [f32]),
+    );
+}
+
+/// Consecutive stored V rows of one KV head, as one store holds them.
+pub(crate) trait ValueRun {
+    /// Rows in the run.
+    fn len(&self) -> usize;
+    /// `acc_j += Σ_r p[j * stride + r] · v_r` for every query `j` (`acc`: `(queries,
+    /// head_dim)`), row by row in order; rows of weight 0 may be skipped. A store may
+    /// defer a per-query constant into `bias[j]`, which the caller adds to every element
+    /// of `acc_j` once all runs are summed.
+    fn axpy_rows(&self, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]);
+    /// Row `r` as f32 (tests of the run enumeration).
+    #[cfg(test)]
+    fn read(&self, r: usize, out: &mut [f32]);
+}
+
+/// Makes `buf` hold at least `len` elements (growing with `Default` values).
+#[inline]
+pub(crate) fn ensure<T: Copy + Default>(buf: &mut Vec<T>, len: usize) {
+    if buf.len() < len {
+        buf.resize(len, T::default());
+    }
+}
