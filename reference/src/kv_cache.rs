@@ -203,9 +203,7 @@ impl KvConfig {
     pub fn quant_name(&self) -> String {
         let (k, v) = (self.key_precision(), self.value_precision());
         let bits = |p: Precision| match p.kivi_bits() {
-            Some(Bits::Int8) => "8".to_string(),
-            Some(Bits::Int4) => "4".to_string(),
-            Some(Bits::Int2) => "2".to_string(),
+            Some(b) => b.width().to_string(),
             None => p.name().to_string(),
         };
         let mut s = if k == v {
@@ -307,15 +305,11 @@ impl LayerCache {
         let token = self.appended;
         self.appended += 1;
         let prefix = self.cfg.full_precision_rows();
-        // A KIVI side waits in f32 until it leaves the residual; a plain side is cast now.
-        let store = |x: &[f32], p: Precision| -> Stored {
-            match p {
-                _ if token < prefix => Stored::F32(x.to_vec()),
-                Precision::Fp16 => to_f16(x),
-                Precision::Bf16 => to_bf16(x),
-                Precision::Fp32 | Precision::Int8 | Precision::Int4 | Precision::Int2 => {
-                    Stored::F32(x.to_vec())
-                }
+        let store = |x: &[f32], p: Precision| {
+            if token < prefix {
+                Stored::F32(x.to_vec())
+            } else {
+                store_row(x, p)
             }
         };
         self.rows.push(Row {
@@ -485,6 +479,19 @@ impl LayerCache {
     }
     pub fn config(&self) -> &KvConfig {
         &self.cfg
+    }
+}
+
+/// How a new row of precision `p` is held at its append (after the prefix). A KIVI side
+/// waits in f32 until it leaves the residual (then `quantize_v` / `quantize_group`); a
+/// plain side is cast now. Adding a precision: its arm here, in `Stored` if it needs a
+/// new form, and in `Precision`.
+fn store_row(x: &[f32], p: Precision) -> Stored {
+    match p {
+        Precision::Fp32 => Stored::F32(x.to_vec()),
+        Precision::Fp16 => to_f16(x),
+        Precision::Bf16 => to_bf16(x),
+        Precision::Int8 | Precision::Int4 | Precision::Int2 => Stored::F32(x.to_vec()),
     }
 }
 

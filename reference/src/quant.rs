@@ -51,7 +51,9 @@ pub const INT2_QMAX: i32 = 1;
 /// Lower bound of every scale, before the f16 rounding.
 pub const MIN_SCALE: f32 = 1e-5;
 
-/// A KIVI code width.
+/// A KIVI code width: the one definition, shared by the engine (`tinygpt_cpu::quant::Bits`
+/// re-exports it). Adding a width: its arm here and in the three methods below, and in
+/// [`pack_codes`] / [`unpack_codes`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Bits {
     Int8,
@@ -73,6 +75,10 @@ impl Bits {
             Bits::Int4 => INT4_QMAX,
             Bits::Int2 => INT2_QMAX,
         }
+    }
+    /// Bits per code.
+    pub fn width(self) -> u32 {
+        (self.qmax() - self.qmin() + 1).ilog2()
     }
     /// Bytes holding `n` packed codes.
     pub fn packed_len(self, n: usize) -> usize {

@@ -636,6 +636,166 @@ mod tests {
         }
     }
 
+    /// A second, trivial policy: keep the first `n` rows, refuse every later one. Not a
+    /// function of a window, and it refuses rows: proves `EvictionPolicy` is enough for a
+    /// policy `StreamingLlm` is not, and that attention's `observe` hook reaches it.
+    #[derive(Debug, Clone)]
+    struct KeepFirst {
+        n: usize,
+        prefix: usize,
+        appended: usize,
+        /// (observe calls, last mass)
+        seen: (usize, Vec<f32>),
+    }
+
+    impl EvictionPolicy for KeepFirst {
+        fn body_start(&self) -> usize {
+            self.prefix
+        }
+        fn body_slots(&self) -> Option<usize> {
+            None
+        }
+        fn append(&mut self) -> Option<usize> {
+            let t = self.appended;
+            self.appended += 1;
+            (t < self.n).then(|| self.slot(t))
+        }
+        fn appended(&self) -> usize {
+            self.appended
+        }
+        fn stored(&self) -> usize {
+            self.n.min(self.appended)
+        }
+        fn token_at(&self, i: usize) -> usize {
+            i
+        }
+        fn is_stored(&self, tok: usize) -> bool {
+            tok < self.stored()
+        }
+        fn stored_in(&self, lo: usize, hi: usize) -> usize {
+            hi.min(self.stored()).saturating_sub(lo)
+        }
+        fn first_stored_from(&self, tok: usize) -> usize {
+            if tok < self.stored() {
+                tok
+            } else {
+                self.appended
+            }
+        }
+        fn slot(&self, tok: usize) -> usize {
+            if tok < self.prefix {
+                tok
+            } else {
+                tok - self.prefix
+            }
+        }
+        fn run_end(&self, i: usize, end: usize) -> usize {
+            if i < self.prefix {
+                end.min(self.prefix)
+            } else {
+                end
+            }
+        }
+        fn observes(&self) -> bool {
+            true
+        }
+        fn observe(&mut self, mass: &[f32]) {
+            self.seen.0 += 1;
+            self.seen.1 = mass.to_vec();
+        }
+    }
+
+    /// A layer under `KeepFirst(n)` holds, reads, counts and attends exactly like a dense
+    /// layer that was only ever given the first `n` rows (bit for bit), and attention
+    /// reports each stored row's probability mass to the policy after every step.
+    #[test]
+    fn a_second_policy_through_the_trait() {
+        use crate::attention::{append_kv, attend, attend_stored, AttnScratch, RopeTable};
+        let (kv_heads, hd, group, n) = (2usize, 8usize, 2usize, 11usize);
+        let cfg = Config {
+            vocab_size: 8,
+            hidden_size: kv_heads * group * hd,
+            n_layers: 1,
+            n_heads: kv_heads * group,
+            n_kv_heads: kv_heads,
+            head_dim: hd,
+            intermediate_size: 8,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: tinygpt_reference::RopeScaling::None,
+            max_position_embeddings: 4096,
+            tie_word_embeddings: true,
+            sliding_window: None,
+            layer_types: vec![],
+            num_kv_shared_layers: 0,
+            attention_bias: false,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        };
+        let rope = RopeTable::new(&cfg);
+        for precision in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+            for positions in [PositionsMode::Original, PositionsMode::Cache] {
+                let kv = KvConfig {
+                    precision,
+                    positions,
+                    ..KvConfig::default()
+                };
+                let policy = KeepFirst {
+                    n,
+                    prefix: prefix_len(&kv),
+                    appended: 0,
+                    seen: (0, Vec::new()),
+                };
+                let mut kept = LayerKv::with_policy(&kv, kv_heads, hd, policy);
+                let mut dense = LayerKv::new(&kv, kv_heads, hd);
+                let mut scratch = AttnScratch::new(&cfg, &kv);
+                let row = |t: usize, salt: f32, len: usize| -> Vec<f32> {
+                    (0..len)
+                        .map(|c| ((t * 31 + c * 7) as f32 * 0.37 + salt).sin() * 3.0)
+                        .collect()
+                };
+                let (mut a, mut b) = (vec![0.0; cfg.q_dim()], vec![0.0; cfg.q_dim()]);
+                for t in 0..25usize {
+                    let (k, v, q) = (
+                        row(t, 0.0, cfg.kv_dim()),
+                        row(t, 1.0, cfg.kv_dim()),
+                        row(t, 2.0, cfg.q_dim()),
+                    );
+                    attend(
+                        &cfg,
+                        &rope,
+                        &mut kept,
+                        &q,
+                        &k,
+                        &v,
+                        t,
+                        &mut a,
+                        &mut scratch,
+                        None,
+                    );
+                    if t < n {
+                        append_kv(&cfg, &rope, &mut dense, &k, &v, t, &mut scratch);
+                    }
+                    attend_stored(&cfg, &rope, &dense, &q, t, &mut b, &mut scratch, None);
+                    let ctx = format!("{precision:?} {positions:?} t={t}");
+                    assert_eq!(kept.len(), dense.len(), "{ctx}");
+                    assert_eq!(kept.positions(), dense.positions(), "{ctx}");
+                    assert_eq!(kept.bytes(), dense.bytes(), "{ctx}");
+                    for i in 0..kept.len() {
+                        assert_eq!(bits(&kept.key(i)), bits(&dense.key(i)), "{ctx} key {i}");
+                        assert_eq!(bits(&kept.value(i)), bits(&dense.value(i)), "{ctx} v {i}");
+                    }
+                    assert_eq!(bits(&a), bits(&b), "{ctx}: attention output");
+                    let (calls, mass) = &kept.policy().seen;
+                    assert_eq!(*calls, t + 1, "{ctx}");
+                    assert_eq!(mass.len(), kept.len(), "{ctx}");
+                    let total: f32 = mass.iter().sum();
+                    assert!((total - cfg.n_heads as f32).abs() < 1e-4, "{ctx}: {total}");
+                }
+            }
+        }
+    }
+
     fn bits(x: &[f32]) -> Vec<u32> {
         x.iter().map(|v| v.to_bits()).collect()
     }
