@@ -240,8 +240,8 @@ fn bench_flagship(c: &mut Criterion) {
 
 fn criterion_config() -> Criterion {
     Criterion::default()
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
         .sample_size(10)
 }
 

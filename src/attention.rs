@@ -2,8 +2,12 @@
 //! `tinygpt_reference::attention::attend`, with the same contract.
 //!
 //! Attention reads the cache where it lies, one KV head at a time, through
-//! [`LayerKv::for_each_run`]: runs of consecutive slots of one storage region. Nothing
-//! is dequantised into a copy of the cache; per storage type (docs/design.md §2):
+//! `LayerKv::for_each_key_run` / `for_each_value_run`: runs of consecutive slots of one
+//! store, each handed over as a view whose fused kernels are all attention calls
+//! (`KeyRun::dot_rows` / `for_each_block`, `ValueRun::axpy_rows`; one dynamic dispatch
+//! per run, the kernels inside monomorphised per element type, code width and head dim).
+//! Attention never matches on a precision. Nothing is dequantised into a copy of the
+//! cache; what the stores' kernels do (docs/design.md §2):
 //!
 //! * f32 rows (full-precision prefix, fp32 body, the K residual): direct SIMD dot/axpy.
 //! * f16/bf16 rows: widened to f32 in registers inside the dot/axpy.
@@ -27,7 +31,7 @@
 //! but once per query head instead of once per KV head.) Values never rotate, so they
 //! take the fused path in both modes.
 //!
-//! Scores are reduced eight rows at a time (`quant::reduce8`), always in the same order,
+//! Scores are reduced eight rows at a time (`ops::simd::reduce8`), always in the same order,
 //! so a row's score does not depend on how the rows were cut into runs or blocks.
 //! Folding changes the summation order, so results match the dequantise-then-dot path
 //! (and the reference) to rounding, not bit for bit. Cost per step is O(stored rows).

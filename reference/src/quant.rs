@@ -252,6 +252,14 @@ mod tests {
     }
 
     #[test]
+    fn widths_match_ranges_and_packing() {
+        for (bits, w, per_byte) in [(Bits::Int8, 8, 1), (Bits::Int4, 4, 2), (Bits::Int2, 2, 4)] {
+            assert_eq!(bits.width(), w, "{bits:?}");
+            assert_eq!(bits.packed_len(8 * per_byte), 8, "{bits:?}");
+        }
+    }
+
+    #[test]
     fn min_scale_survives_f16() {
         let a = Affine::from_range(3.0, 3.0, Bits::Int8);
         assert!(a.scale.to_f32() > 0.0);

@@ -190,7 +190,7 @@ pub(crate) trait KeyRun {
     fn len(&self) -> usize;
     /// Scores `out[j * stride + r] = q_j · k_r` of the `qs.len() / head_dim` queries `qs`
     /// against every row. A row's score must not depend on how the rows were cut into
-    /// runs (blocks of eight pad with zeros, see `quant::reduce8`). `fold` is
+    /// runs (blocks of eight pad with zeros, see `ops::simd::reduce8`). `fold` is
     /// `(queries, head_dim)` scratch.
     fn dot_rows(&self, qs: &[f32], fold: &mut [f32], out: &mut [f32], stride: usize);
     /// Calls `f(r0, rows)` with the rows as f32 (exactly what `LayerKv::read_key`
