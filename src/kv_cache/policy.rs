@@ -75,7 +75,7 @@ pub struct StreamingLlm {
     /// body evicts oldest first: a ring of `window` slots).
     pub prefix: usize,
     /// Rows appended (`T`).
-    pub appended: usize,
+    appended: usize,
 }
 
 impl StreamingLlm {
