@@ -598,47 +598,48 @@ fn check_finite_kv(k: &[f32], v: &[f32], layer: usize, pos: usize) -> Result<()>
 
 /// Builds the scalar reference model from the same files: every weight dequantised to f32
 /// after the same `--weights-dtype` conversion the engine applies, so both see equal values.
+/// Dequantisation here is the reference's own (`tinygpt_reference::ggml`), not the engine's
+/// [`crate::dequant`], so a bug in either shows up as a difference.
 pub fn reference_model(
     files: &ModelFiles,
     wdtype: WeightsDType,
 ) -> Result<tinygpt_reference::Model> {
-    use tinygpt_reference::ggml::GgmlType;
     use tinygpt_reference::model::{LayerWeights, Linear, Weights};
+    let f32s = |t: &Tensor| -> Vec<f32> {
+        let mut out = vec![0.0f32; t.numel()];
+        tinygpt_reference::ggml::dequantize_row(t.dtype, t.data.bytes(), &mut out)
+            .expect("tensor sizes were checked at load");
+        out
+    };
     let t = ModelTensors::collect(files)?;
     let m = |t: &Tensor| -> Linear {
-        let ggml = match t.dtype {
-            DType::Q8_0 => Some(GgmlType::Q8_0),
-            DType::Q4_0 => Some(GgmlType::Q4_0),
-            DType::Q4_1 => Some(GgmlType::Q4_1),
-            _ => None,
-        };
-        match (wdtype, ggml) {
-            (WeightsDType::Native, Some(ty)) => Linear::Ggml {
-                ty,
+        match wdtype {
+            WeightsDType::Native if t.dtype.is_quantized() => Linear::Ggml {
+                ty: t.dtype,
                 cols: t.shape[1],
                 bytes: t.data.bytes().to_vec(),
             },
-            (WeightsDType::Bf16, _) => Linear::F32(t.converted(DType::BF16).to_f32()),
-            _ => Linear::F32(t.to_f32()),
+            WeightsDType::Bf16 => Linear::F32(f32s(&t.converted(DType::BF16))),
+            _ => Linear::F32(f32s(t)),
         }
     };
     let embed_f32 = match wdtype {
-        WeightsDType::Bf16 => t.embed.converted(DType::BF16).to_f32(),
-        _ => t.embed.to_f32(),
+        WeightsDType::Bf16 => f32s(&t.embed.converted(DType::BF16)),
+        _ => f32s(t.embed),
     };
     let layers = t
         .layers
         .iter()
         .map(|l| LayerWeights {
-            attn_norm: l.attn_norm.to_f32(),
+            attn_norm: f32s(l.attn_norm),
             wq: m(l.wq),
             wk: l.wk.map(m),
             wv: l.wv.map(m),
             wo: m(l.wo),
-            bq: l.bq.map(|b| b.to_f32()),
-            bk: l.bk.map(|b| b.to_f32()),
-            bv: l.bv.map(|b| b.to_f32()),
-            ffn_norm: l.ffn_norm.to_f32(),
+            bq: l.bq.map(f32s),
+            bk: l.bk.map(f32s),
+            bv: l.bv.map(f32s),
+            ffn_norm: f32s(l.ffn_norm),
             w_gate: m(l.w_gate),
             w_up: m(l.w_up),
             w_down: m(l.w_down),
@@ -653,7 +654,7 @@ pub fn reference_model(
         },
         embed: embed_f32,
         layers,
-        norm: t.norm.to_f32(),
+        norm: f32s(t.norm),
         lm_head: t.lm_head.map(m),
     };
     Ok(tinygpt_reference::Model::new(files.config.clone(), weights))

@@ -298,29 +298,29 @@ pub fn ggml_type_name(id: u32) -> Option<&'static str> {
     })
 }
 
-/// The engine's [`DType`] for a ggml type id, if supported.
+/// The ggml type id of each supported [`DType`]: the one mapping between the two, read both
+/// ways by [`dtype_from_ggml`] and [`ggml_id`].
+const GGML_IDS: [(u32, DType); 6] = [
+    (0, DType::F32),
+    (1, DType::F16),
+    (2, DType::Q4_0),
+    (3, DType::Q4_1),
+    (8, DType::Q8_0),
+    (30, DType::BF16),
+];
+
+/// The [`DType`] of a ggml type id, if supported.
 pub fn dtype_from_ggml(id: u32) -> Option<DType> {
-    Some(match id {
-        0 => DType::F32,
-        1 => DType::F16,
-        2 => DType::Q4_0,
-        3 => DType::Q4_1,
-        8 => DType::Q8_0,
-        30 => DType::BF16,
-        _ => return None,
-    })
+    GGML_IDS.iter().find(|(i, _)| *i == id).map(|&(_, d)| d)
 }
 
 /// The ggml type id of a [`DType`] (inverse of [`dtype_from_ggml`]).
 pub fn ggml_id(dtype: DType) -> u32 {
-    match dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::Q4_0 => 2,
-        DType::Q4_1 => 3,
-        DType::Q8_0 => 8,
-        DType::BF16 => 30,
-    }
+    GGML_IDS
+        .iter()
+        .find(|(_, d)| *d == dtype)
+        .map(|&(i, _)| i)
+        .expect("every DType has a ggml id")
 }
 
 const SUPPORTED_TYPES: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1";
@@ -658,4 +658,26 @@ pub fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
         alignment,
         data_offset,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ggml_ids_round_trip_and_match_the_names() {
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+        ] {
+            let id = ggml_id(dtype);
+            assert_eq!(dtype_from_ggml(id), Some(dtype));
+            assert_eq!(ggml_type_name(id), Some(dtype.name()));
+        }
+        assert_eq!(dtype_from_ggml(6), None); // Q5_0: named, not supported
+    }
 }
