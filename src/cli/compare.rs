@@ -184,3 +184,31 @@ fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_is_the_documented_shape() {
+        // docs/design.md §4: `compare --json` is {`baseline`, `rows` of {`mode`, `prompt`,
+        // `prefix_match`, `tokens`}}, keys in alphabetical order as before.
+        let report = CompareReport {
+            baseline: "fp32".into(),
+            rows: vec![CompareRow {
+                mode: "int4".into(),
+                prefix_match: 3,
+                prompt: "Once upon a time".into(),
+                tokens: 8,
+            }],
+        };
+        let text = serde_json::to_string(&report).unwrap();
+        assert_eq!(
+            text,
+            r#"{"baseline":"fp32","rows":[{"mode":"int4","prefix_match":3,"prompt":"Once upon a time","tokens":8}]}"#
+        );
+        let back: CompareReport = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, report);
+        assert_eq!(report.rows[0].agreement(), 0.375);
+    }
+}
