@@ -62,7 +62,7 @@ pub struct RopeTable {
 impl RopeTable {
     pub fn new(cfg: &Config) -> Self {
         RopeTable {
-            inv_freq: cfg.rope_inv_freq(),
+            inv_freq: crate::rope::inv_freq(cfg),
         }
     }
 

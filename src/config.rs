@@ -1,6 +1,7 @@
 //! Model configuration, stage one: [`HfConfig`] mirrors a Hugging Face `config.json`
-//! field for field; `Config::try_from` validates it into the shared
-//! [`tinygpt_reference::Config`] with derived sizes computed once.
+//! field for field; [`HfConfig::validate`] checks it into the shared
+//! [`tinygpt_reference::Config`] with derived sizes computed once (GGUF metadata is mapped
+//! onto an `HfConfig` first, so both formats get the same checks).
 
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -96,48 +97,107 @@ impl HfConfig {
 
     /// Validates into a [`Config`]; `path` names the file in errors.
     pub fn validate(&self, path: &Path) -> Result<Config> {
-        let err = |msg: String| Error::config(path, msg);
+        self.to_config().map_err(|msg| Error::config(path, msg))
+    }
+
+    /// [`validate`](Self::validate), with the error as a bare message. One step per group
+    /// of fields, in this order (the first problem found is the one reported).
+    fn to_config(&self) -> std::result::Result<Config, String> {
+        self.check_supported()?;
+        let sizes = self.sizes()?;
+        let (rope_theta, rope_scaling) = self.rope()?;
+        let rms_norm_eps = self.rms_norm_eps.unwrap_or(1e-6);
+        if !(rms_norm_eps.is_finite() && rms_norm_eps >= 0.0) {
+            return Err(format!("rms_norm_eps must be >= 0, got {rms_norm_eps}"));
+        }
+        let max_position_embeddings = self.max_position_embeddings.unwrap_or(2048);
+        if max_position_embeddings == 0 {
+            return Err("'max_position_embeddings' (the context length) must be > 0".into());
+        }
+        let (sliding_window, layer_types, num_kv_shared_layers) =
+            self.layer_layout(sizes.n_layers)?;
+        let (bos_token_id, eos_token_ids) = self.token_ids(sizes.vocab_size)?;
+        let cfg = Config {
+            vocab_size: sizes.vocab_size,
+            hidden_size: sizes.hidden_size,
+            n_layers: sizes.n_layers,
+            n_heads: sizes.n_heads,
+            n_kv_heads: sizes.n_kv_heads,
+            head_dim: sizes.head_dim,
+            intermediate_size: sizes.intermediate_size,
+            rms_norm_eps: rms_norm_eps as f32,
+            rope_theta: rope_theta as f32,
+            rope_scaling,
+            max_position_embeddings,
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
+            sliding_window,
+            layer_types,
+            num_kv_shared_layers,
+            attention_bias: self.attention_bias.unwrap_or(self.is_qwen2()),
+            bos_token_id,
+            eos_token_ids,
+        };
+        let n_layers = cfg.n_layers;
+        if let Some(l) = (cfg.layers_with_kv()..n_layers).find(|&l| cfg.kv_source(l).is_none()) {
+            return Err(format!(
+                "layer {l} shares K/V (num_kv_shared_layers = {}) but no layer below {} is a {} layer to share from",
+                cfg.num_kv_shared_layers,
+                cfg.layers_with_kv(),
+                cfg.attention_type(l).name()
+            ));
+        }
+        Ok(cfg)
+    }
+
+    /// Architecture, model type, activation and MLP bias are ones the engine implements.
+    fn check_supported(&self) -> std::result::Result<(), String> {
         if let Some(archs) = &self.architectures {
             if !archs.iter().any(|a| SUPPORTED_ARCHS.contains(&a.as_str())) {
-                return Err(err(format!(
+                return Err(format!(
                     "unsupported architecture {archs:?} (supported: {})",
                     SUPPORTED_ARCHS.join(", ")
-                )));
+                ));
             }
         }
         // transformers builds the model class from model_type, so it must agree too.
         if let Some(mt) = &self.model_type {
             if !["llama", "mistral", "qwen2"].contains(&mt.as_str()) {
-                return Err(err(format!(
+                return Err(format!(
                     "unsupported model_type '{mt}' (supported: llama, mistral, qwen2)"
-                )));
+                ));
             }
         }
         if let Some(act) = &self.hidden_act {
             if act != "silu" && act != "swish" {
-                return Err(err(format!("unsupported hidden_act '{act}' (only silu)")));
+                return Err(format!("unsupported hidden_act '{act}' (only silu)"));
             }
         }
         if self.mlp_bias == Some(true) {
-            return Err(err("mlp_bias = true is not supported".into()));
+            return Err("mlp_bias = true is not supported".into());
         }
-        let req = |v: Option<usize>, name: &str| -> Result<usize> {
+        Ok(())
+    }
+
+    fn is_qwen2(&self) -> bool {
+        self.model_type.as_deref() == Some("qwen2")
+            || self
+                .architectures
+                .as_ref()
+                .is_some_and(|a| a.iter().any(|x| x == "Qwen2ForCausalLM"))
+    }
+
+    /// The model's sizes: present, positive, within bounds, and consistent (heads divide
+    /// evenly, head_dim even for RoPE).
+    fn sizes(&self) -> std::result::Result<Sizes, String> {
+        let req = |v: Option<usize>, name: &str| -> std::result::Result<usize, String> {
             match v {
-                Some(0) => Err(err(format!("'{name}' must be > 0"))),
+                Some(0) => Err(format!("'{name}' must be > 0")),
                 Some(x) => Ok(x),
-                None => Err(err(format!("missing '{name}'"))),
+                None => Err(format!("missing '{name}'")),
             }
         };
         // Bounds far above any real model keep every derived size (q_dim, vocab x hidden,
         // ...) from overflowing and turn absurd values into an error, not an allocation.
-        let capped = |v: Option<usize>, name: &str, max: usize| -> Result<Option<usize>> {
-            match v {
-                Some(x) if x > max => Err(err(format!(
-                    "'{name}' = {x} is larger than any supported model (at most {max})"
-                ))),
-                _ => Ok(v),
-            }
-        };
         for (v, name, max) in [
             (self.vocab_size, "vocab_size", 1 << 24),
             (self.hidden_size, "hidden_size", 1 << 20),
@@ -152,7 +212,11 @@ impl HfConfig {
                 1 << 30,
             ),
         ] {
-            capped(v, name, max)?;
+            if let Some(x) = v.filter(|&x| x > max) {
+                return Err(format!(
+                    "'{name}' = {x} is larger than any supported model (at most {max})"
+                ));
+            }
         }
         let vocab_size = req(self.vocab_size, "vocab_size")?;
         let hidden_size = req(self.hidden_size, "hidden_size")?;
@@ -164,25 +228,39 @@ impl HfConfig {
         )?;
         let intermediate_size = req(self.intermediate_size, "intermediate_size")?;
         if n_heads % n_kv_heads != 0 {
-            return Err(err(format!(
+            return Err(format!(
                 "num_attention_heads ({n_heads}) is not a multiple of num_key_value_heads ({n_kv_heads})"
-            )));
+            ));
         }
         let head_dim = match self.head_dim {
-            Some(0) => return Err(err("'head_dim' must be > 0".into())),
+            Some(0) => return Err("'head_dim' must be > 0".into()),
             Some(h) => h,
             None => {
                 if hidden_size % n_heads != 0 {
-                    return Err(err(format!(
+                    return Err(format!(
                         "hidden_size ({hidden_size}) is not a multiple of num_attention_heads ({n_heads})"
-                    )));
+                    ));
                 }
                 hidden_size / n_heads
             }
         };
         if head_dim % 2 != 0 {
-            return Err(err(format!("head_dim ({head_dim}) must be even for RoPE")));
+            return Err(format!("head_dim ({head_dim}) must be even for RoPE"));
         }
+        Ok(Sizes {
+            vocab_size,
+            hidden_size,
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            intermediate_size,
+        })
+    }
+
+    /// `rope_theta` and the scaling, from the top level or from `rope_scaling` /
+    /// `rope_parameters`.
+    fn rope(&self) -> std::result::Result<(f64, RopeScaling), String> {
         // As transformers (`rope_parameters = rope_scaling or rope_parameters`): a non-empty
         // `rope_scaling` wins over `rope_parameters`.
         fn non_empty(v: &Option<serde_json::Value>) -> Option<&serde_json::Value> {
@@ -198,30 +276,24 @@ impl HfConfig {
             .and_then(|v| v.as_f64());
         if let (Some(top), Some(nested)) = (self.rope_theta, nested_theta) {
             if top != nested {
-                return Err(err(format!(
+                return Err(format!(
                     "rope_theta ({top}) and the rope_theta inside rope_parameters/rope_scaling ({nested}) disagree"
-                )));
+                ));
             }
         }
         let rope_theta = self.rope_theta.or(nested_theta).unwrap_or(10000.0);
         if !(rope_theta.is_finite() && rope_theta > 0.0) {
-            return Err(err(format!(
-                "rope_theta must be positive, got {rope_theta}"
-            )));
+            return Err(format!("rope_theta must be positive, got {rope_theta}"));
         }
-        let rope_scaling = parse_rope_scaling(rope_obj).map_err(err)?;
-        let rms_norm_eps = self.rms_norm_eps.unwrap_or(1e-6);
-        if !(rms_norm_eps.is_finite() && rms_norm_eps >= 0.0) {
-            return Err(err(format!(
-                "rms_norm_eps must be >= 0, got {rms_norm_eps}"
-            )));
-        }
-        let max_position_embeddings = self.max_position_embeddings.unwrap_or(2048);
-        if max_position_embeddings == 0 {
-            return Err(err(
-                "'max_position_embeddings' (the context length) must be > 0".into(),
-            ));
-        }
+        Ok((rope_theta, parse_rope_scaling(rope_obj)?))
+    }
+
+    /// (Mistral mask window, per-layer attention types, YOCO shared layers).
+    #[allow(clippy::type_complexity)]
+    fn layer_layout(
+        &self,
+        n_layers: usize,
+    ) -> std::result::Result<(Option<usize>, Vec<AttentionType>, usize), String> {
         let sliding_window = match (&self.sliding_window, self.use_sliding_window) {
             (_, Some(false)) => None,
             (Some(serde_json::Value::Number(n)), _) => {
@@ -234,19 +306,23 @@ impl HfConfig {
             &self.sliding_window,
             sliding_window,
             n_layers,
-        )
-        .map_err(err)?;
+        )?;
         let num_kv_shared_layers = match &self.num_kv_shared_layers {
             None | Some(serde_json::Value::Null) => 0,
             Some(v) => match v.as_u64() {
                 Some(s) if (s as u128) < n_layers as u128 => s as usize,
                 _ => {
-                    return Err(err(format!(
+                    return Err(format!(
                         "'num_kv_shared_layers' must be an integer with 0 <= S < num_hidden_layers ({n_layers}), got {v}"
-                    )))
+                    ))
                 }
             },
         };
+        Ok((sliding_window, layer_types, num_kv_shared_layers))
+    }
+
+    /// BOS and EOS ids, each inside the vocabulary.
+    fn token_ids(&self, vocab_size: usize) -> std::result::Result<(Option<u32>, Vec<u32>), String> {
         let eos_token_ids = self
             .eos_token_id
             .as_ref()
@@ -262,46 +338,24 @@ impl HfConfig {
             .chain(eos_token_ids.iter().map(|&e| ("eos_token_id", e)))
         {
             if id as usize >= vocab_size {
-                return Err(err(format!(
+                return Err(format!(
                     "{key} {id} is outside the vocabulary (vocab_size {vocab_size})"
-                )));
+                ));
             }
         }
-        let is_qwen2 = self.model_type.as_deref() == Some("qwen2")
-            || self
-                .architectures
-                .as_ref()
-                .is_some_and(|a| a.iter().any(|x| x == "Qwen2ForCausalLM"));
-        let cfg = Config {
-            vocab_size,
-            hidden_size,
-            n_layers,
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            intermediate_size,
-            rms_norm_eps: rms_norm_eps as f32,
-            rope_theta: rope_theta as f32,
-            rope_scaling,
-            max_position_embeddings,
-            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
-            sliding_window,
-            layer_types,
-            num_kv_shared_layers,
-            attention_bias: self.attention_bias.unwrap_or(is_qwen2),
-            bos_token_id,
-            eos_token_ids,
-        };
-        if let Some(l) = (cfg.layers_with_kv()..n_layers).find(|&l| cfg.kv_source(l).is_none()) {
-            return Err(err(format!(
-                "layer {l} shares K/V (num_kv_shared_layers = {}) but no layer below {} is a {} layer to share from",
-                cfg.num_kv_shared_layers,
-                cfg.layers_with_kv(),
-                cfg.attention_type(l).name()
-            )));
-        }
-        Ok(cfg)
+        Ok((bos_token_id, eos_token_ids))
     }
+}
+
+/// The size fields of a config, checked ([`HfConfig::sizes`]).
+struct Sizes {
+    vocab_size: usize,
+    hidden_size: usize,
+    n_layers: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    intermediate_size: usize,
 }
 
 /// `layer_types` (+ `sliding_window`) → (Mistral mask window, per-layer types).

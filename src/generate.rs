@@ -149,19 +149,60 @@ impl Engine for ReferenceRun<'_> {
     }
 }
 
-/// Settings of one generation.
+/// Settings of one generation, built (and checked) only by [`GenerateOptions::new`].
 #[derive(Debug, Clone)]
 pub struct GenerateOptions {
     /// New tokens to generate at most.
-    pub max_tokens: usize,
-    pub sampler: SamplerConfig,
-    pub ignore_eos: bool,
+    pub(crate) max_tokens: usize,
+    /// Validated by [`GenerateOptions::new`].
+    pub(crate) sampler: SamplerConfig,
+    pub(crate) ignore_eos: bool,
     /// The model's context length, enforced unless the cache is bounded or
     /// `allow_past_context` is set.
-    pub context_length: usize,
-    pub allow_past_context: bool,
-    /// Whether the KV cache is bounded (StreamingLLM).
-    pub bounded_cache: bool,
+    pub(crate) context_length: usize,
+    pub(crate) allow_past_context: bool,
+    /// The cache configuration the run will use (whether it is bounded, and how many rows
+    /// it can keep).
+    pub(crate) kv: KvConfig,
+}
+
+impl GenerateOptions {
+    /// Settings for generating up to `max_tokens` tokens with `sampler` on a model of
+    /// `context_length` positions, through a cache configured as `kv`. The sampler is
+    /// validated here (the one place it is); the prompt is checked against the context
+    /// with [`check_prompt`](Self::check_prompt) once its length is known.
+    pub fn new(
+        max_tokens: usize,
+        sampler: SamplerConfig,
+        ignore_eos: bool,
+        kv: &KvConfig,
+        context_length: usize,
+        allow_past_context: bool,
+    ) -> Result<GenerateOptions> {
+        sampler.validate()?;
+        Ok(GenerateOptions {
+            max_tokens,
+            sampler,
+            ignore_eos,
+            context_length,
+            allow_past_context,
+            kv: kv.clone(),
+        })
+    }
+
+    /// Refuses a run of a `prompt_len`-token prompt that would pass the model's context
+    /// length: with a dense cache ([`check_context`]), or with a bounded cache that keeps
+    /// more rows than the context ([`check_cache_rows`]). Callers run it once, before the
+    /// model is loaded where they can.
+    pub fn check_prompt(&self, prompt_len: usize) -> Result<()> {
+        check_context(prompt_len, self)?;
+        check_cache_rows(
+            &self.kv,
+            prompt_len.saturating_add(self.max_tokens),
+            self.context_length,
+            self.allow_past_context,
+        )
+    }
 }
 
 /// What a generation produced, with its measurements.
@@ -204,9 +245,10 @@ fn rate(n: usize, secs: f64) -> f64 {
 }
 
 /// Refuses a run that would pass the context length with an unbounded cache.
-pub fn check_context(prompt_len: usize, opts: &GenerateOptions) -> Result<()> {
+fn check_context(prompt_len: usize, opts: &GenerateOptions) -> Result<()> {
     let total = prompt_len.saturating_add(opts.max_tokens);
-    if !opts.bounded_cache && !opts.allow_past_context && total > opts.context_length {
+    let bounded_cache = opts.kv.window.is_some();
+    if !bounded_cache && !opts.allow_past_context && total > opts.context_length {
         return Err(Error::Generate(format!(
             "prompt ({prompt_len} tokens) + --tokens {} = {total} tokens exceeds the model's context length ({}); \
              bound the cache with --streaming-llm-sink N --streaming-llm-window M, \
@@ -274,7 +316,8 @@ pub fn generate(
 }
 
 /// [`generate`] with a fallible `on_text` (an error stops the run and is returned) and a
-/// choice: `keep` holds `generated_ids` and `text` in the result; without it nothing grows
+/// choice (the prompt's length against the context is the caller's to check, with
+/// [`GenerateOptions::check_prompt`]): `keep` holds `generated_ids` and `text` in the result; without it nothing grows
 /// with the number of generated tokens (both stay empty; `generated_tokens` counts). Stops
 /// early, with `interrupted` set, once [`crate::interrupt::requested`].
 pub fn generate_with(
@@ -290,8 +333,6 @@ pub fn generate_with(
             "the prompt encodes to zero tokens and the tokenizer adds no BOS: give a non-empty --prompt".into(),
         ));
     }
-    opts.sampler.validate()?;
-    check_context(prompt_ids.len(), opts)?;
     let mut sampler = Sampler::new(opts.sampler.clone());
 
     let t0 = Instant::now();

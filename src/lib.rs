@@ -8,15 +8,18 @@
 //! [`config`] (config.json / GGUF metadata → validated `Config`) →
 //! [`weights`] (safetensors / `.tinygpt` / [`gguf`] → named tensors, memory-mapped) →
 //! [`tokenizer`] (+ [`chat`] templates) →
-//! [`model`] (forward pass) → [`attention`] → [`kv_cache`] (policy: which rows survive;
-//! storage: how they are held) → [`quant`] (KIVI quantisers) → [`ops`] (SIMD kernels +
-//! rayon) → [`sampler`] → [`generate`] (prefill/decode loop, stats) → [`cli`];
+//! [`model`] (forward pass) → [`attention`] (+ [`rope`] frequencies) → [`kv_cache`] (policy:
+//! which rows survive; storage: how they are held) → [`quant`] (the KV cache's KIVI
+//! quantisers only; GGML weight blocks are dequantised by [`dequant`] and multiplied by
+//! `ops::qdot`) → [`ops`] (SIMD kernels + rayon) → [`sampler`] → [`generate`]
+//! (prefill/decode loop, stats) → [`cli`];
 //! [`server`] runs many sequences at once behind an OpenAI-shaped HTTP API.
 
 pub mod attention;
 pub mod chat;
 pub mod cli;
 pub mod config;
+pub mod dequant;
 pub mod dtype;
 pub mod error;
 pub mod eval;
@@ -29,6 +32,7 @@ pub mod model;
 pub mod ops;
 pub mod plot;
 pub mod quant;
+pub mod rope;
 pub mod sampler;
 pub mod server;
 pub mod tokenizer;

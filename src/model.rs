@@ -352,62 +352,11 @@ impl Model {
     /// Runs token `token` at absolute position `pos`; the logits land in `s.logits`.
     pub fn forward(&self, s: &mut Session, token: u32, pos: usize) -> Result<()> {
         let c = &self.cfg;
-        if token as usize >= c.vocab_size {
-            return Err(Error::Generate(format!(
-                "token id {token} is outside the model's vocabulary ({})",
-                c.vocab_size
-            )));
-        }
+        self.check_token(token)?;
         self.embed.row_f32(token as usize, &mut s.x);
         for (l, lw) in self.layers.iter().enumerate() {
             ops::rmsnorm(&s.x, &lw.attn_norm, c.rms_norm_eps, &mut s.h);
-            let probs = if s.record_probs {
-                Some(&mut s.probs[l])
-            } else {
-                None
-            };
-            if let (Some(wk), Some(wv)) = (&lw.wk, &lw.wv) {
-                matvec_many(&[&lw.wq, wk, wv], &s.h, &mut [&mut s.q, &mut s.k, &mut s.v]);
-                if let Some(b) = &lw.bq {
-                    ops::add_assign(&mut s.q, b);
-                }
-                if let Some(b) = &lw.bk {
-                    ops::add_assign(&mut s.k, b);
-                }
-                if let Some(b) = &lw.bv {
-                    ops::add_assign(&mut s.v, b);
-                }
-                check_finite_kv(&s.k, &s.v, l, pos)?;
-                attend(
-                    c,
-                    &self.rope,
-                    s.cache.layer_mut(l),
-                    &s.q,
-                    &s.k,
-                    &s.v,
-                    pos,
-                    &mut s.att,
-                    &mut s.scratch,
-                    probs,
-                );
-            } else {
-                // YOCO shared layer: the source layer already appended this token.
-                matvec(&lw.wq, &s.h, &mut s.q);
-                if let Some(b) = &lw.bq {
-                    ops::add_assign(&mut s.q, b);
-                }
-                let src = self.kv_source[l];
-                attend_stored(
-                    c,
-                    &self.rope,
-                    s.cache.layer(src),
-                    &s.q,
-                    pos,
-                    &mut s.att,
-                    &mut s.scratch,
-                    probs,
-                );
-            }
+            self.attention_step(s, l, pos)?;
             matvec(&lw.wo, &s.att, &mut s.proj);
             ops::add_assign(&mut s.x, &s.proj);
 
@@ -420,6 +369,64 @@ impl Model {
         ops::rmsnorm(&s.x, &self.norm, c.rms_norm_eps, &mut s.h);
         check_finite_hidden(&s.h, pos)?;
         matvec(&self.lm_head, &s.h, &mut s.logits);
+        Ok(())
+    }
+
+    /// Refuses a token id outside the vocabulary.
+    fn check_token(&self, token: u32) -> Result<()> {
+        if token as usize >= self.cfg.vocab_size {
+            return Err(Error::Generate(format!(
+                "token id {token} is outside the model's vocabulary ({})",
+                self.cfg.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Layer `l`'s attention for one token whose normed input is in `s.h`: projections,
+    /// biases, then attention over the cache (appending this token's K/V, or reading the
+    /// source layer's cache in a YOCO shared layer); the result lands in `s.att`.
+    fn attention_step(&self, s: &mut Session, l: usize, pos: usize) -> Result<()> {
+        let (c, lw) = (&self.cfg, &self.layers[l]);
+        let probs = if s.record_probs {
+            Some(&mut s.probs[l])
+        } else {
+            None
+        };
+        let (Some(wk), Some(wv)) = (&lw.wk, &lw.wv) else {
+            // YOCO shared layer: the source layer already appended this token.
+            matvec(&lw.wq, &s.h, &mut s.q);
+            add_bias(&mut s.q, &lw.bq);
+            let src = self.kv_source[l];
+            attend_stored(
+                c,
+                &self.rope,
+                s.cache.layer(src),
+                &s.q,
+                pos,
+                &mut s.att,
+                &mut s.scratch,
+                probs,
+            );
+            return Ok(());
+        };
+        matvec_many(&[&lw.wq, wk, wv], &s.h, &mut [&mut s.q, &mut s.k, &mut s.v]);
+        add_bias(&mut s.q, &lw.bq);
+        add_bias(&mut s.k, &lw.bk);
+        add_bias(&mut s.v, &lw.bv);
+        check_finite_kv(&s.k, &s.v, l, pos)?;
+        attend(
+            c,
+            &self.rope,
+            s.cache.layer_mut(l),
+            &s.q,
+            &s.k,
+            &s.v,
+            pos,
+            &mut s.att,
+            &mut s.scratch,
+            probs,
+        );
         Ok(())
     }
 
@@ -442,134 +449,206 @@ impl Model {
         }
         if s.record_probs {
             // Attention weights are recorded per step: run the steps one by one.
-            let mut all = all_logits;
-            for (i, &t) in tokens.iter().enumerate() {
-                self.forward(s, t, start + i)?;
-                if let Some(a) = all.as_deref_mut() {
-                    if i == 0 {
-                        a.clear();
-                    }
-                    a.extend_from_slice(&s.logits);
-                }
-            }
-            return Ok(());
+            return self.forward_each(s, tokens, start, all_logits);
         }
-        let (hd, qd, kvd, ff) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let mut x = vec![0.0f32; n * hd];
+        let mut b = BatchBufs::new(c, n);
         for (i, &t) in tokens.iter().enumerate() {
-            if t as usize >= c.vocab_size {
-                return Err(Error::Generate(format!(
-                    "token id {t} is outside the model's vocabulary ({})",
-                    c.vocab_size
-                )));
-            }
-            self.embed.row_f32(t as usize, &mut x[i * hd..(i + 1) * hd]);
+            self.check_token(t)?;
+            self.embed.row_f32(t as usize, b.x_row(i));
         }
-        let mut h = vec![0.0f32; n * hd];
-        let mut q = vec![0.0f32; n * qd];
-        let mut k = vec![0.0f32; n * kvd];
-        let mut v = vec![0.0f32; n * kvd];
-        let mut att = vec![0.0f32; n * qd];
-        let mut proj = vec![0.0f32; n * hd];
-        let mut gate = vec![0.0f32; n * ff];
-        let mut up = vec![0.0f32; n * ff];
-        let norm_rows = |x: &[f32], w: &[f32], h: &mut [f32]| {
-            for (xr, hr) in x.chunks_exact(hd).zip(h.chunks_exact_mut(hd)) {
-                ops::rmsnorm(xr, w, c.rms_norm_eps, hr);
-            }
-        };
         // For each layer that shared layers read: its cache before this batch and the
-        // batch's K/V rows. A shared layer replays the appends on a copy, so its query `i`
-        // sees exactly the rows stored after token `i` (eviction and KIVI grouping
-        // included), as in token-by-token decoding.
+        // batch's K/V rows (see `attention_rows`).
         let mut replay: Vec<Option<Replay>> = vec![None; self.layers.len()];
         for (l, lw) in self.layers.iter().enumerate() {
-            norm_rows(&x, &lw.attn_norm, &mut h);
-            matmul(&lw.wq, &h, n, &mut q);
-            if let Some(b) = &lw.bq {
-                q.chunks_exact_mut(qd).for_each(|r| ops::add_assign(r, b));
-            }
-            if let (Some(wk), Some(wv)) = (&lw.wk, &lw.wv) {
-                matmul(wk, &h, n, &mut k);
-                matmul(wv, &h, n, &mut v);
-                for (b, buf) in [(&lw.bk, &mut k), (&lw.bv, &mut v)] {
-                    if let Some(b) = b {
-                        buf.chunks_exact_mut(kvd)
-                            .for_each(|r| ops::add_assign(r, b));
-                    }
-                }
-                check_finite_kv(&k, &v, l, start)?;
-                if self.kv_source.iter().skip(l + 1).any(|&src| src == l) {
-                    replay[l] = Some((s.cache.layer(l).clone(), k.clone(), v.clone()));
-                }
-                for i in 0..n {
-                    attend(
-                        c,
-                        &self.rope,
-                        s.cache.layer_mut(l),
-                        &q[i * qd..(i + 1) * qd],
-                        &k[i * kvd..(i + 1) * kvd],
-                        &v[i * kvd..(i + 1) * kvd],
-                        start + i,
-                        &mut att[i * qd..(i + 1) * qd],
-                        &mut s.scratch,
-                        None,
-                    );
-                }
-            } else {
-                let Some((before, ks, vs)) = &replay[self.kv_source[l]] else {
-                    unreachable!("the source of a shared layer holds K/V and comes first");
-                };
-                let mut layer = before.clone();
-                for i in 0..n {
-                    let row = i * kvd..(i + 1) * kvd;
-                    append_kv(
-                        c,
-                        &self.rope,
-                        &mut layer,
-                        &ks[row.clone()],
-                        &vs[row],
-                        start + i,
-                        &mut s.scratch,
-                    );
-                    attend_stored(
-                        c,
-                        &self.rope,
-                        &layer,
-                        &q[i * qd..(i + 1) * qd],
-                        start + i,
-                        &mut att[i * qd..(i + 1) * qd],
-                        &mut s.scratch,
-                        None,
-                    );
-                }
-            }
-            matmul(&lw.wo, &att, n, &mut proj);
-            ops::add_assign(&mut x, &proj);
-            norm_rows(&x, &lw.ffn_norm, &mut h);
-            matmul(&lw.w_gate, &h, n, &mut gate);
-            matmul(&lw.w_up, &h, n, &mut up);
-            ops::swiglu(&mut gate, &up);
-            matmul(&lw.w_down, &gate, n, &mut proj);
-            ops::add_assign(&mut x, &proj);
+            norm_rows(&b.x, &lw.attn_norm, c.rms_norm_eps, &mut b.h);
+            self.attention_rows(s, &mut b, l, start, &mut replay)?;
+            matmul(&lw.wo, &b.att, n, &mut b.proj);
+            ops::add_assign(&mut b.x, &b.proj);
+            norm_rows(&b.x, &lw.ffn_norm, c.rms_norm_eps, &mut b.h);
+            matmul(&lw.w_gate, &b.h, n, &mut b.gate);
+            matmul(&lw.w_up, &b.h, n, &mut b.up);
+            ops::swiglu(&mut b.gate, &b.up);
+            matmul(&lw.w_down, &b.gate, n, &mut b.proj);
+            ops::add_assign(&mut b.x, &b.proj);
         }
+        self.batch_logits(s, &mut b, start, all_logits)
+    }
+
+    /// [`forward_batch`](Self::forward_batch) one token at a time (when attention weights
+    /// are recorded).
+    fn forward_each(
+        &self,
+        s: &mut Session,
+        tokens: &[u32],
+        start: usize,
+        mut all_logits: Option<&mut Vec<f32>>,
+    ) -> Result<()> {
+        for (i, &t) in tokens.iter().enumerate() {
+            self.forward(s, t, start + i)?;
+            if let Some(a) = all_logits.as_deref_mut() {
+                if i == 0 {
+                    a.clear();
+                }
+                a.extend_from_slice(&s.logits);
+            }
+        }
+        Ok(())
+    }
+
+    /// Layer `l`'s attention for a batch of tokens whose normed inputs are in `b.h`: batched
+    /// projections, then attention token by token in order (the result in `b.att`).
+    ///
+    /// A layer that shared layers read saves its cache before the batch and the batch's K/V
+    /// rows in `replay`; a shared layer replays the appends on a copy, so its query `i` sees
+    /// exactly the rows stored after token `i` (eviction and KIVI grouping included), as in
+    /// token-by-token decoding.
+    fn attention_rows(
+        &self,
+        s: &mut Session,
+        b: &mut BatchBufs,
+        l: usize,
+        start: usize,
+        replay: &mut [Option<Replay>],
+    ) -> Result<()> {
+        let (c, lw, n) = (&self.cfg, &self.layers[l], b.n);
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        matmul(&lw.wq, &b.h, n, &mut b.q);
+        b.q.chunks_exact_mut(qd).for_each(|r| add_bias(r, &lw.bq));
+        let (Some(wk), Some(wv)) = (&lw.wk, &lw.wv) else {
+            let Some((before, ks, vs)) = &replay[self.kv_source[l]] else {
+                unreachable!("the source of a shared layer holds K/V and comes first");
+            };
+            let mut layer = before.clone();
+            for i in 0..n {
+                let row = i * kvd..(i + 1) * kvd;
+                append_kv(
+                    c,
+                    &self.rope,
+                    &mut layer,
+                    &ks[row.clone()],
+                    &vs[row],
+                    start + i,
+                    &mut s.scratch,
+                );
+                attend_stored(
+                    c,
+                    &self.rope,
+                    &layer,
+                    &b.q[i * qd..(i + 1) * qd],
+                    start + i,
+                    &mut b.att[i * qd..(i + 1) * qd],
+                    &mut s.scratch,
+                    None,
+                );
+            }
+            return Ok(());
+        };
+        matmul(wk, &b.h, n, &mut b.k);
+        matmul(wv, &b.h, n, &mut b.v);
+        b.k.chunks_exact_mut(kvd).for_each(|r| add_bias(r, &lw.bk));
+        b.v.chunks_exact_mut(kvd).for_each(|r| add_bias(r, &lw.bv));
+        check_finite_kv(&b.k, &b.v, l, start)?;
+        if self.kv_source.iter().skip(l + 1).any(|&src| src == l) {
+            replay[l] = Some((s.cache.layer(l).clone(), b.k.clone(), b.v.clone()));
+        }
+        for i in 0..n {
+            attend(
+                c,
+                &self.rope,
+                s.cache.layer_mut(l),
+                &b.q[i * qd..(i + 1) * qd],
+                &b.k[i * kvd..(i + 1) * kvd],
+                &b.v[i * kvd..(i + 1) * kvd],
+                start + i,
+                &mut b.att[i * qd..(i + 1) * qd],
+                &mut s.scratch,
+                None,
+            );
+        }
+        Ok(())
+    }
+
+    /// The final norm and LM head of a batch: every token's logits into `all_logits` (and
+    /// the last one's into `s.logits`), or only the last token's.
+    fn batch_logits(
+        &self,
+        s: &mut Session,
+        b: &mut BatchBufs,
+        start: usize,
+        all_logits: Option<&mut Vec<f32>>,
+    ) -> Result<()> {
+        let (c, n, hd) = (&self.cfg, b.n, self.cfg.hidden_size);
         match all_logits {
             Some(all) => {
-                norm_rows(&x, &self.norm, &mut h);
-                check_finite_hidden(&h, start)?;
+                norm_rows(&b.x, &self.norm, c.rms_norm_eps, &mut b.h);
+                check_finite_hidden(&b.h, start)?;
                 all.resize(n * c.vocab_size, 0.0);
-                matmul(&self.lm_head, &h, n, all);
+                matmul(&self.lm_head, &b.h, n, all);
                 s.logits
                     .copy_from_slice(&all[(n - 1) * c.vocab_size..n * c.vocab_size]);
             }
             None => {
-                let last = &x[(n - 1) * hd..n * hd];
+                let last = &b.x[(n - 1) * hd..n * hd];
                 ops::rmsnorm(last, &self.norm, c.rms_norm_eps, &mut s.h);
                 check_finite_hidden(&s.h, start + n - 1)?;
                 matvec(&self.lm_head, &s.h, &mut s.logits);
             }
         }
         Ok(())
+    }
+}
+
+/// Activations of a [`Model::forward_batch`] call: `n` tokens' rows of each buffer.
+struct BatchBufs {
+    n: usize,
+    hidden: usize,
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+}
+
+impl BatchBufs {
+    fn new(c: &Config, n: usize) -> BatchBufs {
+        let (hd, qd, kvd, ff) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        BatchBufs {
+            n,
+            hidden: hd,
+            x: vec![0.0; n * hd],
+            h: vec![0.0; n * hd],
+            q: vec![0.0; n * qd],
+            k: vec![0.0; n * kvd],
+            v: vec![0.0; n * kvd],
+            att: vec![0.0; n * qd],
+            proj: vec![0.0; n * hd],
+            gate: vec![0.0; n * ff],
+            up: vec![0.0; n * ff],
+        }
+    }
+
+    /// Token `i`'s residual-stream row.
+    fn x_row(&mut self, i: usize) -> &mut [f32] {
+        &mut self.x[i * self.hidden..(i + 1) * self.hidden]
+    }
+}
+
+/// RMS-normalises each `w.len()`-wide row of `x` into the same row of `h`.
+fn norm_rows(x: &[f32], w: &[f32], eps: f32, h: &mut [f32]) {
+    let d = w.len();
+    for (xr, hr) in x.chunks_exact(d).zip(h.chunks_exact_mut(d)) {
+        ops::rmsnorm(xr, w, eps, hr);
+    }
+}
+
+/// Adds the projection bias, if the layer has one.
+fn add_bias(x: &mut [f32], bias: &Option<Vec<f32>>) {
+    if let Some(b) = bias {
+        ops::add_assign(x, b);
     }
 }
 
@@ -598,47 +677,48 @@ fn check_finite_kv(k: &[f32], v: &[f32], layer: usize, pos: usize) -> Result<()>
 
 /// Builds the scalar reference model from the same files: every weight dequantised to f32
 /// after the same `--weights-dtype` conversion the engine applies, so both see equal values.
+/// Dequantisation here is the reference's own (`tinygpt_reference::ggml`), not the engine's
+/// [`crate::dequant`], so a bug in either shows up as a difference.
 pub fn reference_model(
     files: &ModelFiles,
     wdtype: WeightsDType,
 ) -> Result<tinygpt_reference::Model> {
-    use tinygpt_reference::ggml::GgmlType;
     use tinygpt_reference::model::{LayerWeights, Linear, Weights};
+    let f32s = |t: &Tensor| -> Vec<f32> {
+        let mut out = vec![0.0f32; t.numel()];
+        tinygpt_reference::ggml::dequantize_row(t.dtype, t.data.bytes(), &mut out)
+            .expect("tensor sizes were checked at load");
+        out
+    };
     let t = ModelTensors::collect(files)?;
     let m = |t: &Tensor| -> Linear {
-        let ggml = match t.dtype {
-            DType::Q8_0 => Some(GgmlType::Q8_0),
-            DType::Q4_0 => Some(GgmlType::Q4_0),
-            DType::Q4_1 => Some(GgmlType::Q4_1),
-            _ => None,
-        };
-        match (wdtype, ggml) {
-            (WeightsDType::Native, Some(ty)) => Linear::Ggml {
-                ty,
+        match wdtype {
+            WeightsDType::Native if t.dtype.is_quantized() => Linear::Ggml {
+                ty: t.dtype,
                 cols: t.shape[1],
                 bytes: t.data.bytes().to_vec(),
             },
-            (WeightsDType::Bf16, _) => Linear::F32(t.converted(DType::BF16).to_f32()),
-            _ => Linear::F32(t.to_f32()),
+            WeightsDType::Bf16 => Linear::F32(f32s(&t.converted(DType::BF16))),
+            _ => Linear::F32(f32s(t)),
         }
     };
     let embed_f32 = match wdtype {
-        WeightsDType::Bf16 => t.embed.converted(DType::BF16).to_f32(),
-        _ => t.embed.to_f32(),
+        WeightsDType::Bf16 => f32s(&t.embed.converted(DType::BF16)),
+        _ => f32s(t.embed),
     };
     let layers = t
         .layers
         .iter()
         .map(|l| LayerWeights {
-            attn_norm: l.attn_norm.to_f32(),
+            attn_norm: f32s(l.attn_norm),
             wq: m(l.wq),
             wk: l.wk.map(m),
             wv: l.wv.map(m),
             wo: m(l.wo),
-            bq: l.bq.map(|b| b.to_f32()),
-            bk: l.bk.map(|b| b.to_f32()),
-            bv: l.bv.map(|b| b.to_f32()),
-            ffn_norm: l.ffn_norm.to_f32(),
+            bq: l.bq.map(f32s),
+            bk: l.bk.map(f32s),
+            bv: l.bv.map(f32s),
+            ffn_norm: f32s(l.ffn_norm),
             w_gate: m(l.w_gate),
             w_up: m(l.w_up),
             w_down: m(l.w_down),
@@ -653,7 +733,7 @@ pub fn reference_model(
         },
         embed: embed_f32,
         layers,
-        norm: t.norm.to_f32(),
+        norm: f32s(t.norm),
         lm_head: t.lm_head.map(m),
     };
     Ok(tinygpt_reference::Model::new(files.config.clone(), weights))

@@ -118,10 +118,11 @@ impl Tensor {
         self.shape.iter().product()
     }
 
-    /// Dequantises/converts the whole tensor to f32 (scalar; used at load and by the reference).
+    /// Dequantises/converts the whole tensor to f32 ([`crate::dequant`]; used at load and
+    /// to build the reference model).
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0.0f32; self.numel()];
-        dequantize_into(self.dtype, self.data.bytes(), &mut out);
+        crate::dequant::dequantize_into(self.dtype, self.data.bytes(), &mut out);
         out
     }
 
@@ -149,31 +150,6 @@ impl Tensor {
             shape: self.shape.clone(),
             data: TensorBytes::owned(&bytes),
         }
-    }
-}
-
-/// Converts `bytes` of `dtype` into f32 values (`out.len()` values).
-pub fn dequantize_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
-    use tinygpt_reference::ggml;
-    match dtype {
-        DType::F32 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
-        DType::F16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        DType::BF16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        DType::Q8_0 => ggml::dequantize_q8_0(bytes, out),
-        DType::Q4_0 => ggml::dequantize_q4_0(bytes, out),
-        DType::Q4_1 => ggml::dequantize_q4_1(bytes, out),
     }
 }
 

@@ -645,7 +645,7 @@ fn hf_tensors_names_shapes_and_borrowing() {
     );
 
     // Dequantised values of a few tensors, through the reference dequantiser.
-    let deq = |t: &tinygpt_cpu::gguf::HfTensor, ty: GgmlType| {
+    let deq = |t: &tinygpt_cpu::gguf::GgufTensor, ty: GgmlType| {
         let n: usize = t.shape.iter().product();
         let mut out = vec![0.0f32; n];
         dequantize_row(ty, &t.data, &mut out).unwrap();

@@ -497,19 +497,14 @@ fn nothing_grows_per_token_without_json() {
         ..KvConfig::default()
     };
     let prompt = files.tokenizer.encode("Once upon a time").unwrap();
-    let opts = GenerateOptions {
-        max_tokens: 2000,
-        sampler: tinygpt_cpu::sampler::SamplerConfig {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: 7,
-        },
-        ignore_eos: true,
-        context_length: 256,
-        allow_past_context: false,
-        bounded_cache: true,
+    let sampler = tinygpt_cpu::sampler::SamplerConfig {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 7,
     };
+    let opts = GenerateOptions::new(2000, sampler, true, &kv, 256, false).unwrap();
+    opts.check_prompt(prompt.len()).unwrap();
     let mut run = EngineRun::new(&model, &kv);
     let mut streamed = 0usize;
     let res = generate_with(

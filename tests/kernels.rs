@@ -236,7 +236,7 @@ fn quantised_dots_match_scalar_twins() {
                                 want
                             );
                             let mut wf = vec![0.0f32; cols];
-                            tinygpt_cpu::weights::dequantize_into(dtype, row, &mut wf);
+                            tinygpt_cpu::dequant::dequantize_into(dtype, row, &mut wf);
                             let mag: f32 = wf.iter().zip(x).map(|(a, b)| (a * b).abs()).sum();
                             prop_assert_eq!(got[r].to_bits(), batched[t * rows + r].to_bits());
                             // and 8-bit activations stay close to the exact product

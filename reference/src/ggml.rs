@@ -75,6 +75,37 @@ impl GgmlType {
             GgmlType::Q4_1 => 4 + QK / 2,
         }
     }
+
+    /// Bytes needed for `n` values (`None` unless `n` is a whole number of blocks).
+    pub fn bytes_for(self, n: usize) -> Option<usize> {
+        if !n.is_multiple_of(self.block_len()) {
+            return None;
+        }
+        (n / self.block_len()).checked_mul(self.block_bytes())
+    }
+
+    /// True for the block-quantised types.
+    pub fn is_quantized(self) -> bool {
+        self.block_len() > 1
+    }
+
+    /// ggml's name of the type (`"Q4_1"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            GgmlType::F32 => "F32",
+            GgmlType::F16 => "F16",
+            GgmlType::BF16 => "BF16",
+            GgmlType::Q8_0 => "Q8_0",
+            GgmlType::Q4_0 => "Q4_0",
+            GgmlType::Q4_1 => "Q4_1",
+        }
+    }
+}
+
+impl std::fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// Why a row could not be dequantised.

@@ -3,12 +3,16 @@
 use super::common::{human_bytes, open_model};
 use crate::error::Error;
 use crate::eval::apply_quant_mode;
-use crate::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
+use crate::kv_cache::{KvConfig, PositionsMode, Precision};
 use crate::outln;
 use crate::plot::{line_chart, Series};
 use clap::Args;
 use std::path::PathBuf;
 
+/// The cache flags here are not [`super::common::CacheArgs`]: the sink and window have
+/// defaults (they size the bounded rows, which every table has), precisions come from
+/// `--modes`, and positions and `--allow-past-context` do not apply to a byte count.
+/// Flag names and value types are the shared ones.
 #[derive(Args, Debug)]
 pub struct CacheTableArgs {
     /// A .tinygpt file, a .gguf file, or a Hugging Face model directory (default: the bundled model).
@@ -136,10 +140,7 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
                 window: streaming.then_some(a.window),
                 positions: PositionsMode::Original,
                 residual: a.residual,
-                key_rope: match a.key_rope {
-                    super::common::KeyRopeArg::Pre => KeyRope::Pre,
-                    super::common::KeyRopeArg::Post => KeyRope::Post,
-                },
+                key_rope: a.key_rope.into(),
                 ..KvConfig::default()
             };
             apply_quant_mode(name, &mut kv).map_err(|e| Error::flag("--modes", e))?;

@@ -1,8 +1,11 @@
 //! Flags shared by several subcommands: the KV cache settings and the engine choice.
 
+use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::generate::GenerateOptions;
 use crate::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
 use crate::model::WeightsDType;
+use crate::sampler::SamplerConfig;
 use crate::weights::{Format, ModelFiles};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
@@ -36,10 +39,28 @@ pub enum KeyRopeArg {
     Post,
 }
 
+impl From<KeyRopeArg> for KeyRope {
+    fn from(k: KeyRopeArg) -> KeyRope {
+        match k {
+            KeyRopeArg::Pre => KeyRope::Pre,
+            KeyRopeArg::Post => KeyRope::Post,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
 pub enum Positions {
     Original,
     Cache,
+}
+
+impl From<Positions> for PositionsMode {
+    fn from(p: Positions) -> PositionsMode {
+        match p {
+            Positions::Original => PositionsMode::Original,
+            Positions::Cache => PositionsMode::Cache,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -104,6 +125,27 @@ pub struct CacheArgs {
 }
 
 impl CacheArgs {
+    /// The generation settings of a run through `kv` (what [`kv_config`](Self::kv_config)
+    /// gave) on a model configured as `cfg`: the one place the CLI builds them. Validates
+    /// the sampler.
+    pub fn generate_options(
+        &self,
+        kv: &KvConfig,
+        cfg: &Config,
+        max_tokens: usize,
+        sampler: SamplerConfig,
+        ignore_eos: bool,
+    ) -> Result<GenerateOptions> {
+        GenerateOptions::new(
+            max_tokens,
+            sampler,
+            ignore_eos,
+            kv,
+            cfg.max_position_embeddings,
+            self.allow_past_context,
+        )
+    }
+
     /// The cache configuration these flags describe, validated.
     pub fn kv_config(&self) -> Result<KvConfig> {
         if self.sink.is_some() && self.window.is_none() {
@@ -147,17 +189,11 @@ impl CacheArgs {
             group_size: self.group_size,
             sink: self.sink.unwrap_or(0),
             window: self.window,
-            positions: match self.positions {
-                Positions::Original => PositionsMode::Original,
-                Positions::Cache => PositionsMode::Cache,
-            },
+            positions: self.positions.into(),
             k_precision: self.kv_quantize_k.map(Precision::from),
             v_precision: self.kv_quantize_v.map(Precision::from),
             residual: self.residual,
-            key_rope: match self.key_rope {
-                KeyRopeArg::Pre => KeyRope::Pre,
-                KeyRopeArg::Post => KeyRope::Post,
-            },
+            key_rope: self.key_rope.into(),
         })
     }
 }

@@ -4,11 +4,12 @@ use super::common::{open_model, CacheArgs, EngineArgs, Loaded};
 use super::perplexity::mode_name;
 use crate::error::Error;
 use crate::eval::{apply_quant_mode, parse_modes};
-use crate::generate::{check_cache_rows, generate, GenerateOptions};
-use crate::kv_cache::Precision;
+use crate::generate::generate;
+use crate::kv_cache::{KvConfig, Precision};
 use crate::outln;
 use crate::sampler::SamplerConfig;
 use clap::Args;
+use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
@@ -35,6 +36,34 @@ pub struct CompareArgs {
     /// Print one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+}
+
+/// One (prompt, mode) result: the `rows` entries of `compare --json` (docs/design.md §4).
+/// Fields are in alphabetical order, the order the JSON has always had.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompareRow {
+    /// The mode's name as given in `--modes`.
+    pub mode: String,
+    /// Leading generated tokens equal to the baseline's.
+    pub prefix_match: usize,
+    pub prompt: String,
+    /// Tokens the mode generated.
+    pub tokens: usize,
+}
+
+impl CompareRow {
+    /// `prefix_match / tokens` (0 for an empty run).
+    pub fn agreement(&self) -> f64 {
+        self.prefix_match as f64 / self.tokens.max(1) as f64
+    }
+}
+
+/// The `compare --json` object.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompareReport {
+    /// Name of the fp32 baseline cache mode.
+    pub baseline: String,
+    pub rows: Vec<CompareRow>,
 }
 
 pub fn run(a: CompareArgs) -> anyhow::Result<()> {
@@ -88,23 +117,18 @@ fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for prompt in &prompts {
         let ids = files.tokenizer.encode(prompt)?;
-        for (_, kv) in &modes {
-            check_cache_rows(
-                kv,
-                ids.len().saturating_add(a.tokens),
-                files.config.max_position_embeddings,
-                a.cache.allow_past_context,
-            )?;
+        let options = |kv: &KvConfig| {
+            a.cache
+                .generate_options(kv, &files.config, a.tokens, SamplerConfig::greedy(), true)
+        };
+        for (_, kv) in modes
+            .iter()
+            .chain([(String::new(), baseline.clone())].iter())
+        {
+            options(kv)?.check_prompt(ids.len())?;
         }
-        let greedy = |kv: &crate::kv_cache::KvConfig| -> anyhow::Result<Vec<u32>> {
-            let opts = GenerateOptions {
-                max_tokens: a.tokens,
-                sampler: SamplerConfig::greedy(),
-                ignore_eos: true,
-                context_length: files.config.max_position_embeddings,
-                allow_past_context: a.cache.allow_past_context,
-                bounded_cache: kv.window.is_some(),
-            };
+        let greedy = |kv: &KvConfig| -> anyhow::Result<Vec<u32>> {
+            let opts = options(kv)?;
             let mut run = loaded.run(kv);
             Ok(generate(run.as_mut(), &files.tokenizer, &ids, &opts, &mut |_| {})?.generated_ids)
         };
@@ -120,42 +144,71 @@ fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
                 .zip(&base_ids)
                 .take_while(|(x, y)| x == y)
                 .count();
-            rows.push(serde_json::json!({
-                "mode": name, "prompt": prompt, "prefix_match": m, "tokens": got.len(),
-            }));
+            rows.push(CompareRow {
+                mode: name.clone(),
+                prefix_match: m,
+                prompt: prompt.to_string(),
+                tokens: got.len(),
+            });
         }
     }
+    let report = CompareReport {
+        baseline: mode_name(&baseline),
+        rows,
+    };
     if a.json {
-        outln!(
-            "{}",
-            serde_json::json!({ "baseline": mode_name(&baseline), "rows": rows })
-        )?;
+        outln!("{}", serde_json::to_string(&report)?)?;
         return Ok(());
     }
     outln!("{:<10} {:>6} {:>8}  prompt", "mode", "match", "tokens")?;
-    for r in &rows {
-        let p = r["prompt"].as_str().unwrap_or("");
-        let short: String = p.chars().take(50).collect();
+    for r in &report.rows {
+        let short: String = r.prompt.chars().take(50).collect();
         outln!(
             "{:<10} {:>6} {:>8}  {short}",
-            r["mode"].as_str().unwrap_or(""),
-            r["prefix_match"],
-            r["tokens"]
+            r.mode,
+            r.prefix_match,
+            r.tokens
         )?;
     }
     outln!()?;
     outln!("{:<10} {:>18}", "mode", "mean prefix match")?;
     for (name, _) in &modes {
-        let ms: Vec<f64> = rows
+        let ms: Vec<f64> = report
+            .rows
             .iter()
-            .filter(|r| r["mode"] == name.as_str())
-            .map(|r| {
-                r["prefix_match"].as_f64().unwrap_or(0.0)
-                    / r["tokens"].as_f64().unwrap_or(1.0).max(1.0)
-            })
+            .filter(|r| r.mode == *name)
+            .map(CompareRow::agreement)
             .collect();
         let mean = ms.iter().sum::<f64>() / ms.len().max(1) as f64;
         outln!("{:<10} {:>17.1}%", name, mean * 100.0)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_is_the_documented_shape() {
+        // docs/design.md §4: `compare --json` is {`baseline`, `rows` of {`mode`, `prompt`,
+        // `prefix_match`, `tokens`}}, keys in alphabetical order as before.
+        let report = CompareReport {
+            baseline: "fp32".into(),
+            rows: vec![CompareRow {
+                mode: "int4".into(),
+                prefix_match: 3,
+                prompt: "Once upon a time".into(),
+                tokens: 8,
+            }],
+        };
+        let text = serde_json::to_string(&report).unwrap();
+        assert_eq!(
+            text,
+            r#"{"baseline":"fp32","rows":[{"mode":"int4","prefix_match":3,"prompt":"Once upon a time","tokens":8}]}"#
+        );
+        let back: CompareReport = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, report);
+        assert_eq!(report.rows[0].agreement(), 0.375);
+    }
 }

@@ -4,8 +4,10 @@ use super::common::{open_model, progress, CacheArgs, EngineArgs, Loaded};
 use crate::error::Error;
 use crate::eval::{parse_modes, perplexity, read_text, PplResult, SinkReport, SINK_POSITIONS};
 use crate::generate::check_cache_rows;
+use crate::kv_cache::KvConfig;
 use crate::outln;
 use crate::plot::{line_chart, Series};
+use crate::weights::ModelFiles;
 use clap::Args;
 use std::path::PathBuf;
 
@@ -53,23 +55,57 @@ pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
 
 fn run_in_pool(a: PerplexityArgs) -> anyhow::Result<()> {
     let base = a.cache.kv_config()?;
+    check_flags(&a)?;
+    let text = read_text(&a.text)?;
+    let files = open_model(&a.model)?;
+    let tokens = tokens_of(&a, &files, &text)?;
+    let modes = match &a.compare_modes {
+        Some(spec) => parse_modes(spec, &base)?,
+        None => vec![(mode_name(&base), base.clone())],
+    };
+    for (_, kv) in &modes {
+        check_mode(&a, &files, kv, tokens.len())?;
+    }
+    let loaded = Loaded::load(&files, &a.engine)?;
+    let results = evaluate(&a, &loaded, &modes, &tokens)?;
+
+    print_results(&a, &results)?;
+    crate::cli::out::flush()?;
+    if let Some(p) = &a.plot {
+        plot_nll(&a, p, &results, tokens.len())?;
+    }
+    if let Some((name, r, _)) = results.iter().find(|r| r.1.interrupted) {
+        return Err(Error::Interrupted(format!(
+            "mode {name} stopped after {} of {} tokens; the results above cover the tokens evaluated",
+            r.tokens,
+            tokens.len()
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// The checks that need neither the text nor the model.
+fn check_flags(a: &PerplexityArgs) -> crate::Result<()> {
     if a.chunk == 0 {
-        return Err(Error::flag("--chunk", "must be > 0").into());
+        return Err(Error::flag("--chunk", "must be > 0"));
     }
     if let Some(n) = a.max_tokens.filter(|&n| n < 2) {
         return Err(Error::flag(
             "--max-tokens",
             format!("must be at least 2 (perplexity predicts each token from the ones before it), got {n}"),
-        )
-        .into());
+        ));
     }
     if let Some(p) = &a.plot {
         // Before the evaluation, not after it: a bad path must not cost the results.
         crate::plot::check_output(p)?;
     }
-    let text = read_text(&a.text)?;
-    let files = open_model(&a.model)?;
-    let mut tokens = files.tokenizer.encode(&text)?;
+    Ok(())
+}
+
+/// The text's tokens (at most `--max-tokens`), enough of them for what was asked.
+fn tokens_of(a: &PerplexityArgs, files: &ModelFiles, text: &str) -> crate::Result<Vec<u32>> {
+    let mut tokens = files.tokenizer.encode(text)?;
     if let Some(n) = a.max_tokens {
         tokens.truncate(n);
     }
@@ -80,8 +116,7 @@ fn run_in_pool(a: PerplexityArgs) -> anyhow::Result<()> {
                 "encodes to {} token(s); perplexity needs at least 2",
                 tokens.len()
             ),
-        )
-        .into());
+        ));
     }
     if a.sink_report && tokens.len() < SINK_POSITIONS + 2 {
         return Err(Error::flag(
@@ -92,42 +127,53 @@ fn run_in_pool(a: PerplexityArgs) -> anyhow::Result<()> {
                 a.text.display(),
                 tokens.len()
             ),
-        )
-        .into());
+        ));
     }
-    let modes = match &a.compare_modes {
-        Some(spec) => parse_modes(spec, &base)?,
-        None => vec![(mode_name(&base), base.clone())],
-    };
+    Ok(tokens)
+}
+
+/// Refuses a mode the model cannot run over `n_tokens` tokens: an invalid cache, a run
+/// past the context length, or a cache that would not fit in memory.
+fn check_mode(
+    a: &PerplexityArgs,
+    files: &ModelFiles,
+    kv: &KvConfig,
+    n_tokens: usize,
+) -> crate::Result<()> {
     let ctx = files.config.max_position_embeddings;
-    for (_, kv) in &modes {
-        crate::kv_cache::validate(kv, &files.config)?;
-        // The cache holds tokens.len() - 1 rows at most (the last token is only predicted).
-        let rows = tokens.len() - 1;
-        if kv.window.is_none() && !a.cache.allow_past_context && rows > ctx {
-            return Err(Error::Generate(format!(
-                "{} is {} tokens, more than the model's context length ({ctx}) with a dense cache; \
-                 evaluate fewer with --max-tokens {}, bound the cache with \
-                 --streaming-llm-sink N --streaming-llm-window M, or pass --allow-past-context",
-                a.text.display(),
-                tokens.len(),
-                ctx + 1
-            ))
-            .into());
-        }
-        check_cache_rows(kv, rows, ctx, a.cache.allow_past_context)?;
-        let bytes = rows.min(kv.window.map_or(usize::MAX, |w| kv.sink.saturating_add(w))) as u128
-            * crate::memory::kv_bytes_per_token(&files.config, crate::memory::widest_precision(kv))
-            * crate::memory::GROWTH_SLACK;
-        crate::memory::check_fits(bytes)
-            .map_err(|m| Error::flag("--max-tokens", format!("the KV cache {m}")))?;
+    crate::kv_cache::validate(kv, &files.config)?;
+    // The cache holds n_tokens - 1 rows at most (the last token is only predicted).
+    let rows = n_tokens - 1;
+    if kv.window.is_none() && !a.cache.allow_past_context && rows > ctx {
+        return Err(Error::Generate(format!(
+            "{} is {} tokens, more than the model's context length ({ctx}) with a dense cache; \
+             evaluate fewer with --max-tokens {}, bound the cache with \
+             --streaming-llm-sink N --streaming-llm-window M, or pass --allow-past-context",
+            a.text.display(),
+            n_tokens,
+            ctx + 1
+        )));
     }
-    let loaded = Loaded::load(&files, &a.engine)?;
-    let mut results: Vec<(String, PplResult, Option<SinkReport>)> = Vec::new();
-    for (name, kv) in &modes {
+    check_cache_rows(kv, rows, ctx, a.cache.allow_past_context)?;
+    let bytes = rows.min(kv.window.map_or(usize::MAX, |w| kv.sink.saturating_add(w))) as u128
+        * crate::memory::kv_bytes_per_token(&files.config, crate::memory::widest_precision(kv))
+        * crate::memory::GROWTH_SLACK;
+    crate::memory::check_fits(bytes)
+        .map_err(|m| Error::flag("--max-tokens", format!("the KV cache {m}")))
+}
+
+/// Runs each mode over `tokens` in turn (stopping after a mode SIGINT interrupted).
+fn evaluate(
+    a: &PerplexityArgs,
+    loaded: &Loaded,
+    modes: &[(String, KvConfig)],
+    tokens: &[u32],
+) -> crate::Result<Vec<ModeResult>> {
+    let mut results = Vec::new();
+    for (name, kv) in modes {
         let pb = progress((tokens.len() - 1) as u64, a.json, name);
         let mut run = loaded.run(kv);
-        let (r, s) = perplexity(run.as_mut(), &tokens, a.chunk, a.sink_report, &mut |i| {
+        let (r, s) = perplexity(run.as_mut(), tokens, a.chunk, a.sink_report, &mut |i| {
             if i.is_multiple_of(16) {
                 pb.set_position(i as u64)
             }
@@ -139,34 +185,30 @@ fn run_in_pool(a: PerplexityArgs) -> anyhow::Result<()> {
             break;
         }
     }
+    Ok(results)
+}
 
-    print_results(&a, &results)?;
-    crate::cli::out::flush()?;
-    if let Some(p) = &a.plot {
-        let series: Vec<Series> = results
-            .iter()
-            .map(|(name, r, _)| Series {
-                name: name.clone(),
-                points: smooth_nll(&r.nll, a.chunk.min(r.nll.len()).max(1)),
-            })
-            .collect();
-        line_chart(
-            p,
-            &format!("NLL vs position ({} tokens)", tokens.len()),
-            "token position",
-            &format!("NLL (mean over {} tokens)", a.chunk),
-            &series,
-        )?;
-    }
-    if let Some((name, r, _)) = results.iter().find(|r| r.1.interrupted) {
-        return Err(Error::Interrupted(format!(
-            "mode {name} stopped after {} of {} tokens; the results above cover the tokens evaluated",
-            r.tokens,
-            tokens.len()
-        ))
-        .into());
-    }
-    Ok(())
+/// `--plot`: each mode's NLL, smoothed over `--chunk` tokens, against position.
+fn plot_nll(
+    a: &PerplexityArgs,
+    path: &std::path::Path,
+    results: &[ModeResult],
+    n_tokens: usize,
+) -> crate::Result<()> {
+    let series: Vec<Series> = results
+        .iter()
+        .map(|(name, r, _)| Series {
+            name: name.clone(),
+            points: smooth_nll(&r.nll, a.chunk.min(r.nll.len()).max(1)),
+        })
+        .collect();
+    line_chart(
+        path,
+        &format!("NLL vs position ({n_tokens} tokens)"),
+        "token position",
+        &format!("NLL (mean over {} tokens)", a.chunk),
+        &series,
+    )
 }
 
 type ModeResult = (String, PplResult, Option<SinkReport>);

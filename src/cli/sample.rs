@@ -2,9 +2,7 @@
 
 use super::common::{human_bytes, open_model, CacheArgs, EngineArgs, EngineKind, Loaded};
 use crate::error::Error;
-use crate::generate::{
-    check_cache_rows, check_context, generate_with, GenerateOptions, GenerateResult,
-};
+use crate::generate::{generate_with, GenerateResult};
 use crate::kv_cache::KvConfig;
 use crate::sampler::SamplerConfig;
 use crate::{errln, outln};
@@ -75,7 +73,9 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
         top_p: a.top_p,
         seed,
     };
-    sampler.validate()?;
+    let opts = a
+        .cache
+        .generate_options(&kv, &files.config, a.tokens, sampler, a.ignore_eos)?;
     let prompt_text = if a.chat {
         let template = files.chat_template.as_deref().ok_or_else(|| {
             Error::flag(
@@ -103,22 +103,8 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
     } else {
         files.tokenizer.encode(&prompt_text)?
     };
-    let opts = GenerateOptions {
-        max_tokens: a.tokens,
-        sampler,
-        ignore_eos: a.ignore_eos,
-        context_length: files.config.max_position_embeddings,
-        allow_past_context: a.cache.allow_past_context,
-        bounded_cache: kv.window.is_some(),
-    };
-    check_context(prompt_ids.len(), &opts)?;
+    opts.check_prompt(prompt_ids.len())?;
     let total = prompt_ids.len().saturating_add(a.tokens);
-    check_cache_rows(
-        &kv,
-        total,
-        files.config.max_position_embeddings,
-        a.cache.allow_past_context,
-    )?;
     let rows = kv
         .window
         .map_or(total, |w| total.min(kv.sink.saturating_add(w)));

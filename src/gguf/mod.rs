@@ -9,7 +9,7 @@
 //! - [`GgufFile::hf_tensors`]: the tensors under their Hugging Face names, in Hugging Face shape
 //!   order, with llama.cpp's Q/K row permutation undone, so the forward pass is the same one as
 //!   for a safetensors checkpoint. Data stays in its file dtype (quantised blocks included);
-//!   `tinygpt_reference::ggml` dequantises it.
+//!   [`crate::dequant`] dequantises it.
 //! - [`GgufFile::tokenizer`]: a `tokenizers::Tokenizer` built from `tokenizer.ggml.*`
 //!   ([`tokenizer`] says how, and how it matches transformers' GGUF conversion).
 //! - [`GgufFile::chat_template`]: `tokenizer.chat_template`, for [`crate::chat::render_chat`].
@@ -51,7 +51,7 @@ pub struct GgufFile {
     parsed: reader::Parsed,
 }
 
-/// A tensor under its Hugging Face name.
+/// A tensor of a GGUF file, renamed and reshaped to its Hugging Face name and shape.
 ///
 /// `shape` is in Hugging Face (PyTorch, row-major) order: `[out_features, in_features]` for a
 /// linear weight, `[vocab, hidden]` for the embedding, `[n]` for norms and biases. `data` is in
@@ -59,38 +59,24 @@ pub struct GgufFile {
 /// blocks for quantised types (`dtype.bytes_for(row)` bytes per row). Q/K projections have been
 /// un-permuted (and are therefore `Cow::Owned`); every other tensor borrows the file's bytes.
 #[derive(Debug, Clone)]
-pub struct HfTensor<'a> {
+pub struct GgufTensor<'a> {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<usize>,
     pub data: Cow<'a, [u8]>,
 }
 
-impl HfTensor<'_> {
+impl GgufTensor<'_> {
     /// Number of elements (product of `shape`).
     pub fn n_elements(&self) -> usize {
         self.shape.iter().product()
     }
 
-    /// The values as f32, dequantised with the scalar reference
-    /// ([`tinygpt_reference::ggml::dequantize_row`]).
-    pub fn to_f32(&self) -> std::result::Result<Vec<f32>, tinygpt_reference::ggml::DequantError> {
+    /// The values as f32 ([`crate::dequant::dequantize_row`]).
+    pub fn to_f32(&self) -> std::result::Result<Vec<f32>, crate::dequant::DequantError> {
         let mut out = vec![0.0f32; self.n_elements()];
-        tinygpt_reference::ggml::dequantize_row(ggml_type(self.dtype), &self.data, &mut out)?;
+        crate::dequant::dequantize_row(self.dtype, &self.data, &mut out)?;
         Ok(out)
-    }
-}
-
-/// The reference crate's name for a [`DType`] (it cannot see the engine's type).
-pub fn ggml_type(dtype: DType) -> tinygpt_reference::ggml::GgmlType {
-    use tinygpt_reference::ggml::GgmlType;
-    match dtype {
-        DType::F32 => GgmlType::F32,
-        DType::F16 => GgmlType::F16,
-        DType::BF16 => GgmlType::BF16,
-        DType::Q8_0 => GgmlType::Q8_0,
-        DType::Q4_0 => GgmlType::Q4_0,
-        DType::Q4_1 => GgmlType::Q4_1,
     }
 }
 
@@ -614,12 +600,12 @@ impl GgufFile {
         Ok(())
     }
 
-    /// Every tensor under its Hugging Face name and shape, Q/K un-permuted (see [`HfTensor`]).
+    /// Every tensor under its Hugging Face name and shape, Q/K un-permuted (see [`GgufTensor`]).
     ///
     /// `rope_freqs.weight` is not returned (it is folded into [`config`](Self::config)'s RoPE
     /// scaling). Call [`config`](Self::config) first to have the shapes validated; this method
     /// only needs the head counts.
-    pub fn hf_tensors(&self) -> Result<Vec<HfTensor<'_>>> {
+    pub fn hf_tensors(&self) -> Result<Vec<GgufTensor<'_>>> {
         let n_head = self.require_usize("llama.attention.head_count")?;
         let n_head_kv = self
             .get_usize("llama.attention.head_count_kv")?
@@ -652,7 +638,7 @@ impl GgufFile {
                         .map_err(|msg| Error::tensor(&self.path, &t.name, msg))?
                 }
             };
-            out.push(HfTensor {
+            out.push(GgufTensor {
                 name,
                 dtype: t.dtype,
                 shape,

@@ -298,29 +298,29 @@ pub fn ggml_type_name(id: u32) -> Option<&'static str> {
     })
 }
 
-/// The engine's [`DType`] for a ggml type id, if supported.
+/// The ggml type id of each supported [`DType`]: the one mapping between the two, read both
+/// ways by [`dtype_from_ggml`] and [`ggml_id`].
+const GGML_IDS: [(u32, DType); 6] = [
+    (0, DType::F32),
+    (1, DType::F16),
+    (2, DType::Q4_0),
+    (3, DType::Q4_1),
+    (8, DType::Q8_0),
+    (30, DType::BF16),
+];
+
+/// The [`DType`] of a ggml type id, if supported.
 pub fn dtype_from_ggml(id: u32) -> Option<DType> {
-    Some(match id {
-        0 => DType::F32,
-        1 => DType::F16,
-        2 => DType::Q4_0,
-        3 => DType::Q4_1,
-        8 => DType::Q8_0,
-        30 => DType::BF16,
-        _ => return None,
-    })
+    GGML_IDS.iter().find(|(i, _)| *i == id).map(|&(_, d)| d)
 }
 
 /// The ggml type id of a [`DType`] (inverse of [`dtype_from_ggml`]).
 pub fn ggml_id(dtype: DType) -> u32 {
-    match dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::Q4_0 => 2,
-        DType::Q4_1 => 3,
-        DType::Q8_0 => 8,
-        DType::BF16 => 30,
-    }
+    GGML_IDS
+        .iter()
+        .find(|(_, d)| *d == dtype)
+        .map(|&(i, _)| i)
+        .expect("every DType has a ggml id")
 }
 
 const SUPPORTED_TYPES: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1";
@@ -508,6 +508,35 @@ impl<'a> Cursor<'a> {
 /// file (supported type, whole blocks per row, aligned offset, data inside the file).
 pub fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
     let mut c = Cursor { buf, pos: 0, path };
+    let version = header(&mut c)?;
+    let n_tensors = c.len(&|| "tensor count".into())?;
+    let n_kv = c.len(&|| "metadata count".into())?;
+    let metadata = metadata(&mut c, n_kv)?;
+    let alignment = alignment(&c, &metadata)?;
+    let raw = tensor_infos(&mut c, n_tensors)?;
+    let data_offset = c
+        .pos
+        .checked_next_multiple_of(alignment)
+        .ok_or_else(|| c.err("data section offset overflows"))?;
+    let mut tensors = Vec::with_capacity(raw.len());
+    let mut seen = std::collections::HashSet::new();
+    for r in raw {
+        if !seen.insert(r.name.clone()) {
+            return Err(c.err(format!("duplicate tensor name '{}'", r.name)));
+        }
+        tensors.push(place_tensor(&c, r, alignment, data_offset)?);
+    }
+    Ok(Parsed {
+        version,
+        metadata,
+        tensors,
+        alignment,
+        data_offset,
+    })
+}
+
+/// The magic bytes and a supported version (returned).
+fn header(c: &mut Cursor<'_>) -> Result<u32> {
     let magic = c.take(4, &|| "magic".into())?;
     if magic != b"GGUF" {
         return Err(c.err(format!(
@@ -516,19 +545,18 @@ pub fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
     }
     let version = c.u32(&|| "version".into())?;
     match version {
-        2 | 3 => {}
-        1 => return Err(c.err("GGUF version 1 is not supported (supported: 2, 3)")),
-        v if v.swap_bytes() == 2 || v.swap_bytes() == 3 => {
-            return Err(c.err(format!(
-                "big-endian GGUF (version {}) is not supported: only little-endian files",
-                v.swap_bytes()
-            )))
-        }
-        v => return Err(c.err(format!("unknown GGUF version {v} (supported: 2, 3)"))),
+        2 | 3 => Ok(version),
+        1 => Err(c.err("GGUF version 1 is not supported (supported: 2, 3)")),
+        v if v.swap_bytes() == 2 || v.swap_bytes() == 3 => Err(c.err(format!(
+            "big-endian GGUF (version {}) is not supported: only little-endian files",
+            v.swap_bytes()
+        ))),
+        v => Err(c.err(format!("unknown GGUF version {v} (supported: 2, 3)"))),
     }
-    let n_tensors = c.len(&|| "tensor count".into())?;
-    let n_kv = c.len(&|| "metadata count".into())?;
+}
 
+/// `n_kv` key/value pairs; keys are unique.
+fn metadata(c: &mut Cursor<'_>, n_kv: usize) -> Result<BTreeMap<String, GgufValue>> {
     let mut metadata = BTreeMap::new();
     for i in 0..n_kv {
         let key = c.string(&|| format!("metadata key #{i} of {n_kv}"))?;
@@ -539,25 +567,32 @@ pub fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
             return Err(c.err(format!("duplicate metadata key '{key}'")));
         }
     }
+    Ok(metadata)
+}
 
-    let alignment = match metadata.get("general.alignment") {
-        None => DEFAULT_ALIGNMENT,
+/// `general.alignment` (a power of two), or the default.
+fn alignment(c: &Cursor<'_>, metadata: &BTreeMap<String, GgufValue>) -> Result<usize> {
+    match metadata.get("general.alignment") {
+        None => Ok(DEFAULT_ALIGNMENT),
         Some(v) => match v.as_u64().and_then(|a| usize::try_from(a).ok()) {
-            Some(a) if a.is_power_of_two() => a,
-            _ => {
-                return Err(c.err(format!(
-                    "general.alignment must be a power of two, got {v:?}"
-                )))
-            }
+            Some(a) if a.is_power_of_two() => Ok(a),
+            _ => Err(c.err(format!(
+                "general.alignment must be a power of two, got {v:?}"
+            ))),
         },
-    };
-
-    struct RawInfo {
-        name: String,
-        ne: Vec<usize>,
-        ggml_type: u32,
-        offset: u64,
     }
+}
+
+/// A tensor-table entry as read, before its type and bounds are checked.
+struct RawInfo {
+    name: String,
+    ne: Vec<usize>,
+    ggml_type: u32,
+    offset: u64,
+}
+
+/// The `n_tensors` entries of the tensor table.
+fn tensor_infos(c: &mut Cursor<'_>, n_tensors: usize) -> Result<Vec<RawInfo>> {
     let mut raw = Vec::new();
     for i in 0..n_tensors {
         let name = c.string(&|| format!("tensor info #{i} of {n_tensors} (name)"))?;
@@ -586,76 +621,88 @@ pub fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
             offset,
         });
     }
+    Ok(raw)
+}
 
-    let data_offset = c
-        .pos
-        .checked_next_multiple_of(alignment)
-        .ok_or_else(|| c.err("data section offset overflows"))?;
-
-    let mut tensors = Vec::with_capacity(raw.len());
-    let mut seen = std::collections::HashSet::new();
-    for r in raw {
-        if !seen.insert(r.name.clone()) {
-            return Err(c.err(format!("duplicate tensor name '{}'", r.name)));
-        }
-        let dtype = dtype_from_ggml(r.ggml_type).ok_or_else(|| {
-            let ty = ggml_type_name(r.ggml_type)
-                .map(str::to_string)
-                .unwrap_or_else(|| format!("#{} (unknown)", r.ggml_type));
-            c.err(format!(
-                "tensor '{}' has type {ty}, which is not supported (supported: {SUPPORTED_TYPES})",
-                r.name
-            ))
-        })?;
-        let n_elements =
-            r.ne.iter()
-                .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-                .ok_or_else(|| c.err(format!("tensor '{}': element count overflows", r.name)))?;
-        if !r.ne[0].is_multiple_of(dtype.block_len()) {
-            return Err(c.err(format!(
-                "tensor '{}' ({dtype}) has rows of {} elements, not a multiple of the block size {}",
-                r.name,
-                r.ne[0],
-                dtype.block_len()
-            )));
-        }
-        let n_bytes = dtype
-            .bytes_for(n_elements)
-            .ok_or_else(|| c.err(format!("tensor '{}': byte size overflows", r.name)))?;
-        if !r.offset.is_multiple_of(alignment as u64) {
-            return Err(c.err(format!(
-                "tensor '{}' has offset {} which is not a multiple of the alignment {alignment}",
-                r.name, r.offset
-            )));
-        }
-        let start = usize::try_from(r.offset)
-            .ok()
-            .and_then(|o| o.checked_add(data_offset));
-        let end = start.and_then(|s| s.checked_add(n_bytes));
-        let (Some(start), Some(end)) = (start, end) else {
-            return Err(c.err(format!("tensor '{}': data offset overflows", r.name)));
-        };
-        if end > buf.len() {
-            return Err(c.err(format!(
-                "tensor '{}' data (bytes {start}..{end}) runs past the end of the file ({} bytes): truncated file?",
-                r.name,
-                buf.len()
-            )));
-        }
-        tensors.push(TensorInfo {
-            name: r.name,
-            ne: r.ne,
-            dtype,
-            start,
-            n_bytes,
-        });
+/// A table entry checked: a supported type, whole blocks per row, an aligned offset, and
+/// its bytes inside the file.
+fn place_tensor(
+    c: &Cursor<'_>,
+    r: RawInfo,
+    alignment: usize,
+    data_offset: usize,
+) -> Result<TensorInfo> {
+    let dtype = dtype_from_ggml(r.ggml_type).ok_or_else(|| {
+        let ty = ggml_type_name(r.ggml_type)
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("#{} (unknown)", r.ggml_type));
+        c.err(format!(
+            "tensor '{}' has type {ty}, which is not supported (supported: {SUPPORTED_TYPES})",
+            r.name
+        ))
+    })?;
+    let n_elements =
+        r.ne.iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| c.err(format!("tensor '{}': element count overflows", r.name)))?;
+    if !r.ne[0].is_multiple_of(dtype.block_len()) {
+        return Err(c.err(format!(
+            "tensor '{}' ({dtype}) has rows of {} elements, not a multiple of the block size {}",
+            r.name,
+            r.ne[0],
+            dtype.block_len()
+        )));
     }
-
-    Ok(Parsed {
-        version,
-        metadata,
-        tensors,
-        alignment,
-        data_offset,
+    let n_bytes = dtype
+        .bytes_for(n_elements)
+        .ok_or_else(|| c.err(format!("tensor '{}': byte size overflows", r.name)))?;
+    if !r.offset.is_multiple_of(alignment as u64) {
+        return Err(c.err(format!(
+            "tensor '{}' has offset {} which is not a multiple of the alignment {alignment}",
+            r.name, r.offset
+        )));
+    }
+    let start = usize::try_from(r.offset)
+        .ok()
+        .and_then(|o| o.checked_add(data_offset));
+    let end = start.and_then(|s| s.checked_add(n_bytes));
+    let (Some(start), Some(end)) = (start, end) else {
+        return Err(c.err(format!("tensor '{}': data offset overflows", r.name)));
+    };
+    if end > c.buf.len() {
+        return Err(c.err(format!(
+            "tensor '{}' data (bytes {start}..{end}) runs past the end of the file ({} bytes): truncated file?",
+            r.name,
+            c.buf.len()
+        )));
+    }
+    Ok(TensorInfo {
+        name: r.name,
+        ne: r.ne,
+        dtype,
+        start,
+        n_bytes,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ggml_ids_round_trip_and_match_the_names() {
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+        ] {
+            let id = ggml_id(dtype);
+            assert_eq!(dtype_from_ggml(id), Some(dtype));
+            assert_eq!(ggml_type_name(id), Some(dtype.name()));
+        }
+        assert_eq!(dtype_from_ggml(6), None); // Q5_0: named, not supported
+    }
 }

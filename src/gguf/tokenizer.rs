@@ -159,198 +159,13 @@ pub fn build(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<tokenize
 /// The `tokenizer.json` text equivalent to the file's tokenizer metadata (what [`build`]
 /// loads; also what a `.tinygpt` conversion would store).
 pub fn tokenizer_json(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<String> {
-    let err = |msg: String| Error::tokenizer(path, msg);
-    let model = match meta.get("tokenizer.ggml.model") {
-        None => return Err(err("missing metadata 'tokenizer.ggml.model'".into())),
-        Some(v) => v.as_str().ok_or_else(|| {
-            err(format!(
-                "'tokenizer.ggml.model' must be a string, got {v:?}"
-            ))
-        })?,
-    };
-    if model != "gpt2" {
-        return Err(err(format!(
-            "tokenizer.ggml.model '{model}' is not supported (supported: gpt2, i.e. byte-level BPE)"
-        )));
-    }
-    let tokens = strings(meta, "tokenizer.ggml.tokens", path)?
-        .ok_or_else(|| err("missing metadata 'tokenizer.ggml.tokens'".into()))?;
-    let merges = strings(meta, "tokenizer.ggml.merges", path)?.ok_or_else(|| {
-        err("missing metadata 'tokenizer.ggml.merges' (a gpt2 tokenizer needs them)".into())
-    })?;
-    let token_types: Vec<i64> = match meta.get("tokenizer.ggml.token_type") {
-        None => Vec::new(),
-        Some(GgufValue::Array(a)) => {
-            let v = a.to_i64s().ok_or_else(|| {
-                err(format!(
-                    "'tokenizer.ggml.token_type' must be integers, got {}",
-                    a.elem_type_name()
-                ))
-            })?;
-            if v.len() != tokens.len() {
-                return Err(err(format!(
-                    "'tokenizer.ggml.token_type' has {} entries for {} tokens",
-                    v.len(),
-                    tokens.len()
-                )));
-            }
-            v
-        }
-        Some(v) => {
-            return Err(err(format!(
-                "'tokenizer.ggml.token_type' must be an array, got {v:?}"
-            )))
-        }
-    };
-    let n = tokens.len();
-    let pre = match meta.get("tokenizer.ggml.pre") {
-        None => None,
-        Some(v) => Some(
-            v.as_str()
-                .ok_or_else(|| err(format!("'tokenizer.ggml.pre' must be a string, got {v:?}")))?,
-        ),
-    };
-
-    // Vocabulary, respelled into the byte alphabet where needed. A later duplicate spelling
-    // wins, as in transformers' dict comprehension.
-    let table = bytes_to_unicode();
-    let mut in_alphabet = [false; 0x180];
-    for &c in &table {
-        in_alphabet[c as usize] = true;
-    }
-    let spelled = |t: &str| {
-        t.chars()
-            .all(|c| (c as usize) < in_alphabet.len() && in_alphabet[c as usize])
-    };
-    let mut vocab: HashMap<String, u32> = HashMap::with_capacity(n);
-    let mut vocab_json = Map::new();
-    for (id, t) in tokens.iter().enumerate() {
-        let key = if spelled(t) {
-            t.clone()
-        } else {
-            t.bytes().map(|b| table[b as usize]).collect()
-        };
-        vocab.insert(key.clone(), id as u32);
-        vocab_json.insert(key, json!(id));
-    }
-
-    let mut merges_json = Vec::with_capacity(merges.len());
-    for (i, m) in merges.iter().enumerate() {
-        let mut parts = m.split(' ');
-        match (parts.next(), parts.next(), parts.next()) {
-            (Some(a), Some(b), None) if !a.is_empty() && !b.is_empty() => {
-                // The BPE model refuses a merge whose parts or result are not tokens; say
-                // which metadata entry, not where in the generated JSON.
-                for part in [a, b, &format!("{a}{b}")] {
-                    if !vocab.contains_key(part) {
-                        return Err(err(format!(
-                            "tokenizer.ggml.merges #{i} {m:?} uses {part:?}, which is not among the {n} entries of tokenizer.ggml.tokens"
-                        )));
-                    }
-                }
-                merges_json.push(json!([a, b]));
-            }
-            _ => {
-                return Err(err(format!(
-                    "merge #{i} {m:?} is not two tokens separated by one space"
-                )))
-            }
-        }
-    }
-
-    // Added tokens: id -> (content, special). Control tokens spelled in the byte alphabet and
-    // user-defined tokens present in the vocabulary, then bos/eos/unk/pad.
-    let mut added: BTreeMap<u32, (String, bool)> = BTreeMap::new();
-    for (t, &ty) in tokens.iter().zip(&token_types) {
-        if t.is_empty() {
-            continue; // an empty added token would match everywhere
-        }
-        let special = match ty {
-            TOKEN_TYPE_CONTROL if spelled(t) => true,
-            TOKEN_TYPE_USER_DEFINED if vocab.contains_key(t.as_str()) => false,
-            _ => continue,
-        };
-        if let Some(&id) = vocab.get(t.as_str()) {
-            added.entry(id).or_insert_with(|| (t.clone(), special));
-        }
-    }
-    let bos = opt_id(meta, "tokenizer.ggml.bos_token_id", n, path)?;
-    let eos = opt_id(meta, "tokenizer.ggml.eos_token_id", n, path)?;
-    for key in [
-        "tokenizer.ggml.bos_token_id",
-        "tokenizer.ggml.eos_token_id",
-        "tokenizer.ggml.unknown_token_id",
-        "tokenizer.ggml.padding_token_id",
-    ] {
-        if let Some(id) = opt_id(meta, key, n, path)? {
-            let t = &tokens[id];
-            if t.is_empty() {
-                continue;
-            }
-            if let Some(&vid) = vocab.get(t.as_str()) {
-                added.entry(vid).or_insert_with(|| (t.clone(), true));
-            }
-        }
-    }
-    let added_json: Vec<Value> = added
-        .iter()
-        .map(|(id, (content, special))| {
-            json!({
-                "id": id, "content": content, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": false, "special": special,
-            })
-        })
-        .collect();
-
-    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
-    let pre_tokenizer = match pre.and_then(|p| PRE_TOKENIZER_SPLITS.iter().find(|(k, _)| *k == p)) {
-        Some((_, regex)) => json!({
-            "type": "Sequence",
-            "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
-                byte_level(false),
-            ],
-        }),
-        None => byte_level(true),
-    };
-
-    let add_bos = opt_bool(meta, "tokenizer.ggml.add_bos_token", path)?.unwrap_or(false);
-    let add_eos = opt_bool(meta, "tokenizer.ggml.add_eos_token", path)?.unwrap_or(false);
-    let special_of = |id: Option<usize>, what: &str| -> Result<(String, u32)> {
-        let id = id.ok_or_else(|| {
-            err(format!(
-                "tokenizer.ggml.add_{what}_token is true but there is no {what} token id"
-            ))
-        })?;
-        Ok((tokens[id].clone(), id as u32))
-    };
-    let mut single = Vec::new();
-    let mut pair = Vec::new();
-    let mut specials = Map::new();
-    let bos_t = if add_bos {
-        Some(special_of(bos, "bos")?)
-    } else {
-        None
-    };
-    let eos_t = if add_eos {
-        Some(special_of(eos, "eos")?)
-    } else {
-        None
-    };
-    for (seq, type_id, out) in [("A", 0, &mut single), ("B", 1, &mut pair)] {
-        if let Some((t, _)) = &bos_t {
-            out.push(json!({"SpecialToken": {"id": t, "type_id": type_id}}));
-        }
-        out.push(json!({"Sequence": {"id": seq, "type_id": type_id}}));
-        if let Some((t, _)) = &eos_t {
-            out.push(json!({"SpecialToken": {"id": t, "type_id": type_id}}));
-        }
-    }
-    let pair: Vec<Value> = single.iter().cloned().chain(pair).collect();
-    for (t, id) in bos_t.iter().chain(eos_t.iter()) {
-        specials.insert(t.clone(), json!({"id": t, "ids": [id], "tokens": [t]}));
-    }
-
+    let m = Gpt2Meta::read(meta, path)?;
+    let alphabet = ByteAlphabet::new();
+    let (vocab, vocab_json) = vocabulary(m.tokens, &alphabet);
+    let merges_json = merges(m.merges, &vocab, m.tokens.len(), path)?;
+    let added_json = added_tokens(meta, &m, &vocab, &alphabet, path)?;
+    let pre_tokenizer = pre_tokenizer(m.pre);
+    let post_processor = post_processor(meta, m.tokens, path)?;
     let tokenizer = json!({
         "version": "1.0",
         "truncation": null,
@@ -358,12 +173,7 @@ pub fn tokenizer_json(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result
         "added_tokens": added_json,
         "normalizer": null,
         "pre_tokenizer": pre_tokenizer,
-        "post_processor": {
-            "type": "TemplateProcessing",
-            "single": single,
-            "pair": pair,
-            "special_tokens": specials,
-        },
+        "post_processor": post_processor,
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {
             "type": "BPE",
@@ -379,4 +189,274 @@ pub fn tokenizer_json(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result
         },
     });
     Ok(tokenizer.to_string())
+}
+
+/// The `tokenizer.ggml.*` arrays of a gpt2 (byte-level BPE) tokenizer, type-checked.
+struct Gpt2Meta<'m> {
+    tokens: &'m [String],
+    merges: &'m [String],
+    /// Empty when the file has no `token_type`; else one per token.
+    token_types: Vec<i64>,
+    pre: Option<&'m str>,
+}
+
+impl<'m> Gpt2Meta<'m> {
+    fn read(meta: &'m BTreeMap<String, GgufValue>, path: &Path) -> Result<Gpt2Meta<'m>> {
+        let err = |msg: String| Error::tokenizer(path, msg);
+        let model = match meta.get("tokenizer.ggml.model") {
+            None => return Err(err("missing metadata 'tokenizer.ggml.model'".into())),
+            Some(v) => v.as_str().ok_or_else(|| {
+                err(format!(
+                    "'tokenizer.ggml.model' must be a string, got {v:?}"
+                ))
+            })?,
+        };
+        if model != "gpt2" {
+            return Err(err(format!(
+                "tokenizer.ggml.model '{model}' is not supported (supported: gpt2, i.e. byte-level BPE)"
+            )));
+        }
+        let tokens = strings(meta, "tokenizer.ggml.tokens", path)?
+            .ok_or_else(|| err("missing metadata 'tokenizer.ggml.tokens'".into()))?;
+        let merges = strings(meta, "tokenizer.ggml.merges", path)?.ok_or_else(|| {
+            err("missing metadata 'tokenizer.ggml.merges' (a gpt2 tokenizer needs them)".into())
+        })?;
+        let token_types: Vec<i64> = match meta.get("tokenizer.ggml.token_type") {
+            None => Vec::new(),
+            Some(GgufValue::Array(a)) => {
+                let v = a.to_i64s().ok_or_else(|| {
+                    err(format!(
+                        "'tokenizer.ggml.token_type' must be integers, got {}",
+                        a.elem_type_name()
+                    ))
+                })?;
+                if v.len() != tokens.len() {
+                    return Err(err(format!(
+                        "'tokenizer.ggml.token_type' has {} entries for {} tokens",
+                        v.len(),
+                        tokens.len()
+                    )));
+                }
+                v
+            }
+            Some(v) => {
+                return Err(err(format!(
+                    "'tokenizer.ggml.token_type' must be an array, got {v:?}"
+                )))
+            }
+        };
+        let pre =
+            match meta.get("tokenizer.ggml.pre") {
+                None => None,
+                Some(v) => Some(v.as_str().ok_or_else(|| {
+                    err(format!("'tokenizer.ggml.pre' must be a string, got {v:?}"))
+                })?),
+            };
+        Ok(Gpt2Meta {
+            tokens,
+            merges,
+            token_types,
+            pre,
+        })
+    }
+}
+
+/// GPT-2's byte alphabet: which characters it has, and how to respell raw bytes into it.
+struct ByteAlphabet {
+    table: [char; 256],
+    has: [bool; 0x180],
+}
+
+impl ByteAlphabet {
+    fn new() -> ByteAlphabet {
+        let table = bytes_to_unicode();
+        let mut has = [false; 0x180];
+        for &c in &table {
+            has[c as usize] = true;
+        }
+        ByteAlphabet { table, has }
+    }
+
+    /// Whether every character of `t` is in the alphabet.
+    fn spells(&self, t: &str) -> bool {
+        t.chars()
+            .all(|c| (c as usize) < self.has.len() && self.has[c as usize])
+    }
+
+    /// `t` as is if it is spelled in the alphabet, else its UTF-8 bytes respelled.
+    fn respell(&self, t: &str) -> String {
+        if self.spells(t) {
+            t.to_string()
+        } else {
+            t.bytes().map(|b| self.table[b as usize]).collect()
+        }
+    }
+}
+
+/// The vocabulary, respelled into the byte alphabet where needed, as a map and as JSON. A
+/// later duplicate spelling wins, as in transformers' dict comprehension.
+fn vocabulary(
+    tokens: &[String],
+    alphabet: &ByteAlphabet,
+) -> (HashMap<String, u32>, Map<String, Value>) {
+    let mut vocab: HashMap<String, u32> = HashMap::with_capacity(tokens.len());
+    let mut vocab_json = Map::new();
+    for (id, t) in tokens.iter().enumerate() {
+        let key = alphabet.respell(t);
+        vocab.insert(key.clone(), id as u32);
+        vocab_json.insert(key, json!(id));
+    }
+    (vocab, vocab_json)
+}
+
+/// The merges as `[a, b]` pairs; each must be two tokens whose concatenation is a token too.
+fn merges(
+    merges: &[String],
+    vocab: &HashMap<String, u32>,
+    n_tokens: usize,
+    path: &Path,
+) -> Result<Vec<Value>> {
+    let err = |msg: String| Error::tokenizer(path, msg);
+    let mut merges_json = Vec::with_capacity(merges.len());
+    for (i, m) in merges.iter().enumerate() {
+        let mut parts = m.split(' ');
+        match (parts.next(), parts.next(), parts.next()) {
+            (Some(a), Some(b), None) if !a.is_empty() && !b.is_empty() => {
+                // The BPE model refuses a merge whose parts or result are not tokens; say
+                // which metadata entry, not where in the generated JSON.
+                for part in [a, b, &format!("{a}{b}")] {
+                    if !vocab.contains_key(part) {
+                        return Err(err(format!(
+                            "tokenizer.ggml.merges #{i} {m:?} uses {part:?}, which is not among the {n_tokens} entries of tokenizer.ggml.tokens"
+                        )));
+                    }
+                }
+                merges_json.push(json!([a, b]));
+            }
+            _ => {
+                return Err(err(format!(
+                    "merge #{i} {m:?} is not two tokens separated by one space"
+                )))
+            }
+        }
+    }
+    Ok(merges_json)
+}
+
+/// Added tokens, by id: control tokens spelled in the byte alphabet and user-defined tokens
+/// present in the vocabulary, then the bos/eos/unk/pad tokens.
+fn added_tokens(
+    meta: &BTreeMap<String, GgufValue>,
+    m: &Gpt2Meta<'_>,
+    vocab: &HashMap<String, u32>,
+    alphabet: &ByteAlphabet,
+    path: &Path,
+) -> Result<Vec<Value>> {
+    let n = m.tokens.len();
+    // id -> (content, special)
+    let mut added: BTreeMap<u32, (String, bool)> = BTreeMap::new();
+    for (t, &ty) in m.tokens.iter().zip(&m.token_types) {
+        if t.is_empty() {
+            continue; // an empty added token would match everywhere
+        }
+        let special = match ty {
+            TOKEN_TYPE_CONTROL if alphabet.spells(t) => true,
+            TOKEN_TYPE_USER_DEFINED if vocab.contains_key(t.as_str()) => false,
+            _ => continue,
+        };
+        if let Some(&id) = vocab.get(t.as_str()) {
+            added.entry(id).or_insert_with(|| (t.clone(), special));
+        }
+    }
+    for key in [
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.unknown_token_id",
+        "tokenizer.ggml.padding_token_id",
+    ] {
+        if let Some(id) = opt_id(meta, key, n, path)? {
+            let t = &m.tokens[id];
+            if t.is_empty() {
+                continue;
+            }
+            if let Some(&vid) = vocab.get(t.as_str()) {
+                added.entry(vid).or_insert_with(|| (t.clone(), true));
+            }
+        }
+    }
+    Ok(added
+        .iter()
+        .map(|(id, (content, special))| {
+            json!({
+                "id": id, "content": content, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": special,
+            })
+        })
+        .collect())
+}
+
+/// Byte-level pre-tokenizer, preceded by the split regex of `tokenizer.ggml.pre` when it
+/// names a known one.
+fn pre_tokenizer(pre: Option<&str>) -> Value {
+    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+    match pre.and_then(|p| PRE_TOKENIZER_SPLITS.iter().find(|(k, _)| *k == p)) {
+        Some((_, regex)) => json!({
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+                byte_level(false),
+            ],
+        }),
+        None => byte_level(true),
+    }
+}
+
+/// Template post-processor: BOS before / EOS after each sequence, as `add_bos_token` /
+/// `add_eos_token` ask.
+fn post_processor(
+    meta: &BTreeMap<String, GgufValue>,
+    tokens: &[String],
+    path: &Path,
+) -> Result<Value> {
+    let n = tokens.len();
+    let bos = opt_id(meta, "tokenizer.ggml.bos_token_id", n, path)?;
+    let eos = opt_id(meta, "tokenizer.ggml.eos_token_id", n, path)?;
+    let add_bos = opt_bool(meta, "tokenizer.ggml.add_bos_token", path)?.unwrap_or(false);
+    let add_eos = opt_bool(meta, "tokenizer.ggml.add_eos_token", path)?.unwrap_or(false);
+    let special_of = |add: bool, id: Option<usize>, what: &str| -> Result<Option<(String, u32)>> {
+        if !add {
+            return Ok(None);
+        }
+        let id = id.ok_or_else(|| {
+            Error::tokenizer(
+                path,
+                format!("tokenizer.ggml.add_{what}_token is true but there is no {what} token id"),
+            )
+        })?;
+        Ok(Some((tokens[id].clone(), id as u32)))
+    };
+    let bos_t = special_of(add_bos, bos, "bos")?;
+    let eos_t = special_of(add_eos, eos, "eos")?;
+    let mut single = Vec::new();
+    let mut pair = Vec::new();
+    for (seq, type_id, out) in [("A", 0, &mut single), ("B", 1, &mut pair)] {
+        if let Some((t, _)) = &bos_t {
+            out.push(json!({"SpecialToken": {"id": t, "type_id": type_id}}));
+        }
+        out.push(json!({"Sequence": {"id": seq, "type_id": type_id}}));
+        if let Some((t, _)) = &eos_t {
+            out.push(json!({"SpecialToken": {"id": t, "type_id": type_id}}));
+        }
+    }
+    let pair: Vec<Value> = single.iter().cloned().chain(pair).collect();
+    let mut specials = Map::new();
+    for (t, id) in bos_t.iter().chain(eos_t.iter()) {
+        specials.insert(t.clone(), json!({"id": t, "ids": [id], "tokens": [t]}));
+    }
+    Ok(json!({
+        "type": "TemplateProcessing",
+        "single": single,
+        "pair": pair,
+        "special_tokens": specials,
+    }))
 }

@@ -16,9 +16,10 @@
 
 use super::qdot::{self, Packed, QuantizedActs, GROUP};
 use super::simd::{load8, Elem};
+use crate::dequant::dequantize_into;
 use crate::dtype::DType;
 use crate::ops::simd::reduce8;
-use crate::weights::{dequantize_into, Tensor, TensorBytes};
+use crate::weights::{Tensor, TensorBytes};
 use half::{bf16, f16};
 use rayon::prelude::*;
 use std::sync::Arc;
