@@ -353,7 +353,7 @@ fn sample_text(
 #[test]
 fn greedy_completions_equal_sample_while_other_requests_run() {
     let srv = Server::start(&[]);
-    let cases: [(&str, usize, serde_json::Value, &[&str]); 3] = [
+    let cases: [(&str, usize, serde_json::Value, &[&str]); 4] = [
         ("The", 40, serde_json::json!({}), &[]),
         (
             "import os\n",
@@ -381,6 +381,28 @@ fn greedy_completions_equal_sample_while_other_requests_run() {
                 "16",
                 "--streaming-llm-positions",
                 "cache",
+            ],
+        ),
+        (
+            "def main():\n",
+            50,
+            serde_json::json!({"kv_quantize_k": "int4", "kv_quantize_v": "int2", "kv_residual": 8,
+                "kv_key_rope": "pre", "streaming_llm_sink": 4, "streaming_llm_window": 28, "kv_group_size": 8}),
+            &[
+                "--kv-quantize-k",
+                "int4",
+                "--kv-quantize-v",
+                "int2",
+                "--kv-residual",
+                "8",
+                "--kv-key-rope",
+                "pre",
+                "--streaming-llm-sink",
+                "4",
+                "--streaming-llm-window",
+                "28",
+                "--kv-group-size",
+                "8",
             ],
         ),
     ];
@@ -504,6 +526,22 @@ fn bad_requests_get_400_naming_the_field() {
         (
             serde_json::json!({"prompt": "x", "kv_quantize": "int3"}),
             "kv_quantize",
+        ),
+        (
+            serde_json::json!({"prompt": "x", "kv_quantize_k": "int5"}),
+            "kv_quantize_k",
+        ),
+        (
+            serde_json::json!({"prompt": "x", "kv_quantize_v": 4}),
+            "kv_quantize_v",
+        ),
+        (
+            serde_json::json!({"prompt": "x", "kv_residual": -1}),
+            "kv_residual",
+        ),
+        (
+            serde_json::json!({"prompt": "x", "kv_key_rope": "both"}),
+            "kv_key_rope",
         ),
         (
             serde_json::json!({"prompt": "x", "kv_group_size": 0}),

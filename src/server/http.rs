@@ -5,12 +5,13 @@
 //! the offending field (`param` in OpenAI's error object). Unknown fields are ignored, as
 //! OpenAI-compatible servers do. Extension fields: `top_k`, `ignore_eos`, and the cache
 //! settings `streaming_llm_sink`, `streaming_llm_window`, `streaming_llm_positions`,
-//! `kv_quantize`, `kv_group_size` (the `sample` flags' names with underscores; they
-//! override the server's defaults for this request).
+//! `kv_quantize`, `kv_quantize_k`, `kv_quantize_v`, `kv_group_size`, `kv_residual`,
+//! `kv_key_rope` (the `sample` flags' names with underscores; they override the server's
+//! defaults for this request).
 
 use super::scheduler::{Event, FinishReason, Job};
 use super::{Refusal, Shared};
-use crate::kv_cache::{KvConfig, PositionsMode, Precision};
+use crate::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
 use crate::sampler::SamplerConfig;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -326,12 +327,31 @@ fn gen_params(s: &Shared, o: &Map<String, Value>) -> ApiResult<GenParams> {
 fn request_kv(s: &Shared, o: &Map<String, Value>) -> ApiResult<KvConfig> {
     const MAX_ROWS: u64 = crate::kv_cache::MAX_CACHE_ROWS as u64;
     let mut kv = s.cfg.kv.clone();
-    if let Some(p) = get_str(o, "kv_quantize")? {
-        kv.precision = Precision::parse(p).ok_or_else(|| {
-            ApiError::bad(
-                "kv_quantize",
-                format!("'{p}' is not one of fp32, fp16, bf16, int8, int4"),
-            )
+    let precision = |field: &str| -> ApiResult<Option<Precision>> {
+        get_str(o, field)?
+            .map(|p| {
+                Precision::parse(p).ok_or_else(|| {
+                    let names: Vec<&str> = Precision::ALL.iter().map(|p| p.name()).collect();
+                    ApiError::bad(field, format!("'{p}' is not one of {}", names.join(", ")))
+                })
+            })
+            .transpose()
+    };
+    if let Some(p) = precision("kv_quantize")? {
+        kv.precision = p;
+    }
+    if let Some(p) = precision("kv_quantize_k")? {
+        kv.k_precision = Some(p);
+    }
+    if let Some(p) = precision("kv_quantize_v")? {
+        kv.v_precision = Some(p);
+    }
+    if let Some(r) = get_uint(o, "kv_residual", MAX_ROWS)? {
+        kv.residual = r as usize;
+    }
+    if let Some(k) = get_str(o, "kv_key_rope")? {
+        kv.key_rope = KeyRope::parse(k).ok_or_else(|| {
+            ApiError::bad("kv_key_rope", format!("'{k}' is not one of pre, post"))
         })?;
     }
     if let Some(g) = get_uint(o, "kv_group_size", crate::kv_cache::MAX_GROUP_SIZE as u64)? {

@@ -68,7 +68,7 @@ pub struct ServerConfig {
 /// through. Row values do not change byte counts.
 pub fn worst_case_kv_bytes(cfg: &Config, kv: &KvConfig, tokens: usize) -> usize {
     let rows = match kv.window {
-        Some(w) => tokens.min(2 * (kv.sink + w + kv.group_size.max(1)) + 4),
+        Some(w) => tokens.min(2 * (kv.sink + w + kv.group_size.max(1) + kv.residual) + 4),
         None => tokens,
     };
     let kv_dim = cfg.n_kv_heads * cfg.head_dim;
