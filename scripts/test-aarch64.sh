@@ -12,13 +12,30 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TARGET=aarch64-unknown-linux-gnu
-if ! rustup target list --installed | grep -qx "$TARGET"; then
-    rustup target add "$TARGET"
-fi
-if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user >/dev/null
+SUDO=""
+if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
+
+install_tools() {
+    if ! rustup target list --installed | grep -qx "$TARGET"; then
+        rustup target add "$TARGET" || return 1
+    fi
+    if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
+        export DEBIAN_FRONTEND=noninteractive
+        $SUDO apt-get update -qq || return 1
+        $SUDO apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user >/dev/null || return 1
+    fi
+}
+
+# With TINYGPT_AARCH64_OPTIONAL=1 (CI), a machine that cannot install the cross tools (no
+# rustup channel or apt mirror reachable) skips this step with a message instead of failing;
+# once the tools are there, a failing test still fails.
+if ! install_tools; then
+    if [ "${TINYGPT_AARCH64_OPTIONAL:-0}" = 1 ]; then
+        echo "aarch64 tests SKIPPED: could not install the $TARGET rustup target, aarch64-linux-gnu-gcc or qemu-user" >&2
+        exit 0
+    fi
+    echo "error: could not install the $TARGET rustup target, aarch64-linux-gnu-gcc or qemu-user" >&2
+    exit 1
 fi
 
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
