@@ -604,23 +604,33 @@ pub fn reference_model(
 ) -> Result<tinygpt_reference::Model> {
     use tinygpt_reference::ggml::GgmlType;
     use tinygpt_reference::model::{LayerWeights, Linear, Weights};
+    use tinygpt_reference::ndarray::Array2;
     let t = ModelTensors::collect(files)?;
-    let m = |t: &Tensor| -> Linear {
+    let matrix = |t: &Tensor, values: Vec<f32>| -> Result<Array2<f32>> {
+        let error = |msg: String| Error::tensor(&files.path, &t.name, msg);
+        match t.shape[..] {
+            [rows, cols] => {
+                Array2::from_shape_vec((rows, cols), values).map_err(|e| error(e.to_string()))
+            }
+            _ => Err(error(format!("shape {:?} is not a matrix", t.shape))),
+        }
+    };
+    let m = |t: &Tensor| -> Result<Linear> {
         let ggml = match t.dtype {
             DType::Q8_0 => Some(GgmlType::Q8_0),
             DType::Q4_0 => Some(GgmlType::Q4_0),
             DType::Q4_1 => Some(GgmlType::Q4_1),
             _ => None,
         };
-        match (wdtype, ggml) {
+        Ok(match (wdtype, ggml) {
             (WeightsDType::Native, Some(ty)) => Linear::Ggml {
                 ty,
                 cols: t.shape[1],
                 bytes: t.data.bytes().to_vec(),
             },
-            (WeightsDType::Bf16, _) => Linear::F32(t.converted(DType::BF16).to_f32()),
-            _ => Linear::F32(t.to_f32()),
-        }
+            (WeightsDType::Bf16, _) => Linear::F32(matrix(t, t.converted(DType::BF16).to_f32())?),
+            _ => Linear::F32(matrix(t, t.to_f32())?),
+        })
     };
     let embed_f32 = match wdtype {
         WeightsDType::Bf16 => t.embed.converted(DType::BF16).to_f32(),
@@ -629,32 +639,34 @@ pub fn reference_model(
     let layers = t
         .layers
         .iter()
-        .map(|l| LayerWeights {
-            attn_norm: l.attn_norm.to_f32(),
-            wq: m(l.wq),
-            wk: l.wk.map(m),
-            wv: l.wv.map(m),
-            wo: m(l.wo),
-            bq: l.bq.map(|b| b.to_f32()),
-            bk: l.bk.map(|b| b.to_f32()),
-            bv: l.bv.map(|b| b.to_f32()),
-            ffn_norm: l.ffn_norm.to_f32(),
-            w_gate: m(l.w_gate),
-            w_up: m(l.w_up),
-            w_down: m(l.w_down),
+        .map(|l| {
+            Ok(LayerWeights {
+                attn_norm: l.attn_norm.to_f32().into(),
+                wq: m(l.wq)?,
+                wk: l.wk.map(m).transpose()?,
+                wv: l.wv.map(m).transpose()?,
+                wo: m(l.wo)?,
+                bq: l.bq.map(|b| b.to_f32().into()),
+                bk: l.bk.map(|b| b.to_f32().into()),
+                bv: l.bv.map(|b| b.to_f32().into()),
+                ffn_norm: l.ffn_norm.to_f32().into(),
+                w_gate: m(l.w_gate)?,
+                w_up: m(l.w_up)?,
+                w_down: m(l.w_down)?,
+            })
         })
-        .collect();
+        .collect::<Result<Vec<_>>>()?;
     let weights = Weights {
         tied_head: match t.lm_head {
             None if t.embed.dtype.is_quantized() && wdtype == WeightsDType::Native => {
-                Some(m(t.embed))
+                Some(m(t.embed)?)
             }
             _ => None,
         },
-        embed: embed_f32,
+        embed: matrix(t.embed, embed_f32)?,
         layers,
-        norm: t.norm.to_f32(),
-        lm_head: t.lm_head.map(m),
+        norm: t.norm.to_f32().into(),
+        lm_head: t.lm_head.map(m).transpose()?,
     };
     Ok(tinygpt_reference::Model::new(files.config.clone(), weights))
 }
