@@ -7,7 +7,7 @@
 use crate::config::Config;
 use crate::kv_cache::{LayerCache, PositionsMode};
 use crate::rope::Rope;
-use ndarray::{Array1, Array3, ArrayView2, ArrayViewMut1, ArrayViewMut2, Axis};
+use ndarray::{Array1, Array3, ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Axis};
 
 /// Appends this token's K/V to `cache` and attends over what is stored afterwards.
 ///
@@ -118,30 +118,38 @@ pub fn attend_cached(
     let scale = 1.0 / (hd as f32).sqrt();
     for h in 0..cfg.n_heads {
         let kvh = h / cfg.group();
+        let qh = q.row(h);
         let mut scores = Array1::from_elem(n, f32::NEG_INFINITY);
         for i in 0..n {
             if !visible[i] {
                 continue;
             }
+            let kh = head_row(&keys, i, kvh);
             let mut dot = 0.0f32;
             for d in 0..hd {
-                dot += q[[h, d]] * keys[[i, kvh, d]];
+                dot += qh[d] * kh[d];
             }
             scores[i] = dot * scale;
         }
         softmax(scores.view_mut());
-        for d in 0..hd {
-            out[[h, d]] = 0.0;
-        }
+        let mut oh = out.row_mut(h);
+        oh.fill(0.0);
         for i in 0..n {
+            let vh = head_row(&values, i, kvh);
             for d in 0..hd {
-                out[[h, d]] += scores[i] * values[[i, kvh, d]];
+                oh[d] += scores[i] * vh[d];
             }
         }
         if let Some(p) = probs_out.as_deref_mut() {
             p.extend(scores.iter());
         }
     }
+}
+
+/// Head `head`'s `(head_dim)` row of token `t` in a `(tokens, heads, head_dim)` array:
+/// `a[[t, head, ..]]`.
+pub(crate) fn head_row(a: &Array3<f32>, t: usize, head: usize) -> ArrayView1<'_, f32> {
+    a.index_axis(Axis(0), t).index_axis_move(Axis(0), head)
 }
 
 /// Copies one cache row (`n_kv_heads · head_dim` values, heads concatenated) into its
@@ -171,5 +179,101 @@ pub fn softmax<'a>(x: impl Into<ArrayViewMut1<'a, f32>>) {
     }
     for v in x.iter_mut() {
         *v /= sum;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RopeScaling;
+    use crate::kv_cache::KvConfig;
+    use ndarray::{array, Array2};
+
+    fn config(sliding_window: Option<usize>) -> Config {
+        Config {
+            vocab_size: 8,
+            hidden_size: 16,
+            n_layers: 1,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 4,
+            intermediate_size: 8,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: RopeScaling::None,
+            max_position_embeddings: 64,
+            tie_word_embeddings: true,
+            sliding_window,
+            layer_types: vec![],
+            num_kv_shared_layers: 0,
+            attention_bias: false,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    /// Where only one stored key is visible its softmax weight is exactly 1, so each query
+    /// head returns its KV head's value row unchanged: heads 0, 1 read KV head 0 and heads
+    /// 2, 3 read KV head 1 (GQA). The second step runs under a sliding window of 1, which
+    /// hides the first token.
+    #[test]
+    fn one_visible_key_returns_each_heads_value_row() {
+        let cfg = config(Some(1));
+        let rope = Rope::new(&cfg);
+        let mut cache = LayerCache::new(&KvConfig::default(), 2, 4);
+        let q = Array2::from_shape_fn((4, 4), |(h, d)| (h + d) as f32 * 0.3 - 0.4);
+        let k = Array2::from_shape_fn((2, 4), |(h, d)| (4 * h + d) as f32 * 0.1 - 0.5);
+        let mut out = Array2::zeros((4, 4));
+        let mut probs = Vec::new();
+        for (pos, v) in [
+            array![[1.0f32, 2.0, 3.0, 4.0], [-1.0, -2.0, -3.0, -4.0]],
+            array![[0.5f32, 0.25, 8.0, -16.0], [7.0, 0.0, -0.125, 3.0]],
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let (q, k) = (q.view(), k.view());
+            attend_heads(
+                &cfg,
+                &rope,
+                &mut cache,
+                q,
+                k,
+                v.view(),
+                pos,
+                out.view_mut(),
+                Some(&mut probs),
+            );
+            let (v0, v1) = (v.row(0), v.row(1));
+            assert_eq!(out, ndarray::stack![Axis(0), v0, v0, v1, v1], "pos {pos}");
+            let want: &[f32] = if pos == 0 {
+                &[1.0; 4]
+            } else {
+                &[0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+            };
+            assert_eq!(probs, want, "pos {pos}: (n_heads, stored) weights");
+        }
+        // the slice form agrees
+        let mut flat = vec![0.0f32; 16];
+        let v = array![[1.0f32, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]];
+        let (q, k) = (
+            q.iter().copied().collect::<Vec<_>>(),
+            k.iter().copied().collect::<Vec<_>>(),
+        );
+        attend(
+            &cfg,
+            &rope,
+            &mut cache,
+            &q,
+            &k,
+            &v.iter().copied().collect::<Vec<_>>(),
+            2,
+            &mut flat,
+            None,
+        );
+        assert_eq!(
+            flat,
+            [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+        );
     }
 }

@@ -78,6 +78,11 @@ pub fn quantize_acts(x: &[f32]) -> QuantizedActs {
 
 /// Q8_0 row · quantised activations.
 pub fn dot_q8_0(row: &[u8], a: &QuantizedActs) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.d.len() * 34,
+        "one weight block per activation block"
+    );
     let mut acc = 0.0f32;
     for (blk, x) in row.chunks_exact(34).zip(a.blocks()) {
         let dw = f16_at(blk, 0);
@@ -102,6 +107,11 @@ fn nibble(qs: &[u8], i: usize) -> i32 {
 
 /// Q4_0 row · quantised activations.
 pub fn dot_q4_0(row: &[u8], a: &QuantizedActs) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.d.len() * 18,
+        "one weight block per activation block"
+    );
     let mut acc = 0.0f32;
     for (blk, x) in row.chunks_exact(18).zip(a.blocks()) {
         let dw = f16_at(blk, 0);
@@ -117,6 +127,11 @@ pub fn dot_q4_0(row: &[u8], a: &QuantizedActs) -> f32 {
 
 /// Q4_1 row · quantised activations.
 pub fn dot_q4_1(row: &[u8], a: &QuantizedActs) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.d.len() * 20,
+        "one weight block per activation block"
+    );
     let mut acc = 0.0f32;
     for (blk, x) in row.chunks_exact(20).zip(a.blocks()) {
         let dw = f16_at(blk, 0);

@@ -8,7 +8,7 @@
 //! already filled for the current token. A sliding layer's cache holds its last `window`
 //! tokens ([`Config::layer_kv_config`]).
 
-use crate::attention::{attend_cached, attend_heads, softmax};
+use crate::attention::{attend_cached, attend_heads, head_row, softmax};
 use crate::config::{AttentionType, Config};
 use crate::ggml::GgmlType;
 use crate::ggml_dot;
@@ -369,23 +369,27 @@ impl Model {
                 let mut att = Array2::<f32>::zeros((cfg.n_heads, hd));
                 for head in 0..cfg.n_heads {
                     let kvh = head / cfg.group();
+                    let q = head_row(&qs, pos, head);
                     let mut scores: Array1<f32> = (0..=pos)
                         .map(|j| {
                             let visible = window.is_none_or(|w| pos - j < w);
                             if !visible {
                                 return f32::NEG_INFINITY;
                             }
+                            let k = head_row(ks, j, kvh);
                             let mut d = 0.0f32;
                             for i in 0..hd {
-                                d += qs[[pos, head, i]] * ks[[j, kvh, i]];
+                                d += q[i] * k[i];
                             }
                             d / (hd as f32).sqrt()
                         })
                         .collect();
                     softmax(scores.view_mut());
+                    let mut out = att.row_mut(head);
                     for (j, p) in scores.iter().enumerate() {
+                        let v = head_row(vs, j, kvh);
                         for i in 0..hd {
-                            att[[head, i]] += p * vs[[j, kvh, i]];
+                            out[i] += p * v[i];
                         }
                     }
                 }
@@ -398,5 +402,48 @@ impl Model {
             }
         }
         xs.rows().into_iter().map(|x| self.logits(x)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::array;
+
+    /// The sum runs `i = 0, 1, …`: after `1e8` every `+1` rounds away (f32 values near
+    /// 1e8 are 8 apart), so this row sums to 0, where the exact sum is 62 and a blocked
+    /// order (`.dot()`, several accumulators) keeps some of the ones.
+    #[test]
+    fn matvec_sums_in_index_order() {
+        let mut row = vec![1.0f32; 64];
+        row[0] = 1e8;
+        row[63] = -1e8;
+        let w = Array2::from_shape_vec((1, 64), row).unwrap();
+        let x = Array1::from_elem(64, 1.0f32);
+        let mut out = Array1::zeros(1);
+        matvec_view(w.view(), x.view(), out.view_mut());
+        assert_eq!(out[0], 0.0);
+        // the slice form is the same function
+        let mut flat = [f32::NAN];
+        matvec(w.as_slice().unwrap(), x.as_slice().unwrap(), &mut flat);
+        assert_eq!(flat[0], 0.0);
+    }
+
+    /// A projection to heads fills `(heads, head_dim)` in row-major order: output feature
+    /// `o` is element `o % head_dim` of head `o / head_dim`.
+    #[test]
+    fn projection_to_heads_is_row_major() {
+        // row o = [o, 1], x = [1, 10]: out[o] = o + 10
+        let w = Array2::from_shape_fn((6, 2), |(o, i)| if i == 0 { o as f32 } else { 1.0 });
+        let x = array![1.0f32, 10.0];
+        let mut heads = Array2::zeros((3, 2));
+        Linear::F32(w).matvec(x.view(), heads.view_mut());
+        assert_eq!(heads, array![[10.0, 11.0], [12.0, 13.0], [14.0, 15.0]]);
+        let mut biased = heads.clone();
+        add_bias(
+            biased.view_mut(),
+            Some(&array![0.5, 0.0, 0.0, 0.0, 0.0, -0.5]),
+        );
+        assert_eq!(biased, array![[10.5, 11.0], [12.0, 13.0], [14.0, 14.5]]);
     }
 }
