@@ -684,57 +684,71 @@ pub fn reference_model(
     wdtype: WeightsDType,
 ) -> Result<tinygpt_reference::Model> {
     use tinygpt_reference::model::{LayerWeights, Linear, Weights};
-    let f32s = |t: &Tensor| -> Vec<f32> {
+    use tinygpt_reference::ndarray::Array2;
+    // The reference model is built with the reference's own dequantisers, so a bug in
+    // either side's block decoding shows up as a difference.
+    let f32s = |t: &Tensor| -> Result<Vec<f32>> {
         let mut out = vec![0.0f32; t.numel()];
         tinygpt_reference::ggml::dequantize_row(t.dtype, t.data.bytes(), &mut out)
-            .expect("tensor sizes were checked at load");
-        out
+            .map_err(|e| Error::tensor(&files.path, &t.name, e.to_string()))?;
+        Ok(out)
     };
     let t = ModelTensors::collect(files)?;
-    let m = |t: &Tensor| -> Linear {
-        match wdtype {
+    let matrix = |t: &Tensor, values: Vec<f32>| -> Result<Array2<f32>> {
+        let error = |msg: String| Error::tensor(&files.path, &t.name, msg);
+        match t.shape[..] {
+            [rows, cols] => {
+                Array2::from_shape_vec((rows, cols), values).map_err(|e| error(e.to_string()))
+            }
+            _ => Err(error(format!("shape {:?} is not a matrix", t.shape))),
+        }
+    };
+    let m = |t: &Tensor| -> Result<Linear> {
+        Ok(match wdtype {
             WeightsDType::Native if t.dtype.is_quantized() => Linear::Ggml {
                 ty: t.dtype,
                 cols: t.shape[1],
                 bytes: t.data.bytes().to_vec(),
             },
-            WeightsDType::Bf16 => Linear::F32(f32s(&t.converted(DType::BF16))),
-            _ => Linear::F32(f32s(t)),
-        }
+            WeightsDType::Bf16 => Linear::F32(matrix(t, f32s(&t.converted(DType::BF16))?)?),
+            _ => Linear::F32(matrix(t, f32s(t)?)?),
+        })
     };
     let embed_f32 = match wdtype {
-        WeightsDType::Bf16 => f32s(&t.embed.converted(DType::BF16)),
-        _ => f32s(t.embed),
+        WeightsDType::Bf16 => f32s(&t.embed.converted(DType::BF16))?,
+        _ => f32s(t.embed)?,
     };
     let layers = t
         .layers
         .iter()
-        .map(|l| LayerWeights {
-            attn_norm: f32s(l.attn_norm),
-            wq: m(l.wq),
-            wk: l.wk.map(m),
-            wv: l.wv.map(m),
-            wo: m(l.wo),
-            bq: l.bq.map(f32s),
-            bk: l.bk.map(f32s),
-            bv: l.bv.map(f32s),
-            ffn_norm: f32s(l.ffn_norm),
-            w_gate: m(l.w_gate),
-            w_up: m(l.w_up),
-            w_down: m(l.w_down),
+        .map(|l| {
+            Ok(LayerWeights {
+                attn_norm: f32s(l.attn_norm)?.into(),
+                wq: m(l.wq)?,
+                wk: l.wk.map(m).transpose()?,
+                wv: l.wv.map(m).transpose()?,
+                wo: m(l.wo)?,
+                bq: l.bq.map(f32s).transpose()?.map(Into::into),
+                bk: l.bk.map(f32s).transpose()?.map(Into::into),
+                bv: l.bv.map(f32s).transpose()?.map(Into::into),
+                ffn_norm: f32s(l.ffn_norm)?.into(),
+                w_gate: m(l.w_gate)?,
+                w_up: m(l.w_up)?,
+                w_down: m(l.w_down)?,
+            })
         })
-        .collect();
+        .collect::<Result<Vec<_>>>()?;
     let weights = Weights {
         tied_head: match t.lm_head {
             None if t.embed.dtype.is_quantized() && wdtype == WeightsDType::Native => {
-                Some(m(t.embed))
+                Some(m(t.embed)?)
             }
             _ => None,
         },
-        embed: embed_f32,
+        embed: matrix(t.embed, embed_f32)?,
         layers,
-        norm: f32s(t.norm),
-        lm_head: t.lm_head.map(m),
+        norm: f32s(t.norm)?.into(),
+        lm_head: t.lm_head.map(m).transpose()?,
     };
     Ok(tinygpt_reference::Model::new(files.config.clone(), weights))
 }

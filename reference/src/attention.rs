@@ -1,8 +1,13 @@
 //! One attention step for one layer and one token (the reference `attend`).
+//!
+//! Shapes: a query is `(n_heads, head_dim)`, a key or value `(n_kv_heads, head_dim)`, and
+//! what the cache holds, as attention reads it, `(stored, n_kv_heads, head_dim)`. Query head
+//! `h` reads key/value head `h / group` (GQA).
 
 use crate::config::Config;
 use crate::kv_cache::{LayerCache, PositionsMode};
 use crate::rope::Rope;
+use ndarray::{Array1, Array3, ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Axis};
 
 /// Appends this token's K/V to `cache` and attends over what is stored afterwards.
 ///
@@ -10,11 +15,37 @@ use crate::rope::Rope;
 /// * `pos`: the token's absolute position.
 /// * `out`: `(n_heads, head_dim)`, the attention output before `o_proj`.
 /// * `probs_out`: if given, receives each head's softmax weights over the stored rows,
-///   `(n_heads, stored)` (used by the sink report).
+///   `(n_heads, stored)` row-major (used by the sink report).
 ///
 /// RoPE placement follows the cache's positions mode (docs/design.md §3) and, in `original`
 /// mode, its `key_rope`: `post` stores keys rotated to their position; `pre` stores them
 /// unrotated and rotates each stored key by its stored absolute position here.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_heads(
+    cfg: &Config,
+    rope: &Rope,
+    cache: &mut LayerCache,
+    q: ArrayView2<f32>,
+    k: ArrayView2<f32>,
+    v: ArrayView2<f32>,
+    pos: usize,
+    out: ArrayViewMut2<f32>,
+    probs_out: Option<&mut Vec<f32>>,
+) {
+    let mut k = k.to_owned();
+    if !cache.config().keys_pre_rope() {
+        rope.rotate_rows(k.view_mut(), pos);
+    }
+    // The cache stores rows flat, `n_kv_heads · head_dim` values in row-major order.
+    cache.append(&k.flatten().to_vec(), &v.flatten().to_vec(), pos);
+    attend_cached(cfg, rope, cache, q, pos, out, probs_out);
+}
+
+/// [`attend_heads`] for callers that hold flat slices: `q` and `out` are
+/// `n_heads · head_dim` values, `k` and `v` `n_kv_heads · head_dim`, heads concatenated.
+///
+/// # Panics
+/// If a slice's length does not match the config.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     cfg: &Config,
@@ -27,51 +58,52 @@ pub fn attend(
     out: &mut [f32],
     probs_out: Option<&mut Vec<f32>>,
 ) {
-    let pre_rope = cache.config().keys_pre_rope();
-    let mut k = k.to_vec();
-    if !pre_rope {
-        rope.rotate_heads(&mut k, pos);
-    }
-    cache.append(&k, v, pos);
-    attend_cached(cfg, rope, cache, q, pos, out, probs_out);
+    let (q_heads, kv_heads) = ((cfg.n_heads, cfg.head_dim), (cfg.n_kv_heads, cfg.head_dim));
+    let q = ArrayView2::from_shape(q_heads, q).expect("q is (n_heads, head_dim)");
+    let k = ArrayView2::from_shape(kv_heads, k).expect("k is (n_kv_heads, head_dim)");
+    let v = ArrayView2::from_shape(kv_heads, v).expect("v is (n_kv_heads, head_dim)");
+    let out = ArrayViewMut2::from_shape(q_heads, out).expect("out is (n_heads, head_dim)");
+    attend_heads(cfg, rope, cache, q, k, v, pos, out, probs_out);
 }
 
-/// The second half of [`attend`]: the query of the token at absolute position `pos`
-/// attends over what `cache` stores, without appending. A YOCO shared layer calls this
-/// alone, on the cache of the layer it reads.
+/// The second half of [`attend_heads`]: the query `(n_heads, head_dim)` of the token at
+/// absolute position `pos` attends over what `cache` stores, without appending, into
+/// `out`, `(n_heads, head_dim)`. A YOCO shared layer calls this alone, on the cache of the
+/// layer it reads.
 pub fn attend_cached(
     cfg: &Config,
     rope: &Rope,
     cache: &LayerCache,
-    q: &[f32],
+    q: ArrayView2<f32>,
     pos: usize,
-    out: &mut [f32],
+    mut out: ArrayViewMut2<f32>,
     mut probs_out: Option<&mut Vec<f32>>,
 ) {
     let hd = cfg.head_dim;
     let mode = cache.config().positions;
     let pre_rope = cache.config().keys_pre_rope();
     let n = cache.len();
-    let mut q = q.to_vec();
+    let mut q = q.to_owned();
     let q_pos = match mode {
         PositionsMode::Original => pos,
         PositionsMode::Cache => n - 1,
     };
-    rope.rotate_heads(&mut q, q_pos);
+    rope.rotate_rows(q.view_mut(), q_pos);
 
-    // Keys as attention sees them: rotated by slot in cache mode, by their stored
-    // position for pre-RoPE keys in original mode.
-    let mut keys: Vec<Vec<f32>> = Vec::with_capacity(n);
+    // Keys as attention sees them, `(stored, n_kv_heads, head_dim)`: rotated by slot in
+    // cache mode, by their stored position for pre-RoPE keys in original mode.
+    let mut keys = Array3::<f32>::zeros((n, cfg.n_kv_heads, hd));
+    let mut values = Array3::<f32>::zeros((n, cfg.n_kv_heads, hd));
     for i in 0..n {
-        let mut key = cache.key(i);
+        let mut key = keys.index_axis_mut(Axis(0), i);
+        copy_row(&cache.key(i), key.view_mut());
         match mode {
-            PositionsMode::Cache => rope.rotate_heads(&mut key, i),
-            PositionsMode::Original if pre_rope => rope.rotate_heads(&mut key, cache.position(i)),
+            PositionsMode::Cache => rope.rotate_rows(key, i),
+            PositionsMode::Original if pre_rope => rope.rotate_rows(key, cache.position(i)),
             PositionsMode::Original => {}
         }
-        keys.push(key);
+        copy_row(&cache.value(i), values.index_axis_mut(Axis(0), i));
     }
-    let values: Vec<Vec<f32>> = (0..n).map(|i| cache.value(i)).collect();
     // Mistral sliding window: a key is visible if pos - key_pos < sliding_window.
     let visible: Vec<bool> = (0..n)
         .map(|i| match cfg.sliding_window {
@@ -86,36 +118,59 @@ pub fn attend_cached(
     let scale = 1.0 / (hd as f32).sqrt();
     for h in 0..cfg.n_heads {
         let kvh = h / cfg.group();
-        let qh = &q[h * hd..(h + 1) * hd];
-        let mut scores = vec![f32::NEG_INFINITY; n];
+        let qh = q.row(h);
+        let mut scores = Array1::from_elem(n, f32::NEG_INFINITY);
         for i in 0..n {
             if !visible[i] {
                 continue;
             }
-            let kh = &keys[i][kvh * hd..(kvh + 1) * hd];
+            let kh = head_row(&keys, i, kvh);
             let mut dot = 0.0f32;
             for d in 0..hd {
                 dot += qh[d] * kh[d];
             }
             scores[i] = dot * scale;
         }
-        softmax(&mut scores);
-        let oh = &mut out[h * hd..(h + 1) * hd];
-        oh.iter_mut().for_each(|x| *x = 0.0);
+        softmax(scores.view_mut());
+        let mut oh = out.row_mut(h);
+        oh.fill(0.0);
         for i in 0..n {
-            let vh = &values[i][kvh * hd..(kvh + 1) * hd];
+            let vh = head_row(&values, i, kvh);
             for d in 0..hd {
                 oh[d] += scores[i] * vh[d];
             }
         }
         if let Some(p) = probs_out.as_deref_mut() {
-            p.extend_from_slice(&scores);
+            p.extend(scores.iter());
         }
     }
 }
 
+/// Head `head`'s `(head_dim)` row of token `t` in a `(tokens, heads, head_dim)` array:
+/// `a[[t, head, ..]]`.
+pub(crate) fn head_row(a: &Array3<f32>, t: usize, head: usize) -> ArrayView1<'_, f32> {
+    a.index_axis(Axis(0), t).index_axis_move(Axis(0), head)
+}
+
+/// Copies one cache row (`n_kv_heads · head_dim` values, heads concatenated) into its
+/// `(n_kv_heads, head_dim)` place.
+fn copy_row(row: &[f32], mut dst: ArrayViewMut2<f32>) {
+    assert_eq!(
+        row.len(),
+        dst.len(),
+        "a cache row is (n_kv_heads, head_dim)"
+    );
+    for (d, &r) in dst.iter_mut().zip(row) {
+        *d = r;
+    }
+}
+
 /// In-place softmax with max subtraction; entries of `-inf` get weight 0.
-pub fn softmax(x: &mut [f32]) {
+///
+/// Takes anything that views as a mutable 1-D array (`&mut Vec<f32>`, `&mut [f32]`, an
+/// [`ArrayViewMut1`]).
+pub fn softmax<'a>(x: impl Into<ArrayViewMut1<'a, f32>>) {
+    let mut x = x.into();
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f32;
     for v in x.iter_mut() {
@@ -124,5 +179,101 @@ pub fn softmax(x: &mut [f32]) {
     }
     for v in x.iter_mut() {
         *v /= sum;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RopeScaling;
+    use crate::kv_cache::KvConfig;
+    use ndarray::{array, Array2};
+
+    fn config(sliding_window: Option<usize>) -> Config {
+        Config {
+            vocab_size: 8,
+            hidden_size: 16,
+            n_layers: 1,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 4,
+            intermediate_size: 8,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: RopeScaling::None,
+            max_position_embeddings: 64,
+            tie_word_embeddings: true,
+            sliding_window,
+            layer_types: vec![],
+            num_kv_shared_layers: 0,
+            attention_bias: false,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    /// Where only one stored key is visible its softmax weight is exactly 1, so each query
+    /// head returns its KV head's value row unchanged: heads 0, 1 read KV head 0 and heads
+    /// 2, 3 read KV head 1 (GQA). The second step runs under a sliding window of 1, which
+    /// hides the first token.
+    #[test]
+    fn one_visible_key_returns_each_heads_value_row() {
+        let cfg = config(Some(1));
+        let rope = Rope::new(&cfg);
+        let mut cache = LayerCache::new(&KvConfig::default(), 2, 4);
+        let q = Array2::from_shape_fn((4, 4), |(h, d)| (h + d) as f32 * 0.3 - 0.4);
+        let k = Array2::from_shape_fn((2, 4), |(h, d)| (4 * h + d) as f32 * 0.1 - 0.5);
+        let mut out = Array2::zeros((4, 4));
+        let mut probs = Vec::new();
+        for (pos, v) in [
+            array![[1.0f32, 2.0, 3.0, 4.0], [-1.0, -2.0, -3.0, -4.0]],
+            array![[0.5f32, 0.25, 8.0, -16.0], [7.0, 0.0, -0.125, 3.0]],
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let (q, k) = (q.view(), k.view());
+            attend_heads(
+                &cfg,
+                &rope,
+                &mut cache,
+                q,
+                k,
+                v.view(),
+                pos,
+                out.view_mut(),
+                Some(&mut probs),
+            );
+            let (v0, v1) = (v.row(0), v.row(1));
+            assert_eq!(out, ndarray::stack![Axis(0), v0, v0, v1, v1], "pos {pos}");
+            let want: &[f32] = if pos == 0 {
+                &[1.0; 4]
+            } else {
+                &[0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+            };
+            assert_eq!(probs, want, "pos {pos}: (n_heads, stored) weights");
+        }
+        // the slice form agrees
+        let mut flat = vec![0.0f32; 16];
+        let v = array![[1.0f32, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]];
+        let (q, k) = (
+            q.iter().copied().collect::<Vec<_>>(),
+            k.iter().copied().collect::<Vec<_>>(),
+        );
+        attend(
+            &cfg,
+            &rope,
+            &mut cache,
+            &q,
+            &k,
+            &v.iter().copied().collect::<Vec<_>>(),
+            2,
+            &mut flat,
+            None,
+        );
+        assert_eq!(
+            flat,
+            [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+        );
     }
 }

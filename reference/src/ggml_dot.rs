@@ -32,6 +32,26 @@ pub struct QuantizedActs {
     pub q: Vec<i8>,
 }
 
+/// One block of [`QuantizedActs`].
+pub struct ActBlock<'a> {
+    /// `d_x`
+    pub d: f32,
+    /// `d_x · Σ q_x`
+    pub s: f32,
+    /// The block's [`QK`] codes.
+    pub q: &'a [i8],
+}
+
+impl QuantizedActs {
+    /// The blocks in order.
+    pub fn blocks(&self) -> impl Iterator<Item = ActBlock<'_>> {
+        self.q
+            .chunks_exact(QK)
+            .zip(self.d.iter().zip(&self.s))
+            .map(|(q, (&d, &s))| ActBlock { d, s, q })
+    }
+}
+
 /// Quantises `x` (length a multiple of 32) block by block.
 pub fn quantize_acts(x: &[f32]) -> QuantizedActs {
     assert_eq!(x.len() % QK, 0);
@@ -58,14 +78,19 @@ pub fn quantize_acts(x: &[f32]) -> QuantizedActs {
 
 /// Q8_0 row · quantised activations.
 pub fn dot_q8_0(row: &[u8], a: &QuantizedActs) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.d.len() * 34,
+        "one weight block per activation block"
+    );
     let mut acc = 0.0f32;
-    for (b, blk) in row.chunks_exact(34).enumerate() {
+    for (blk, x) in row.chunks_exact(34).zip(a.blocks()) {
         let dw = f16_at(blk, 0);
         let mut isum = 0i32;
         for i in 0..QK {
-            isum += (blk[2 + i] as i8) as i32 * a.q[b * QK + i] as i32;
+            isum += (blk[2 + i] as i8) as i32 * x.q[i] as i32;
         }
-        acc += isum as f32 * (dw * a.d[b]);
+        acc += isum as f32 * (dw * x.d);
     }
     acc
 }
@@ -82,31 +107,41 @@ fn nibble(qs: &[u8], i: usize) -> i32 {
 
 /// Q4_0 row · quantised activations.
 pub fn dot_q4_0(row: &[u8], a: &QuantizedActs) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.d.len() * 18,
+        "one weight block per activation block"
+    );
     let mut acc = 0.0f32;
-    for (b, blk) in row.chunks_exact(18).enumerate() {
+    for (blk, x) in row.chunks_exact(18).zip(a.blocks()) {
         let dw = f16_at(blk, 0);
         let qs = &blk[2..18];
         let mut isum = 0i32;
         for i in 0..QK {
-            isum += (nibble(qs, i) - 8) * a.q[b * QK + i] as i32;
+            isum += (nibble(qs, i) - 8) * x.q[i] as i32;
         }
-        acc += isum as f32 * (dw * a.d[b]);
+        acc += isum as f32 * (dw * x.d);
     }
     acc
 }
 
 /// Q4_1 row · quantised activations.
 pub fn dot_q4_1(row: &[u8], a: &QuantizedActs) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.d.len() * 20,
+        "one weight block per activation block"
+    );
     let mut acc = 0.0f32;
-    for (b, blk) in row.chunks_exact(20).enumerate() {
+    for (blk, x) in row.chunks_exact(20).zip(a.blocks()) {
         let dw = f16_at(blk, 0);
         let mw = f16_at(blk, 2);
         let qs = &blk[4..20];
         let mut isum = 0i32;
         for i in 0..QK {
-            isum += nibble(qs, i) * a.q[b * QK + i] as i32;
+            isum += nibble(qs, i) * x.q[i] as i32;
         }
-        acc += isum as f32 * (dw * a.d[b]) + mw * a.s[b];
+        acc += isum as f32 * (dw * x.d) + mw * x.s;
     }
     acc
 }

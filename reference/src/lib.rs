@@ -6,7 +6,19 @@
 //!
 //! Pipeline: [`config`] → [`model`] (forward) → [`attention`] → [`kv_cache`] (policy and
 //! storage) → [`rope`].
+//!
+//! Tensors are [`ndarray`] arrays with their shapes in the types: weight matrices
+//! `Array2<f32>` `(out_features, in_features)`, per-head query/key/value `(heads, head_dim)`,
+//! a sequence's keys `(tokens, kv_heads, head_dim)`, indexed as `w[[o, i]]` rather than
+//! `w[o * cols + i]`. Every sum is still an explicit loop in a fixed order (never `.dot()`),
+//! so the engine's differential tests compare against it bit for bit. Byte formats
+//! ([`ggml`], [`ggml_dot`]) and the cache's storage ([`kv_cache`], [`quant`]) stay on byte
+//! and code slices, which is what they describe.
 #![forbid(unsafe_code)]
+
+/// The array crate the reference's tensors are held in, re-exported so that code building
+/// [`model::Weights`] names the same version.
+pub use ndarray;
 
 pub mod attention;
 pub mod config;

@@ -8,20 +8,24 @@
 //! already filled for the current token. A sliding layer's cache holds its last `window`
 //! tokens ([`Config::layer_kv_config`]).
 
-use crate::attention::{attend, attend_cached};
+use crate::attention::{attend_cached, attend_heads, head_row, softmax};
 use crate::config::{AttentionType, Config};
 use crate::ggml::GgmlType;
 use crate::ggml_dot;
 use crate::kv_cache::{KvConfig, LayerCache};
 use crate::rope::Rope;
+use ndarray::{
+    Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayViewMut, ArrayViewMut1, Axis, Dimension,
+};
 
-/// A weight matrix, row-major `(rows, cols)`.
+/// A weight matrix `(out_features, in_features)`.
 #[derive(Debug, Clone)]
 pub enum Linear {
     /// Plain f32 values.
-    F32(Vec<f32>),
-    /// GGML blocks kept as stored (Q8_0, Q4_0, Q4_1): multiplied through
-    /// [`ggml_dot`] with 8-bit activations, as the engine's native path does.
+    F32(Array2<f32>),
+    /// GGML blocks kept as stored (Q8_0, Q4_0, Q4_1), `cols / 32` blocks per row, rows
+    /// one after another: multiplied through [`ggml_dot`] with 8-bit activations, as the
+    /// engine's native path does.
     Ggml {
         ty: GgmlType,
         cols: usize,
@@ -30,16 +34,18 @@ pub enum Linear {
 }
 
 impl Linear {
-    /// `out = self · x`.
-    pub fn matvec(&self, x: &[f32], out: &mut [f32]) {
+    /// `out = self · x`. `out` holds the `out_features` results in row-major order, in
+    /// whatever shape the caller reads them: `(hidden)`, or `(heads, head_dim)` for a
+    /// projection to heads.
+    pub fn matvec<D: Dimension>(&self, x: ArrayView1<f32>, out: ArrayViewMut<f32, D>) {
         match self {
-            Linear::F32(w) => matvec(w, x, out),
+            Linear::F32(w) => matvec_view(w.view(), x, out),
             Linear::Ggml { ty, cols, bytes } => {
                 assert_eq!(x.len(), *cols);
                 let row_bytes = cols / ty.block_len() * ty.block_bytes();
-                let acts = ggml_dot::quantize_acts(x);
-                for (r, o) in out.iter_mut().enumerate() {
-                    let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
+                assert_eq!(bytes.len(), out.len() * row_bytes);
+                let acts = ggml_dot::quantize_acts(&x.to_vec());
+                for (row, o) in bytes.chunks_exact(row_bytes).zip(out) {
                     *o = match ty {
                         GgmlType::Q8_0 => ggml_dot::dot_q8_0(row, &acts),
                         GgmlType::Q4_0 => ggml_dot::dot_q4_0(row, &acts),
@@ -52,11 +58,11 @@ impl Linear {
     }
 }
 
-/// One decoder layer's weights, row-major `(out_features, in_features)` as in HF files.
+/// One decoder layer's weights, matrices `(out_features, in_features)` as in HF files.
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
     /// (hidden)
-    pub attn_norm: Vec<f32>,
+    pub attn_norm: Array1<f32>,
     /// (q_dim, hidden)
     pub wq: Linear,
     /// (kv_dim, hidden); `None` in a YOCO shared layer
@@ -66,11 +72,11 @@ pub struct LayerWeights {
     /// (hidden, q_dim)
     pub wo: Linear,
     /// Qwen2-style projection biases: (q_dim), (kv_dim), (kv_dim).
-    pub bq: Option<Vec<f32>>,
-    pub bk: Option<Vec<f32>>,
-    pub bv: Option<Vec<f32>>,
+    pub bq: Option<Array1<f32>>,
+    pub bk: Option<Array1<f32>>,
+    pub bv: Option<Array1<f32>>,
     /// (hidden)
-    pub ffn_norm: Vec<f32>,
+    pub ffn_norm: Array1<f32>,
     /// (intermediate, hidden)
     pub w_gate: Linear,
     /// (intermediate, hidden)
@@ -83,10 +89,10 @@ pub struct LayerWeights {
 #[derive(Debug, Clone)]
 pub struct Weights {
     /// (vocab, hidden)
-    pub embed: Vec<f32>,
+    pub embed: Array2<f32>,
     pub layers: Vec<LayerWeights>,
     /// (hidden)
-    pub norm: Vec<f32>,
+    pub norm: Array1<f32>,
     /// (vocab, hidden); `None` when tied to `embed`.
     pub lm_head: Option<Linear>,
     /// The embedding as a matrix for the tied LM head (the file's own blocks when
@@ -108,7 +114,8 @@ pub struct Model {
 pub struct State {
     pub caches: Vec<LayerCache>,
     /// When set, the last step's attention weights per layer (all `n_layers`; a shared
-    /// layer's weights are over the rows of the cache it reads), `(n_heads, stored)`.
+    /// layer's weights are over the rows of the cache it reads), `(n_heads, stored)`
+    /// row-major.
     pub record_probs: bool,
     pub probs: Vec<Vec<f32>>,
 }
@@ -125,24 +132,48 @@ impl State {
     }
 }
 
-/// `out[r] = Σ_c w[r, c] · x[c]` for a row-major `(rows, x.len())` matrix.
-pub fn matvec(w: &[f32], x: &[f32], out: &mut [f32]) {
-    let cols = x.len();
-    assert_eq!(w.len(), out.len() * cols);
-    for (r, o) in out.iter_mut().enumerate() {
-        let row = &w[r * cols..(r + 1) * cols];
+/// `out[o] = Σ_i w[o, i] · x[i]`, summed in the order `i = 0, 1, …` (not `.dot()`, whose
+/// order is the BLAS kernel's). `out` is any shape holding the `out_features` results in
+/// row-major order.
+pub fn matvec_view<D: Dimension>(
+    w: ArrayView2<f32>,
+    x: ArrayView1<f32>,
+    out: ArrayViewMut<f32, D>,
+) {
+    let (rows, cols) = w.dim();
+    assert_eq!((out.len(), x.len()), (rows, cols), "matvec shapes");
+    for (o, out_o) in out.into_iter().enumerate() {
         let mut acc = 0.0f32;
-        for c in 0..cols {
-            acc += row[c] * x[c];
+        for i in 0..cols {
+            acc += w[[o, i]] * x[i];
         }
-        *o = acc;
+        *out_o = acc;
     }
 }
 
+/// [`matvec_view`] for callers that hold flat slices: `w` is row-major
+/// `(out.len(), x.len())`.
+///
+/// # Panics
+/// If `w.len() != out.len() · x.len()`.
+pub fn matvec(w: &[f32], x: &[f32], out: &mut [f32]) {
+    let w = ArrayView2::from_shape((out.len(), x.len()), w).expect("w is (out.len(), x.len())");
+    matvec_view(w, ArrayView1::from(x), out.into());
+}
+
 /// RMSNorm: `out = x / sqrt(mean(x²) + eps) · weight`.
-pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+///
+/// Vectors are anything that views as a 1-D array (`&Vec<f32>`, `&[f32]`, an
+/// [`ArrayView1`] / `ArrayViewMut1`).
+pub fn rmsnorm<'x, 'w, 'o>(
+    x: impl Into<ArrayView1<'x, f32>>,
+    weight: impl Into<ArrayView1<'w, f32>>,
+    eps: f32,
+    out: impl Into<ArrayViewMut1<'o, f32>>,
+) {
+    let (x, weight, mut out) = (x.into(), weight.into(), out.into());
     let mut ss = 0.0f32;
-    for v in x {
+    for v in x.iter() {
         ss += v * v;
     }
     let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
@@ -156,10 +187,58 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
+/// `x += b` element by element, `b` flat over `x`'s row-major order (a projection's bias
+/// over its `(heads, head_dim)` output).
+fn add_bias<D: Dimension>(x: ArrayViewMut<f32, D>, b: Option<&Array1<f32>>) {
+    if let Some(b) = b {
+        assert_eq!(x.len(), b.len());
+        for (xi, bi) in x.into_iter().zip(b) {
+            *xi += bi;
+        }
+    }
+}
+
+/// The SwiGLU feed-forward: `gate = silu(gate(h)) · up(h)`, `out = down(gate)`.
+struct Mlp {
+    gate: Array1<f32>,
+    up: Array1<f32>,
+}
+
+impl Mlp {
+    fn new(cfg: &Config) -> Self {
+        Mlp {
+            gate: Array1::zeros(cfg.intermediate_size),
+            up: Array1::zeros(cfg.intermediate_size),
+        }
+    }
+
+    fn run(&mut self, lw: &LayerWeights, h: ArrayView1<f32>, out: ArrayViewMut1<f32>) {
+        lw.w_gate.matvec(h, self.gate.view_mut());
+        lw.w_up.matvec(h, self.up.view_mut());
+        for (g, u) in self.gate.iter_mut().zip(&self.up) {
+            *g = silu(*g) * u;
+        }
+        lw.w_down.matvec(self.gate.view(), out);
+    }
+}
+
 impl Model {
     pub fn new(cfg: Config, weights: Weights) -> Self {
         let rope = Rope::new(&cfg);
         Model { cfg, weights, rope }
+    }
+
+    /// The final norm and LM head: logits `(vocab)` of the last hidden state `x`.
+    fn logits(&self, x: ArrayView1<f32>) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let mut h = Array1::zeros(cfg.hidden_size);
+        rmsnorm(x, &self.weights.norm, cfg.rms_norm_eps, &mut h);
+        let mut logits = Array1::zeros(cfg.vocab_size);
+        match (&self.weights.lm_head, &self.weights.tied_head) {
+            (Some(head), _) | (None, Some(head)) => head.matvec(h.view(), logits.view_mut()),
+            (None, None) => matvec_view(self.weights.embed.view(), h.view(), logits.view_mut()),
+        }
+        logits.to_vec()
     }
 
     /// Runs one token at absolute position `pos` and returns the logits over the vocabulary.
@@ -168,21 +247,19 @@ impl Model {
         let (hidden, hd) = (cfg.hidden_size, cfg.head_dim);
         let t = token as usize;
         assert!(t < cfg.vocab_size, "token id {t} out of range");
-        let mut x = self.weights.embed[t * hidden..(t + 1) * hidden].to_vec();
-        let mut h = vec![0.0f32; hidden];
-        let mut q = vec![0.0f32; cfg.q_dim()];
-        let mut k = vec![0.0f32; cfg.kv_dim()];
-        let mut v = vec![0.0f32; cfg.kv_dim()];
-        let mut att = vec![0.0f32; cfg.q_dim()];
-        let mut proj = vec![0.0f32; hidden];
-        let mut gate = vec![0.0f32; cfg.intermediate_size];
-        let mut up = vec![0.0f32; cfg.intermediate_size];
-        let _ = hd;
+        let mut x: Array1<f32> = self.weights.embed.row(t).to_owned();
+        let mut h = Array1::<f32>::zeros(hidden);
+        let mut q = Array2::<f32>::zeros((cfg.n_heads, hd));
+        let mut k = Array2::<f32>::zeros((cfg.n_kv_heads, hd));
+        let mut v = Array2::<f32>::zeros((cfg.n_kv_heads, hd));
+        let mut att = Array2::<f32>::zeros((cfg.n_heads, hd));
+        let mut proj = Array1::<f32>::zeros(hidden);
+        let mut mlp = Mlp::new(cfg);
 
         for (l, lw) in self.weights.layers.iter().enumerate() {
             rmsnorm(&x, &lw.attn_norm, cfg.rms_norm_eps, &mut h);
-            lw.wq.matvec(&h, &mut q);
-            add_bias(&mut q, lw.bq.as_deref());
+            lw.wq.matvec(h.view(), q.view_mut());
+            add_bias(q.view_mut(), lw.bq.as_ref());
             let probs = if state.record_probs {
                 Some(&mut state.probs[l])
             } else {
@@ -191,20 +268,20 @@ impl Model {
             if l < cfg.layers_with_kv() {
                 let (wk, wv) = (lw.wk.as_ref(), lw.wv.as_ref());
                 wk.expect("a layer that holds K/V has k_proj")
-                    .matvec(&h, &mut k);
+                    .matvec(h.view(), k.view_mut());
                 wv.expect("a layer that holds K/V has v_proj")
-                    .matvec(&h, &mut v);
-                add_bias(&mut k, lw.bk.as_deref());
-                add_bias(&mut v, lw.bv.as_deref());
-                attend(
+                    .matvec(h.view(), v.view_mut());
+                add_bias(k.view_mut(), lw.bk.as_ref());
+                add_bias(v.view_mut(), lw.bv.as_ref());
+                attend_heads(
                     cfg,
                     &self.rope,
                     &mut state.caches[l],
-                    &q,
-                    &k,
-                    &v,
+                    q.view(),
+                    k.view(),
+                    v.view(),
                     pos,
-                    &mut att,
+                    att.view_mut(),
                     probs,
                 );
             } else {
@@ -213,47 +290,22 @@ impl Model {
                     cfg,
                     &self.rope,
                     &state.caches[src],
-                    &q,
+                    q.view(),
                     pos,
-                    &mut att,
+                    att.view_mut(),
                     probs,
                 );
             }
-            lw.wo.matvec(&att, &mut proj);
-            for i in 0..hidden {
-                x[i] += proj[i];
-            }
+            lw.wo.matvec(att.flatten().view(), proj.view_mut());
+            x += &proj;
 
             rmsnorm(&x, &lw.ffn_norm, cfg.rms_norm_eps, &mut h);
-            lw.w_gate.matvec(&h, &mut gate);
-            lw.w_up.matvec(&h, &mut up);
-            for i in 0..gate.len() {
-                gate[i] = silu(gate[i]) * up[i];
-            }
-            lw.w_down.matvec(&gate, &mut proj);
-            for i in 0..hidden {
-                x[i] += proj[i];
-            }
+            mlp.run(lw, h.view(), proj.view_mut());
+            x += &proj;
         }
-        rmsnorm(&x, &self.weights.norm, cfg.rms_norm_eps, &mut h);
-        let mut logits = vec![0.0f32; cfg.vocab_size];
-        match (&self.weights.lm_head, &self.weights.tied_head) {
-            (Some(head), _) | (None, Some(head)) => head.matvec(&h, &mut logits),
-            (None, None) => matvec(&self.weights.embed, &h, &mut logits),
-        }
-        logits
+        self.logits(x.view())
     }
-}
 
-fn add_bias(x: &mut [f32], b: Option<&[f32]>) {
-    if let Some(b) = b {
-        for (xi, bi) in x.iter_mut().zip(b) {
-            *xi += bi;
-        }
-    }
-}
-
-impl Model {
     /// Full-sequence causal forward without any KV cache: every layer that holds K/V
     /// computes K and V for all positions (a shared layer uses its source layer's), then
     /// each position attends to positions `≤` itself (and, in a sliding layer or under
@@ -263,36 +315,43 @@ impl Model {
     pub fn forward_sequence(&self, tokens: &[u32]) -> Vec<Vec<f32>> {
         let cfg = &self.cfg;
         let (hidden, hd, n) = (cfg.hidden_size, cfg.head_dim, tokens.len());
-        let mut xs: Vec<Vec<f32>> = tokens
-            .iter()
-            .map(|&t| self.weights.embed[t as usize * hidden..(t as usize + 1) * hidden].to_vec())
-            .collect();
-        let mut h = vec![0.0f32; hidden];
-        // (layer) → (tokens) rotated keys and values of the layers that hold K/V.
-        let mut layer_ks: Vec<Vec<Vec<f32>>> = Vec::new();
-        let mut layer_vs: Vec<Vec<Vec<f32>>> = Vec::new();
+        // (tokens, hidden): the residual stream of every position.
+        let mut xs = Array2::<f32>::zeros((n, hidden));
+        for (mut x, &t) in xs.rows_mut().into_iter().zip(tokens) {
+            x.assign(&self.weights.embed.row(t as usize));
+        }
+        let mut h = Array1::<f32>::zeros(hidden);
+        let mut proj = Array1::<f32>::zeros(hidden);
+        let mut mlp = Mlp::new(cfg);
+        // Per layer that holds K/V: rotated keys and values, (tokens, n_kv_heads, head_dim).
+        let mut layer_ks: Vec<Array3<f32>> = Vec::new();
+        let mut layer_vs: Vec<Array3<f32>> = Vec::new();
         for (l, lw) in self.weights.layers.iter().enumerate() {
             let owns_kv = l < cfg.layers_with_kv();
-            let mut qs = Vec::with_capacity(n);
-            let mut ks = Vec::with_capacity(n);
-            let mut vs = Vec::with_capacity(n);
-            for (pos, x) in xs.iter().enumerate() {
-                rmsnorm(x, &lw.attn_norm, cfg.rms_norm_eps, &mut h);
-                let mut q = vec![0.0f32; cfg.q_dim()];
-                lw.wq.matvec(&h, &mut q);
-                add_bias(&mut q, lw.bq.as_deref());
-                self.rope.rotate_heads(&mut q, pos);
-                qs.push(q);
+            // (tokens, n_heads, head_dim), rotated
+            let mut qs = Array3::<f32>::zeros((n, cfg.n_heads, hd));
+            let mut ks = Array3::<f32>::zeros((n, cfg.n_kv_heads, hd));
+            let mut vs = Array3::<f32>::zeros((n, cfg.n_kv_heads, hd));
+            for pos in 0..n {
+                rmsnorm(xs.row(pos), &lw.attn_norm, cfg.rms_norm_eps, &mut h);
+                let mut q = qs.index_axis_mut(Axis(0), pos);
+                lw.wq.matvec(h.view(), q.view_mut());
+                add_bias(q.view_mut(), lw.bq.as_ref());
+                self.rope.rotate_rows(q, pos);
                 if owns_kv {
-                    let mut k = vec![0.0f32; cfg.kv_dim()];
-                    let mut v = vec![0.0f32; cfg.kv_dim()];
-                    lw.wk.as_ref().expect("k_proj").matvec(&h, &mut k);
-                    lw.wv.as_ref().expect("v_proj").matvec(&h, &mut v);
-                    add_bias(&mut k, lw.bk.as_deref());
-                    add_bias(&mut v, lw.bv.as_deref());
-                    self.rope.rotate_heads(&mut k, pos);
-                    ks.push(k);
-                    vs.push(v);
+                    let mut k = ks.index_axis_mut(Axis(0), pos);
+                    let mut v = vs.index_axis_mut(Axis(0), pos);
+                    lw.wk
+                        .as_ref()
+                        .expect("k_proj")
+                        .matvec(h.view(), k.view_mut());
+                    lw.wv
+                        .as_ref()
+                        .expect("v_proj")
+                        .matvec(h.view(), v.view_mut());
+                    add_bias(k.view_mut(), lw.bk.as_ref());
+                    add_bias(v.view_mut(), lw.bv.as_ref());
+                    self.rope.rotate_rows(k, pos);
                 }
             }
             if owns_kv {
@@ -306,18 +365,18 @@ impl Model {
                 AttentionType::Full => cfg.sliding_window,
                 AttentionType::Sliding { window } => Some(window),
             };
-            for (pos, x) in xs.iter_mut().enumerate() {
-                let mut att = vec![0.0f32; cfg.q_dim()];
+            for pos in 0..n {
+                let mut att = Array2::<f32>::zeros((cfg.n_heads, hd));
                 for head in 0..cfg.n_heads {
                     let kvh = head / cfg.group();
-                    let q = &qs[pos][head * hd..(head + 1) * hd];
-                    let mut scores: Vec<f32> = (0..=pos)
+                    let q = head_row(&qs, pos, head);
+                    let mut scores: Array1<f32> = (0..=pos)
                         .map(|j| {
                             let visible = window.is_none_or(|w| pos - j < w);
                             if !visible {
                                 return f32::NEG_INFINITY;
                             }
-                            let k = &ks[j][kvh * hd..(kvh + 1) * hd];
+                            let k = head_row(ks, j, kvh);
                             let mut d = 0.0f32;
                             for i in 0..hd {
                                 d += q[i] * k[i];
@@ -325,43 +384,66 @@ impl Model {
                             d / (hd as f32).sqrt()
                         })
                         .collect();
-                    crate::attention::softmax(&mut scores);
+                    softmax(scores.view_mut());
+                    let mut out = att.row_mut(head);
                     for (j, p) in scores.iter().enumerate() {
-                        let v = &vs[j][kvh * hd..(kvh + 1) * hd];
+                        let v = head_row(vs, j, kvh);
                         for i in 0..hd {
-                            att[head * hd + i] += p * v[i];
+                            out[i] += p * v[i];
                         }
                     }
                 }
-                let mut proj = vec![0.0f32; hidden];
-                lw.wo.matvec(&att, &mut proj);
-                for i in 0..hidden {
-                    x[i] += proj[i];
-                }
-                rmsnorm(x, &lw.ffn_norm, cfg.rms_norm_eps, &mut h);
-                let mut gate = vec![0.0f32; cfg.intermediate_size];
-                let mut up = vec![0.0f32; cfg.intermediate_size];
-                lw.w_gate.matvec(&h, &mut gate);
-                lw.w_up.matvec(&h, &mut up);
-                for i in 0..gate.len() {
-                    gate[i] = silu(gate[i]) * up[i];
-                }
-                lw.w_down.matvec(&gate, &mut proj);
-                for i in 0..hidden {
-                    x[i] += proj[i];
-                }
+                let mut x = xs.row_mut(pos);
+                lw.wo.matvec(att.flatten().view(), proj.view_mut());
+                x += &proj;
+                rmsnorm(&x, &lw.ffn_norm, cfg.rms_norm_eps, &mut h);
+                mlp.run(lw, h.view(), proj.view_mut());
+                x += &proj;
             }
         }
-        xs.iter()
-            .map(|x| {
-                rmsnorm(x, &self.weights.norm, cfg.rms_norm_eps, &mut h);
-                let mut logits = vec![0.0f32; cfg.vocab_size];
-                match (&self.weights.lm_head, &self.weights.tied_head) {
-                    (Some(head), _) | (None, Some(head)) => head.matvec(&h, &mut logits),
-                    (None, None) => matvec(&self.weights.embed, &h, &mut logits),
-                }
-                logits
-            })
-            .collect()
+        xs.rows().into_iter().map(|x| self.logits(x)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::array;
+
+    /// The sum runs `i = 0, 1, …`: after `1e8` every `+1` rounds away (f32 values near
+    /// 1e8 are 8 apart), so this row sums to 0, where the exact sum is 62 and a blocked
+    /// order (`.dot()`, several accumulators) keeps some of the ones.
+    #[test]
+    fn matvec_sums_in_index_order() {
+        let mut row = vec![1.0f32; 64];
+        row[0] = 1e8;
+        row[63] = -1e8;
+        let w = Array2::from_shape_vec((1, 64), row).unwrap();
+        let x = Array1::from_elem(64, 1.0f32);
+        let mut out = Array1::zeros(1);
+        matvec_view(w.view(), x.view(), out.view_mut());
+        assert_eq!(out[0], 0.0);
+        // the slice form is the same function
+        let mut flat = [f32::NAN];
+        matvec(w.as_slice().unwrap(), x.as_slice().unwrap(), &mut flat);
+        assert_eq!(flat[0], 0.0);
+    }
+
+    /// A projection to heads fills `(heads, head_dim)` in row-major order: output feature
+    /// `o` is element `o % head_dim` of head `o / head_dim`.
+    #[test]
+    fn projection_to_heads_is_row_major() {
+        // row o = [o, 1], x = [1, 10]: out[o] = o + 10
+        let w = Array2::from_shape_fn((6, 2), |(o, i)| if i == 0 { o as f32 } else { 1.0 });
+        let x = array![1.0f32, 10.0];
+        let mut heads = Array2::zeros((3, 2));
+        Linear::F32(w).matvec(x.view(), heads.view_mut());
+        assert_eq!(heads, array![[10.0, 11.0], [12.0, 13.0], [14.0, 15.0]]);
+        let mut biased = heads.clone();
+        add_bias(
+            biased.view_mut(),
+            Some(&array![0.5, 0.0, 0.0, 0.0, 0.0, -0.5]),
+        );
+        assert_eq!(biased, array![[10.5, 11.0], [12.0, 13.0], [14.0, 14.5]]);
     }
 }

@@ -1,45 +1,58 @@
 //! Rotary position embedding, Hugging Face "rotate_half" convention.
 //!
-//! A head vector `x` of width `d` is split into halves `x[..d/2]` and `x[d/2..]`;
-//! pair `i` is `(x[i], x[i + d/2])` and is rotated by the angle `pos · inv_freq[i]`.
+//! A head vector `x` of width `d` is split into halves `lo = x[..d/2]` and `hi = x[d/2..]`;
+//! pair `i` is `(lo[i], hi[i])` and is rotated by the angle `pos · inv_freq[i]`.
 //! The angle is computed in f32 exactly as transformers does (`pos as f32 * inv_freq`),
 //! so that long positions round the same way in both implementations.
 
 use crate::config::Config;
+use ndarray::{Array1, ArrayViewMut1, ArrayViewMut2, Axis};
 
 /// Per-model RoPE constants.
 #[derive(Debug, Clone)]
 pub struct Rope {
-    /// One inverse frequency per rotated pair: `head_dim / 2` values.
-    pub inv_freq: Vec<f32>,
+    /// One inverse frequency per rotated pair: `(head_dim / 2)`.
+    pub inv_freq: Array1<f32>,
 }
 
 impl Rope {
     pub fn new(cfg: &Config) -> Self {
         Rope {
-            inv_freq: cfg.rope_inv_freq(),
+            inv_freq: Array1::from(cfg.rope_inv_freq()),
         }
     }
 
-    /// Rotates one head vector in place to position `pos`.
-    pub fn rotate(&self, x: &mut [f32], pos: usize) {
+    /// Rotates one head vector, `(head_dim)`, in place to position `pos`.
+    pub fn rotate(&self, x: ArrayViewMut1<f32>, pos: usize) {
         let half = self.inv_freq.len();
-        debug_assert_eq!(x.len(), 2 * half);
+        assert_eq!(
+            x.len(),
+            2 * half,
+            "a head has head_dim = 2 · inv_freq.len() values"
+        );
+        let (mut lo, mut hi) = x.split_at(Axis(0), half);
         for i in 0..half {
             let angle = pos as f32 * self.inv_freq[i];
             let (sin, cos) = (angle.sin(), angle.cos());
-            let x1 = x[i];
-            let x2 = x[i + half];
-            x[i] = x1 * cos - x2 * sin;
-            x[i + half] = x2 * cos + x1 * sin;
+            let (x1, x2) = (lo[i], hi[i]);
+            lo[i] = x1 * cos - x2 * sin;
+            hi[i] = x2 * cos + x1 * sin;
         }
     }
 
-    /// Rotates every head of a concatenated `(heads, head_dim)` vector to `pos`.
+    /// Rotates every head (row) of a `(heads, head_dim)` array to `pos`.
+    pub fn rotate_rows(&self, mut heads: ArrayViewMut2<f32>, pos: usize) {
+        for head in heads.rows_mut() {
+            self.rotate(head, pos);
+        }
+    }
+
+    /// [`rotate_rows`](Self::rotate_rows) for a flat slice of concatenated heads,
+    /// `heads · head_dim` values, for callers that hold plain slices.
     pub fn rotate_heads(&self, x: &mut [f32], pos: usize) {
         let d = 2 * self.inv_freq.len();
         for head in x.chunks_mut(d) {
-            self.rotate(head, pos);
+            self.rotate(ArrayViewMut1::from(head), pos);
         }
     }
 }
