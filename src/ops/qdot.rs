@@ -366,6 +366,56 @@ pub fn dot_group(kernel: Kernel, p: &Packed, g: usize, a: &QuantizedActs, out: &
     }
 }
 
+/// Tokens one multi-token kernel call serves ([`dot_group_tokens`]): each weight block
+/// is loaded and unpacked once for this many activation blocks.
+pub const TOKENS: usize = 4;
+
+/// `out[j][k] = row (8g + k) · acts[j]` for every token `j` (any count): the group's
+/// eight rows against several tokens, [`TOKENS`] at a time, each weight block unpacked
+/// once per call for all of them. Every value equals [`dot_group`]'s for that token
+/// alone, bit for bit (same integer sums, same float steps in the same order), with the
+/// same kernel rules (an unsupported `kernel` runs the scalar loop).
+pub fn dot_group_tokens(
+    kernel: Kernel,
+    p: &Packed,
+    g: usize,
+    acts: &[&QuantizedActs],
+    out: &mut [[f32; GROUP]],
+) {
+    debug_assert_eq!(acts.len(), out.len());
+    let grp = p.group(g);
+    for (a, o) in acts.chunks(TOKENS).zip(out.chunks_mut(TOKENS)) {
+        // A short last tile repeats its last token; the extra results are dropped.
+        let tile: [&QuantizedActs; TOKENS] = std::array::from_fn(|j| a[j.min(a.len() - 1)]);
+        for t in &tile {
+            assert_eq!(t.blocks(), grp.nb, "activation blocks vs matrix blocks");
+        }
+        let mut buf = [[0.0f32; GROUP]; TOKENS];
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 if kernel.is_supported() => {
+                // SAFETY: AVX2, FMA and F16C were detected at run time just above; every
+                // token has as many blocks as the group (asserted above).
+                unsafe { super::x86::group_tokens_avx2(p.dtype, &grp, &tile, &mut buf) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni if kernel.is_supported() => {
+                // SAFETY: AVX-512 F/BW/VL/VNNI and F16C were detected just above; block
+                // counts asserted above.
+                unsafe { super::x86::group_tokens_avx512vnni(p.dtype, &grp, &tile, &mut buf) }
+            }
+            #[cfg(target_arch = "aarch64")]
+            Kernel::NeonDotprod if kernel.is_supported() => {
+                // SAFETY: NEON is baseline on aarch64 and `dotprod` was detected just
+                // above; block counts asserted above.
+                unsafe { super::aarch64::group_tokens_neon_dotprod(p.dtype, &grp, &tile, &mut buf) }
+            }
+            _ => group_tokens_scalar(p.dtype, &grp, &tile, &mut buf),
+        }
+        o.copy_from_slice(&buf[..o.len()]);
+    }
+}
+
 #[inline(always)]
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
@@ -416,6 +466,41 @@ pub fn group_scalar(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 
             } else {
                 t
             };
+        }
+    }
+    *out = acc;
+}
+
+/// The portable multi-token variant: [`group_scalar`]'s steps for every token, each
+/// 8-row block unpacked once for all of them (the scalar twin of the multi-token
+/// kernels; equal to [`group_scalar`] per token, bit for bit).
+pub fn group_tokens_scalar(
+    dtype: DType,
+    g: &Group,
+    acts: &[&QuantizedActs; TOKENS],
+    out: &mut [[f32; GROUP]; TOKENS],
+) {
+    let qsb = qs_bytes(dtype);
+    let mut acc = [[0.0f32; GROUP]; TOKENS];
+    let mut w = [[0i8; QK]; GROUP];
+    for b in 0..g.nb {
+        unpack_block(dtype, &g.qs[b * qsb..(b + 1) * qsb], &mut w);
+        for (a, acc_t) in acts.iter().zip(acc.iter_mut()) {
+            let q: &[i8; QK] = a.q[b * QK..(b + 1) * QK].try_into().expect("one block");
+            for (k, acc_k) in acc_t.iter_mut().enumerate() {
+                let isum: i32 = w[k]
+                    .iter()
+                    .zip(q)
+                    .map(|(&wi, &qi)| wi as i32 * qi as i32)
+                    .sum();
+                let dw = f16_at(g.d, b * 16 + k * 2);
+                let t = isum as f32 * (dw * a.d[b]);
+                *acc_k += if dtype == DType::Q4_1 {
+                    t + f16_at(g.m, b * 16 + k * 2) * a.s[b]
+                } else {
+                    t
+                };
+            }
         }
     }
     *out = acc;
