@@ -355,3 +355,105 @@ fn batched_quantised_matmul_equals_one_token_matvec() {
         }
     }
 }
+
+/// The 8-lane activation quantiser against the reference twin on the values where
+/// rounding and clamping are delicate: exact halves (`k + 0.5` after scaling, either
+/// sign), the float just below a half, NaN, ±∞, ±0, subnormals, and random blocks
+/// mixing them.
+#[test]
+fn activation_quantiser_equals_the_reference_on_special_values() {
+    let below_half = f32::from_bits(0.5f32.to_bits() - 1);
+    let mut blocks: Vec<Vec<f32>> = vec![
+        // amax 127 gives id = 1: values are their own codes
+        (0..32).map(|i| i as f32 - 15.5).collect(),
+        (0..32)
+            .map(|i| {
+                if i == 0 {
+                    127.0
+                } else {
+                    (i as f32) * 3.5 - 60.0
+                }
+            })
+            .collect(),
+        (0..32)
+            .map(|i| {
+                if i == 0 {
+                    127.0
+                } else {
+                    below_half * (i as f32 - 16.0)
+                }
+            })
+            .collect(),
+        vec![0.0; 32],
+        vec![-0.0; 32],
+        vec![f32::NAN; 32],
+        (0..32)
+            .map(|i| if i % 5 == 0 { f32::NAN } else { i as f32 })
+            .collect(),
+        (0..32)
+            .map(|i| if i == 3 { f32::INFINITY } else { i as f32 })
+            .collect(),
+        (0..32)
+            .map(|i| {
+                if i == 7 {
+                    f32::NEG_INFINITY
+                } else {
+                    -(i as f32)
+                }
+            })
+            .collect(),
+        (0..32)
+            .map(|i| f32::from_bits(i + 1) * if i % 2 == 0 { 1.0 } else { -1.0 })
+            .collect(),
+        (0..32)
+            .map(|i| f32::MAX * (i as f32 - 16.0) / 16.0)
+            .collect(),
+    ];
+    let specials = [
+        0.5f32,
+        -0.5,
+        1.5,
+        -2.5,
+        below_half,
+        -below_half,
+        f32::NAN,
+        f32::INFINITY,
+        f32::MIN_POSITIVE,
+        1e-45,
+        126.5,
+        -126.5,
+        127.0,
+    ];
+    let mut s = 0x1234_5678_9ABC_DEF1u64;
+    for _ in 0..500 {
+        blocks.push(
+            (0..32)
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    if s % 3 == 0 {
+                        specials[(s >> 8) as usize % specials.len()]
+                    } else {
+                        ((s >> 16) % 2001) as f32 / 8.0 - 125.0
+                    }
+                })
+                .collect(),
+        );
+    }
+    for blk in &blocks {
+        let ra = ggml_dot::quantize_acts(blk);
+        let ea = QuantizedActs::from_f32(blk);
+        assert_eq!(ra.q, ea.q, "codes of {blk:?}");
+        assert_eq!(
+            ra.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            ea.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "scales of {blk:?}"
+        );
+        assert_eq!(
+            ra.s.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            ea.s.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "sums of {blk:?}"
+        );
+    }
+}

@@ -33,9 +33,11 @@
 //! `neon-dotprod`) when the CPU supports it. Tests call every supported variant directly
 //! through [`dot_group`].
 
+use super::simd::load8;
 use crate::dtype::DType;
 use half::f16;
 use std::sync::OnceLock;
+use wide::{f32x8, i32x8, CmpGe, CmpLe};
 
 /// Values per block.
 pub const QK: usize = 32;
@@ -56,7 +58,9 @@ pub struct QuantizedActs {
 }
 
 impl QuantizedActs {
-    /// Quantises `x` (length a multiple of 32): same rounding as the reference twin.
+    /// Quantises `x` (length a multiple of 32): same rounding as the reference twin
+    /// (`round` half away from zero, then clamped to ±127; NaN codes 0), eight lanes at
+    /// a time.
     pub fn quantize(&mut self, x: &[f32]) {
         debug_assert_eq!(x.len() % QK, 0);
         let nb = x.len() / QK;
@@ -64,16 +68,42 @@ impl QuantizedActs {
         self.s.resize(nb, 0.0);
         self.qsum.resize(nb, 0);
         self.q.resize(x.len(), 0);
+        let (half, one, lim) = (f32x8::splat(0.5), f32x8::ONE, f32x8::splat(128.0));
         for (b, blk) in x.chunks_exact(QK).enumerate() {
-            let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let v: [f32x8; 4] = std::array::from_fn(|i| load8(&blk[i * 8..]));
+            // `wide`'s `max` ignores a NaN lane as `f32::max` does; the maximum of the
+            // other values does not depend on the order.
+            let amax = v
+                .iter()
+                .fold(f32x8::ZERO, |m, vi| m.max(vi.abs()))
+                .to_array()
+                .into_iter()
+                .fold(0.0f32, f32::max);
             let d = amax / 127.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (o, &v) in self.q[b * QK..(b + 1) * QK].iter_mut().zip(blk) {
-                let q = ((v * id).round() as i32).clamp(-127, 127);
+            let idv = f32x8::splat(id);
+            let mut sum = i32x8::ZERO;
+            for (vi, out) in v
+                .iter()
+                .zip(self.q[b * QK..(b + 1) * QK].chunks_exact_mut(8))
+            {
+                // NaN codes 0 (as `NaN as i32`); the rest is clamped to ±128, then rounded
+                // half away from zero exactly (`y − trunc(y)` is exact for |y| ≤ 128).
+                let y = *vi * idv;
+                let y = y.is_nan().blend(f32x8::ZERO, y).max(-lim).min(lim);
+                let t = y.trunc_int();
+                let frac = y - t.round_float();
+                let up = frac.cmp_ge(half).blend(one, f32x8::ZERO)
+                    - frac.cmp_le(-half).blend(one, f32x8::ZERO);
+                let q = (t + up.round_int())
+                    .max(i32x8::splat(-127))
+                    .min(i32x8::splat(127));
                 sum += q;
-                *o = q as i8;
+                for (o, qi) in out.iter_mut().zip(q.to_array()) {
+                    *o = qi as i8;
+                }
             }
+            let sum = sum.reduce_add();
             self.d[b] = d;
             self.s[b] = d * sum as f32;
             self.qsum[b] = sum;
