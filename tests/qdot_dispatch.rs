@@ -197,9 +197,10 @@ fn saturating_extremes_stay_exact() {
     }
 }
 
-/// Every variant's multi-token kernel: each token's eight rows equal the reference twin
-/// (hence the one-token kernel) bit for bit, for 1 to 11 tokens (short last tiles), odd
-/// row counts and the extreme codes, scales and activations above.
+/// Every variant's multi-token kernels (`dot_group_tokens`, and `dot_group_tile` over
+/// interleaved tiles of 8): each token's eight rows equal the reference twin (hence the
+/// one-token kernel) bit for bit, for 1 to 19 tokens (short last tiles), odd row counts
+/// and the extreme codes, scales and activations above.
 #[test]
 fn multi_token_kernels_equal_the_scalar_twin_for_every_token() {
     let kernels = Kernel::supported();
@@ -207,7 +208,7 @@ fn multi_token_kernels_equal_the_scalar_twin_for_every_token() {
         cases: 120,
         ..cfg()
     });
-    let strat = (1usize..20, 1usize..8, 1usize..12).prop_flat_map(|(rows, nb, ntok)| {
+    let strat = (1usize..20, 1usize..8, 1usize..20).prop_flat_map(|(rows, nb, ntok)| {
         (
             Just(rows),
             Just(nb),
@@ -252,6 +253,27 @@ fn multi_token_kernels_equal_the_scalar_twin_for_every_token() {
                                 prop_assert_eq!(got.to_bits(), one[j].to_bits());
                             }
                         }
+                        // the tile path (interleaved activations; AVX-512's own kernel)
+                        let mut tiled = vec![[f32::NAN; GROUP]; xs.len()];
+                        for (ch, o) in refs.chunks(qdot::TILE).zip(tiled.chunks_mut(qdot::TILE)) {
+                            qdot::dot_group_tile(k, &p, g, &qdot::ActsTile::new(ch), o);
+                        }
+                        for (t, (o, w)) in tiled.iter().zip(&out).enumerate() {
+                            for j in 0..rows.min(g * GROUP + GROUP) - g * GROUP {
+                                prop_assert_eq!(
+                                    o[j].to_bits(),
+                                    w[j].to_bits(),
+                                    "tile {} {} rows={} nb={} tokens={} t={} j={}",
+                                    k.name(),
+                                    dtype,
+                                    rows,
+                                    nb,
+                                    xs.len(),
+                                    t,
+                                    j
+                                );
+                            }
+                        }
                     }
                 }
             }
@@ -284,7 +306,9 @@ fn multi_token_extremes_stay_exact() {
                 for g in 0..p.groups() {
                     let mut out = vec![[0.0f32; GROUP]; xs.len()];
                     qdot::dot_group_tokens(k, &p, g, &refs, &mut out);
-                    for (o, ra) in out.iter().zip(&ras) {
+                    let mut tiled = vec![[0.0f32; GROUP]; xs.len()];
+                    qdot::dot_group_tile(k, &p, g, &qdot::ActsTile::new(&refs), &mut tiled);
+                    for (o, ra) in out.iter().chain(&tiled).zip(ras.iter().cycle()) {
                         for (j, &got) in o.iter().enumerate().take(rows - g * GROUP) {
                             let r = g * GROUP + j;
                             let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], ra);

@@ -14,7 +14,7 @@
 //! tokens) in flight, one accumulator each, and reduce eight of them with one transpose
 //! ([`crate::quant::reduce8`]).
 
-use super::qdot::{self, Packed, QuantizedActs, GROUP};
+use super::qdot::{self, ActsTile, Packed, QuantizedActs, GROUP};
 use super::simd::{load8, Elem};
 use crate::dtype::DType;
 use crate::quant::reduce8;
@@ -393,11 +393,12 @@ pub fn matmul(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
     for_each_token_tile(xs, cols, out, rows, rows * cols, body);
 }
 
-/// [`matmul`] for GGML-block weights. Every token is quantised to 8 bits once; rayon
-/// tasks own ranges of row groups (as [`matvec_many`] splits rows, so a handful of
-/// tokens still uses every thread); inside a task, each group meets the tokens
-/// [`qdot::TOKENS`] at a time through the multi-token kernel, which loads and unpacks a
-/// weight block once for all of them. Values equal [`matvec`]'s, bit for bit.
+/// [`matmul`] for GGML-block weights. Every token is quantised to 8 bits once (and
+/// interleaved into tiles of [`qdot::TILE`] tokens); rayon tasks own ranges of row
+/// groups (as [`matvec_many`] splits rows, so a handful of tokens still uses every
+/// thread); inside a task, each group meets a tile at a time through the multi-token
+/// kernels, which load and unpack a weight block once for all its tokens. Values equal
+/// [`matvec`]'s, bit for bit.
 fn matmul_quantized(w: &Matrix, xs: &[f32], out: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
     let n = xs.len() / cols;
@@ -412,6 +413,7 @@ fn matmul_quantized(w: &Matrix, xs: &[f32], out: &mut [f32]) {
         xs.chunks_exact(cols).map(QuantizedActs::from_f32).collect()
     };
     let acts: Vec<&QuantizedActs> = acts.iter().collect();
+    let tiles: Vec<ActsTile> = acts.chunks(qdot::TILE).map(ActsTile::new).collect();
     let kernel = qdot::active();
     let groups = p.groups();
     // Results group-major, `part[g * n + t]` = group `g`'s eight rows for token `t`, so a
@@ -419,10 +421,14 @@ fn matmul_quantized(w: &Matrix, xs: &[f32], out: &mut [f32]) {
     let mut part = vec![[0.0f32; GROUP]; groups * n];
     let body = |g0: usize, chunk: &mut [[f32; GROUP]]| {
         // Token tiles bound the activations a task streams per group (they stay in L2).
-        for t0 in (0..n).step_by(TOKEN_TILE) {
-            let t1 = (t0 + TOKEN_TILE).min(n);
+        for (ti, ts) in tiles.chunks(TOKEN_TILE / qdot::TILE).enumerate() {
             for (i, gout) in chunk.chunks_exact_mut(n).enumerate() {
-                qdot::dot_group_tokens(kernel, p, g0 + i, &acts[t0..t1], &mut gout[t0..t1]);
+                let mut t0 = ti * TOKEN_TILE;
+                for tile in ts {
+                    let t1 = t0 + tile.len();
+                    qdot::dot_group_tile(kernel, p, g0 + i, tile, &mut gout[t0..t1]);
+                    t0 = t1;
+                }
             }
         }
     };

@@ -446,6 +446,123 @@ pub fn dot_group_tokens(
     }
 }
 
+/// Tokens of one [`ActsTile`].
+pub const TILE: usize = 8;
+
+/// Up to [`TILE`] tokens' quantised activations, plus a copy interleaved by token for
+/// the AVX-512 tile kernel: per block `b`, per 4-byte word `e` of the block (elements
+/// `4e..4e + 4`), the tile's tokens' words side by side, so one 16-byte broadcast gives a
+/// vector whose lane `(row j, token t)` holds token `t`'s word for every row `j`. Built
+/// once per batched product; a short tile repeats its last token (results dropped).
+pub struct ActsTile<'a> {
+    acts: Vec<&'a QuantizedActs>,
+    nb: usize,
+    /// `[nb][8][TILE][4]` codes.
+    q: Vec<i8>,
+    /// `[nb][TILE]` scales `d_x`, sums `s_x` and integer sums `Σ q_x`.
+    d: Vec<f32>,
+    s: Vec<f32>,
+    qsum: Vec<i32>,
+}
+
+impl<'a> ActsTile<'a> {
+    /// Interleaves `acts` (1 to [`TILE`] tokens, equal block counts).
+    pub fn new(acts: &[&'a QuantizedActs]) -> ActsTile<'a> {
+        assert!(
+            !acts.is_empty() && acts.len() <= TILE,
+            "1..={TILE} tokens per tile"
+        );
+        let nb = acts[0].blocks();
+        let tok = |t: usize| acts[t.min(acts.len() - 1)];
+        let mut q = vec![0i8; nb * 8 * TILE * 4];
+        let (mut d, mut s, mut qsum) = (
+            vec![0.0; nb * TILE],
+            vec![0.0; nb * TILE],
+            vec![0; nb * TILE],
+        );
+        for b in 0..nb {
+            for t in 0..TILE {
+                let a = tok(t);
+                assert_eq!(a.blocks(), nb, "activation blocks differ within a tile");
+                for e in 0..8 {
+                    let at = ((b * 8 + e) * TILE + t) * 4;
+                    q[at..at + 4].copy_from_slice(&a.q[b * QK + e * 4..b * QK + e * 4 + 4]);
+                }
+                d[b * TILE + t] = a.d[b];
+                s[b * TILE + t] = a.s[b];
+                qsum[b * TILE + t] = a.qsum[b];
+            }
+        }
+        ActsTile {
+            acts: acts.to_vec(),
+            nb,
+            q,
+            d,
+            s,
+            qsum,
+        }
+    }
+
+    /// Number of (real) tokens.
+    pub fn len(&self) -> usize {
+        self.acts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.acts.is_empty()
+    }
+}
+
+/// The interleaved arrays of an [`ActsTile`], for the kernels.
+pub(crate) struct TileView<'t> {
+    pub nb: usize,
+    pub q: &'t [i8],
+    pub d: &'t [f32],
+    pub s: &'t [f32],
+    pub qsum: &'t [i32],
+}
+
+/// `out[t][k] = row (8g + k) · tile token t` for every token of the tile: as
+/// [`dot_group_tokens`] (bit for bit the one-token values), with the AVX-512 VNNI
+/// variant reading the tile's interleaved copy (no cross-lane reduction: each `vpdpbusd`
+/// lane sums one row × one token); the other variants run [`dot_group_tokens`].
+pub fn dot_group_tile(
+    kernel: Kernel,
+    p: &Packed,
+    g: usize,
+    tile: &ActsTile,
+    out: &mut [[f32; GROUP]],
+) {
+    debug_assert_eq!(out.len(), tile.len());
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx512Vnni && kernel.is_supported() {
+        let grp = p.group(g);
+        assert_eq!(grp.nb, tile.nb, "activation blocks vs matrix blocks");
+        let view = TileView {
+            nb: tile.nb,
+            q: &tile.q,
+            d: &tile.d,
+            s: &tile.s,
+            qsum: &tile.qsum,
+        };
+        let mut buf = [[0.0f32; GROUP]; TILE];
+        // SAFETY: AVX-512 F/BW/VL/VNNI and F16C were detected just above; the tile has
+        // the group's block count (asserted above) and its arrays are sized by `new`.
+        // Four tokens or fewer: one vector per row half instead of two.
+        unsafe {
+            if tile.len() <= 4 {
+                super::x86::group_tile_avx512vnni::<1>(p.dtype, &grp, &view, &mut buf)
+            } else {
+                super::x86::group_tile_avx512vnni::<2>(p.dtype, &grp, &view, &mut buf)
+            }
+        };
+        let n = out.len();
+        out.copy_from_slice(&buf[..n]);
+        return;
+    }
+    dot_group_tokens(kernel, p, g, &tile.acts, out);
+}
+
 #[inline(always)]
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()

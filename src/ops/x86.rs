@@ -16,7 +16,7 @@
 //! its scales) once for all of them: every token's lanes see exactly the operations of the
 //! one-token kernel, so the values are equal bit for bit.
 
-use super::qdot::{Group, QuantizedActs, GROUP, QK, TOKENS};
+use super::qdot::{Group, QuantizedActs, TileView, GROUP, QK, TILE, TOKENS};
 use crate::dtype::DType;
 use std::arch::x86_64::*;
 
@@ -425,5 +425,149 @@ unsafe fn tokens_512<const T: usize>(
     for (o, a) in out.iter_mut().zip(acc) {
         // SAFETY: `o` is 8 f32s; unaligned store.
         unsafe { _mm256_storeu_ps(o.as_mut_ptr(), a) };
+    }
+}
+
+/// Lane `(j, t)` (128-bit lane `j`, dword `t`) gets dword `D` of lane `j`: row `j`'s
+/// codes of word `D`, once per token.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn spread<const IMM: i32>(v: __m512i) -> __m512i {
+    _mm512_shuffle_epi32::<IMM>(v)
+}
+
+/// The tile kernel's integer work for word pair `(d, 4 + d)` of one block: both token
+/// halves, both row halves (`w` = rows 0..4 low/high, rows 4..8 low/high).
+///
+/// # Safety
+/// AVX-512 F/BW/VNNI must be available; `qb` must point at the block's `8 × TILE × 4`
+/// interleaved codes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn tile_words<const IMM: i32, const H: usize>(
+    d: usize,
+    w: &[__m512i; 4],
+    qb: *const i8,
+    isum: &mut [[__m512i; 2]; H],
+) {
+    let (l0, h0, l1, h1) = (
+        spread::<IMM>(w[0]),
+        spread::<IMM>(w[1]),
+        spread::<IMM>(w[2]),
+        spread::<IMM>(w[3]),
+    );
+    for (h, acc) in isum.iter_mut().enumerate() {
+        // SAFETY: words `d` and `4 + d` of tokens `4h..4h + 4` are inside the block (the
+        // caller's guarantee); unaligned loads.
+        let (alo, ahi) = unsafe {
+            (
+                _mm512_broadcast_i32x4(_mm_loadu_si128(qb.add((d * TILE + 4 * h) * 4).cast())),
+                _mm512_broadcast_i32x4(_mm_loadu_si128(
+                    qb.add(((4 + d) * TILE + 4 * h) * 4).cast(),
+                )),
+            )
+        };
+        acc[0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[0], l0, alo), h0, ahi);
+        acc[1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[1], l1, alo), h1, ahi);
+    }
+}
+
+/// AVX-512 BW + VNNI tile kernel: eight rows × `4H` tokens (`H` = 1 or 2; `out[..4H]`),
+/// with no cross-lane reduction. Each vector holds four rows × four tokens (lane `(j, t)`); a row's word
+/// `e` is spread to its four token lanes with one in-lane shuffle per block (shared by all
+/// tokens), the tokens' words come pre-interleaved ([`super::qdot::ActsTile`]), and each
+/// `vpdpbusd` lane accumulates one row × one token, so the block sum is complete after the
+/// eight words. The float steps are the scalar twin's per lane (separate multiplies and
+/// adds), so every value equals it bit for bit.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL/VNNI and F16C; `g` must be a group of a
+/// [`super::qdot::Packed`] of `dtype` with `t.nb` blocks, and `t` a view of an
+/// [`super::qdot::ActsTile`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn group_tile_avx512vnni<const H: usize>(
+    dtype: DType,
+    g: &Group,
+    t: &TileView,
+    out: &mut [[f32; GROUP]; TILE],
+) {
+    let q8 = dtype == DType::Q8_0;
+    let qsb = if q8 { 256 } else { 128 };
+    let nb = g.nb;
+    assert!(H * 4 <= TILE && nb == t.nb && g.qs.len() >= nb * qsb);
+    assert!(g.d.len() >= nb * 16 && (dtype != DType::Q4_1 || g.m.len() >= nb * 16));
+    assert!(t.q.len() >= nb * 8 * TILE * 4 && t.d.len() >= nb * TILE);
+    assert!(t.s.len() >= nb * TILE && t.qsum.len() >= nb * TILE);
+    let idx = [
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
+    ];
+    let off = offset(dtype);
+    // acc[h][r]: tokens 4h..4h + 4 × rows 4r..4r + 4 (tokens past 4H are not computed)
+    let mut acc = [[_mm512_setzero_ps(); 2]; H];
+    for b in 0..nb {
+        // SAFETY: block `b` is in bounds of `g.qs`, `g.d`, `g.m` and of the tile's
+        // arrays (asserts above); loads are unaligned.
+        unsafe {
+            let qp = g.qs.as_ptr().add(b * qsb);
+            // rows 0..4 elements 0..16 / 16..32 (Q4: low / high nibbles), then rows 4..8
+            let w = unpack_512(q8, qp);
+            let qb = t.q.as_ptr().add(b * 8 * TILE * 4);
+            let mut isum = [[_mm512_setzero_si512(); 2]; H];
+            tile_words::<0x00, H>(0, &w, qb, &mut isum);
+            tile_words::<0x55, H>(1, &w, qb, &mut isum);
+            tile_words::<0xAA, H>(2, &w, qb, &mut isum);
+            tile_words::<0xFF, H>(3, &w, qb, &mut isum);
+            let dw8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(
+                g.d.as_ptr().add(b * 16).cast(),
+            )));
+            let mw8 = if dtype == DType::Q4_1 {
+                _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(
+                    g.m.as_ptr().add(b * 16).cast(),
+                )))
+            } else {
+                _mm512_setzero_ps()
+            };
+            let dw = [
+                _mm512_permutexvar_ps(idx[0], dw8),
+                _mm512_permutexvar_ps(idx[1], dw8),
+            ];
+            let mw = [
+                _mm512_permutexvar_ps(idx[0], mw8),
+                _mm512_permutexvar_ps(idx[1], mw8),
+            ];
+            for (h, (acc_h, isum_h)) in acc.iter_mut().zip(&isum).enumerate() {
+                let at = b * TILE + 4 * h;
+                let dx = _mm512_broadcast_f32x4(_mm_loadu_ps(t.d.as_ptr().add(at)));
+                let sx = _mm512_broadcast_f32x4(_mm_loadu_ps(t.s.as_ptr().add(at)));
+                let corr = if off != 0 {
+                    let qs =
+                        _mm512_broadcast_i32x4(_mm_loadu_si128(t.qsum.as_ptr().add(at).cast()));
+                    _mm512_mullo_epi32(qs, _mm512_set1_epi32(off))
+                } else {
+                    _mm512_setzero_si512()
+                };
+                for r in 0..2 {
+                    let is = _mm512_sub_epi32(isum_h[r], corr);
+                    let mut tt = _mm512_mul_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(dw[r], dx));
+                    if dtype == DType::Q4_1 {
+                        tt = _mm512_add_ps(tt, _mm512_mul_ps(mw[r], sx));
+                    }
+                    acc_h[r] = _mm512_add_ps(acc_h[r], tt);
+                }
+            }
+        }
+    }
+    for (h, acc_h) in acc.iter().enumerate() {
+        for (r, &v) in acc_h.iter().enumerate() {
+            let mut lanes = [0.0f32; 16];
+            // SAFETY: `lanes` is 16 f32s; unaligned store.
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), v) };
+            for j in 0..4 {
+                for tt in 0..4 {
+                    out[4 * h + tt][4 * r + j] = lanes[4 * j + tt];
+                }
+            }
+        }
     }
 }
