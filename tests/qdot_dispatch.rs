@@ -456,7 +456,7 @@ fn activation_quantiser_equals_the_reference_on_special_values() {
                     s ^= s << 13;
                     s ^= s >> 7;
                     s ^= s << 17;
-                    if s % 3 == 0 {
+                    if s.is_multiple_of(3) {
                         specials[(s >> 8) as usize % specials.len()]
                     } else {
                         ((s >> 16) % 2001) as f32 / 8.0 - 125.0
