@@ -454,6 +454,7 @@ pub const TILE: usize = 8;
 /// `4e..4e + 4`), the tile's tokens' words side by side, so one 16-byte broadcast gives a
 /// vector whose lane `(row j, token t)` holds token `t`'s word for every row `j`. Built
 /// once per batched product; a short tile repeats its last token (results dropped).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub struct ActsTile<'a> {
     acts: Vec<&'a QuantizedActs>,
     nb: usize,
@@ -514,6 +515,7 @@ impl<'a> ActsTile<'a> {
 }
 
 /// The interleaved arrays of an [`ActsTile`], for the kernels.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) struct TileView<'t> {
     pub nb: usize,
     pub q: &'t [i8],
