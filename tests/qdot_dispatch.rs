@@ -3,11 +3,18 @@
 //! row groups), 1 to 9 blocks per row, extreme codes (Q8_0 −128 and 127, Q4 nibbles 0
 //! and 15), extreme f16 scales (0, subnormal, ±65504) and extreme activations (zero
 //! blocks, 1e30, subnormal values, one large value among tiny ones).
+//!
+//! The multi-token kernels (`qdot::dot_group_tokens`, one weight block unpacked for
+//! several tokens) are held to the same twin for every token, at odd token counts, and
+//! the batched product `ops::matmul` on GGML blocks (its parallel, multi-token path) to
+//! the one-token `ops::matvec`, bit for bit.
 
 use half::f16;
 use proptest::prelude::*;
 use tinygpt_cpu::dtype::DType;
 use tinygpt_cpu::ops::qdot::{self, Kernel, Packed, QuantizedActs, GROUP};
+use tinygpt_cpu::ops::{matmul, matvec, Matrix};
+use tinygpt_cpu::weights::{Tensor, TensorBytes};
 use tinygpt_reference::ggml_dot;
 
 fn cfg() -> ProptestConfig {
@@ -187,5 +194,290 @@ fn saturating_extremes_stay_exact() {
                 }
             }
         }
+    }
+}
+
+/// Every variant's multi-token kernels (`dot_group_tokens`, and `dot_group_tile` over
+/// interleaved tiles of 8): each token's eight rows equal the reference twin (hence the
+/// one-token kernel) bit for bit, for 1 to 19 tokens (short last tiles), odd row counts
+/// and the extreme codes, scales and activations above.
+#[test]
+fn multi_token_kernels_equal_the_scalar_twin_for_every_token() {
+    let kernels = Kernel::supported();
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: 120,
+        ..cfg()
+    });
+    let strat = (1usize..20, 1usize..8, 1usize..20).prop_flat_map(|(rows, nb, ntok)| {
+        (
+            Just(rows),
+            Just(nb),
+            code_bytes(rows * nb * 32),
+            prop::collection::vec(scale(), rows * nb * 2),
+            prop::collection::vec(acts(nb * 32), ntok),
+        )
+    });
+    runner
+        .run(&strat, |(rows, nb, codes, scales, xs)| {
+            let ras: Vec<_> = xs.iter().map(|x| ggml_dot::quantize_acts(x)).collect();
+            let eas: Vec<_> = xs.iter().map(|x| QuantizedActs::from_f32(x)).collect();
+            let refs: Vec<&QuantizedActs> = eas.iter().collect();
+            for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+                let bytes = rows_bytes(dtype, rows, nb, &codes, &scales);
+                let rb = dtype.block_bytes() * nb;
+                let p = Packed::new(dtype, rows, nb * 32, &bytes);
+                for &k in &kernels {
+                    for g in 0..p.groups() {
+                        let mut out = vec![[f32::NAN; GROUP]; xs.len()];
+                        qdot::dot_group_tokens(k, &p, g, &refs, &mut out);
+                        for (t, (o, ra)) in out.iter().zip(&ras).enumerate() {
+                            let mut one = [0.0f32; GROUP];
+                            qdot::dot_group(k, &p, g, &eas[t], &mut one);
+                            for (j, &got) in o.iter().enumerate().take(rows - g * GROUP) {
+                                let r = g * GROUP + j;
+                                let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], ra);
+                                prop_assert_eq!(
+                                    got.to_bits(),
+                                    want.to_bits(),
+                                    "{} {} rows={} nb={} tokens={} t={} r={}: {} vs {}",
+                                    k.name(),
+                                    dtype,
+                                    rows,
+                                    nb,
+                                    xs.len(),
+                                    t,
+                                    r,
+                                    got,
+                                    want
+                                );
+                                prop_assert_eq!(got.to_bits(), one[j].to_bits());
+                            }
+                        }
+                        // the tile path (interleaved activations; AVX-512's own kernel)
+                        let mut tiled = vec![[f32::NAN; GROUP]; xs.len()];
+                        for (ch, o) in refs.chunks(qdot::TILE).zip(tiled.chunks_mut(qdot::TILE)) {
+                            qdot::dot_group_tile(k, &p, g, &qdot::ActsTile::new(ch), o);
+                        }
+                        for (t, (o, w)) in tiled.iter().zip(&out).enumerate() {
+                            for j in 0..rows.min(g * GROUP + GROUP) - g * GROUP {
+                                prop_assert_eq!(
+                                    o[j].to_bits(),
+                                    w[j].to_bits(),
+                                    "tile {} {} rows={} nb={} tokens={} t={} j={}",
+                                    k.name(),
+                                    dtype,
+                                    rows,
+                                    nb,
+                                    xs.len(),
+                                    t,
+                                    j
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// The multi-token kernels at the integer extremes (largest block sums of either sign),
+/// for a token count that is not a multiple of the tile.
+#[test]
+fn multi_token_extremes_stay_exact() {
+    let nb = 3;
+    let xs: Vec<Vec<f32>> = [1.0f32, -1.0, 1.0, 1.0, -1.0]
+        .iter()
+        .map(|&v| vec![v; nb * 32])
+        .collect();
+    let ras: Vec<_> = xs.iter().map(|x| ggml_dot::quantize_acts(x)).collect();
+    let eas: Vec<_> = xs.iter().map(|x| QuantizedActs::from_f32(x)).collect();
+    let refs: Vec<&QuantizedActs> = eas.iter().collect();
+    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        for code in [0x80u8, 0x7F, 0xFF, 0x00, 0x88] {
+            let rows = 9;
+            let codes = vec![code; rows * nb * 32];
+            let scales = vec![f16::from_f32(0.5).to_bits(); rows * nb * 2];
+            let bytes = rows_bytes(dtype, rows, nb, &codes, &scales);
+            let rb = dtype.block_bytes() * nb;
+            let p = Packed::new(dtype, rows, nb * 32, &bytes);
+            for k in Kernel::supported() {
+                for g in 0..p.groups() {
+                    let mut out = vec![[0.0f32; GROUP]; xs.len()];
+                    qdot::dot_group_tokens(k, &p, g, &refs, &mut out);
+                    let mut tiled = vec![[0.0f32; GROUP]; xs.len()];
+                    qdot::dot_group_tile(k, &p, g, &qdot::ActsTile::new(&refs), &mut tiled);
+                    for (o, ra) in out.iter().chain(&tiled).zip(ras.iter().cycle()) {
+                        for (j, &got) in o.iter().enumerate().take(rows - g * GROUP) {
+                            let r = g * GROUP + j;
+                            let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], ra);
+                            assert_eq!(
+                                got.to_bits(),
+                                want.to_bits(),
+                                "{} {dtype} code {code:#x}: {got} vs {want}",
+                                k.name()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `matmul` on GGML blocks (tokens quantised once, rows split across threads, the
+/// multi-token kernel, token tiles of 64) gives every token exactly what `matvec` gives
+/// it alone: token counts around the tile sizes, a row count that leaves a partial group,
+/// shapes large enough for the parallel path, in a 2-thread and a 3-thread pool.
+#[test]
+fn batched_quantised_matmul_equals_one_token_matvec() {
+    let (rows, cols) = (203, 320);
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let nb = rows * cols / 32;
+        let codes: Vec<u8> = (0..nb * 32).map(|_| next() as u8).collect();
+        let scales: Vec<u16> = (0..nb * 2)
+            .map(|_| f16::from_f32((next() % 2000) as f32 / 1e4 - 0.1).to_bits())
+            .collect();
+        let bytes = rows_bytes(dtype, rows, cols / 32, &codes, &scales);
+        let m = Matrix::from_tensor(&Tensor {
+            name: "w".into(),
+            dtype,
+            shape: vec![rows, cols],
+            data: TensorBytes::owned(&bytes),
+        });
+        for threads in [2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            for ntok in [2usize, 3, 5, 16, 67] {
+                let xs: Vec<f32> = (0..ntok * cols)
+                    .map(|_| (next() % 20001) as f32 / 1e4 - 1.0)
+                    .collect();
+                let mut batched = vec![f32::NAN; ntok * rows];
+                pool.install(|| matmul(&m, &xs, ntok, &mut batched));
+                for t in 0..ntok {
+                    let mut one = vec![0.0f32; rows];
+                    matvec(&m, &xs[t * cols..(t + 1) * cols], &mut one);
+                    for r in 0..rows {
+                        assert_eq!(
+                            batched[t * rows + r].to_bits(),
+                            one[r].to_bits(),
+                            "{dtype} threads={threads} tokens={ntok} t={t} r={r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The 8-lane activation quantiser against the reference twin on the values where
+/// rounding and clamping are delicate: exact halves (`k + 0.5` after scaling, either
+/// sign), the float just below a half, NaN, ±∞, ±0, subnormals, and random blocks
+/// mixing them.
+#[test]
+fn activation_quantiser_equals_the_reference_on_special_values() {
+    let below_half = f32::from_bits(0.5f32.to_bits() - 1);
+    let mut blocks: Vec<Vec<f32>> = vec![
+        // amax 127 gives id = 1: values are their own codes
+        (0..32).map(|i| i as f32 - 15.5).collect(),
+        (0..32)
+            .map(|i| {
+                if i == 0 {
+                    127.0
+                } else {
+                    (i as f32) * 3.5 - 60.0
+                }
+            })
+            .collect(),
+        (0..32)
+            .map(|i| {
+                if i == 0 {
+                    127.0
+                } else {
+                    below_half * (i as f32 - 16.0)
+                }
+            })
+            .collect(),
+        vec![0.0; 32],
+        vec![-0.0; 32],
+        vec![f32::NAN; 32],
+        (0..32)
+            .map(|i| if i % 5 == 0 { f32::NAN } else { i as f32 })
+            .collect(),
+        (0..32)
+            .map(|i| if i == 3 { f32::INFINITY } else { i as f32 })
+            .collect(),
+        (0..32)
+            .map(|i| {
+                if i == 7 {
+                    f32::NEG_INFINITY
+                } else {
+                    -(i as f32)
+                }
+            })
+            .collect(),
+        (0..32)
+            .map(|i| f32::from_bits(i + 1) * if i % 2 == 0 { 1.0 } else { -1.0 })
+            .collect(),
+        (0..32)
+            .map(|i| f32::MAX * (i as f32 - 16.0) / 16.0)
+            .collect(),
+    ];
+    let specials = [
+        0.5f32,
+        -0.5,
+        1.5,
+        -2.5,
+        below_half,
+        -below_half,
+        f32::NAN,
+        f32::INFINITY,
+        f32::MIN_POSITIVE,
+        1e-45,
+        126.5,
+        -126.5,
+        127.0,
+    ];
+    let mut s = 0x1234_5678_9ABC_DEF1u64;
+    for _ in 0..500 {
+        blocks.push(
+            (0..32)
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    if s.is_multiple_of(3) {
+                        specials[(s >> 8) as usize % specials.len()]
+                    } else {
+                        ((s >> 16) % 2001) as f32 / 8.0 - 125.0
+                    }
+                })
+                .collect(),
+        );
+    }
+    for blk in &blocks {
+        let ra = ggml_dot::quantize_acts(blk);
+        let ea = QuantizedActs::from_f32(blk);
+        assert_eq!(ra.q, ea.q, "codes of {blk:?}");
+        assert_eq!(
+            ra.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            ea.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "scales of {blk:?}"
+        );
+        assert_eq!(
+            ra.s.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            ea.s.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "sums of {blk:?}"
+        );
     }
 }

@@ -6,8 +6,11 @@
 //! four row sums, and the reference's float steps run on those lanes with separate
 //! multiplies and adds (never fused): each lane equals the scalar twin bit for bit.
 //! Q4 codes (0..15) are signed bytes already; Q4_0's `− 8` is applied as `− 8 · Σ q_x`.
+//!
+//! The multi-token variant runs the same steps for [`TOKENS`] activation vectors,
+//! unpacking each 8-row block once for all of them (equal values, bit for bit).
 
-use super::qdot::{Group, QuantizedActs, QK};
+use super::qdot::{Group, QuantizedActs, GROUP, QK, TOKENS};
 use crate::dtype::DType;
 use half::f16;
 use std::arch::aarch64::*;
@@ -38,6 +41,79 @@ fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     acc
 }
 
+/// One 8-row block of codes as signed bytes: `[k]` row `k`'s elements 0..16, `[8 + k]`
+/// its elements 16..32 (Q4: low / high nibbles).
+///
+/// # Safety
+/// NEON must be available (baseline on aarch64); `qp` must point at one block of codes.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn unpack(q8: bool, qp: *const u8) -> [int8x16_t; 16] {
+    let mut w = [vdupq_n_s8(0); 16];
+    for k in 0..GROUP {
+        // SAFETY: every load stays inside the block (the caller's guarantee).
+        unsafe {
+            if q8 {
+                let base = (k / 4) * 128 + (k % 4) * 16;
+                w[k] = vld1q_s8(qp.add(base).cast());
+                w[8 + k] = vld1q_s8(qp.add(base + 64).cast());
+            } else {
+                let v = vld1q_u8(qp.add((k / 4) * 64 + (k % 4) * 16));
+                w[k] = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F)));
+                w[8 + k] = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
+            }
+        }
+    }
+    w
+}
+
+/// One unpacked block against one activation block: the float steps added to `acc`
+/// (`acc[0]` rows 0..4, `acc[1]` rows 4..8). `dw`, `mw`: the block's scales / minimums.
+///
+/// # Safety
+/// NEON + dotprod must be available; `ap` must point at 32 activation codes.
+#[target_feature(enable = "neon,dotprod")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_step(
+    dtype: DType,
+    w: &[int8x16_t; 16],
+    ap: *const i8,
+    a: &QuantizedActs,
+    b: usize,
+    dw: &[f32; 8],
+    mw: &[f32; 8],
+    acc: &mut [float32x4_t; 2],
+) {
+    // SAFETY: the caller guarantees 32 bytes at `ap`.
+    let (alo, ahi) = unsafe { (vld1q_s8(ap), vld1q_s8(ap.add(16))) };
+    let z = vdupq_n_s32(0);
+    let row = |k: usize| -> int32x4_t { sdot(sdot(z, w[k], alo), w[8 + k], ahi) };
+    let half = |k0: usize| -> int32x4_t {
+        let p01 = vpaddq_s32(row(k0), row(k0 + 1));
+        let p23 = vpaddq_s32(row(k0 + 2), row(k0 + 3));
+        let s = vpaddq_s32(p01, p23);
+        if dtype == DType::Q4_0 {
+            vsubq_s32(s, vdupq_n_s32(8 * a.qsum[b]))
+        } else {
+            s
+        }
+    };
+    let isum = [half(0), half(4)];
+    for h in 0..2 {
+        // SAFETY: the loads read 4 f32s from 8-element arrays at offset 0 or 4.
+        unsafe {
+            let scale = vmulq_f32(vld1q_f32(dw.as_ptr().add(4 * h)), vdupq_n_f32(a.d[b]));
+            let mut t = vmulq_f32(vcvtq_f32_s32(isum[h]), scale);
+            if dtype == DType::Q4_1 {
+                let m = vld1q_f32(mw.as_ptr().add(4 * h));
+                t = vaddq_f32(t, vmulq_f32(m, vdupq_n_f32(a.s[b])));
+            }
+            acc[h] = vaddq_f32(acc[h], t);
+        }
+    }
+}
+
 /// NEON + dotprod group kernel.
 ///
 /// # Safety
@@ -45,66 +121,68 @@ fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
 /// `dtype` with as many blocks as `a`.
 #[target_feature(enable = "neon,dotprod")]
 pub unsafe fn group_neon_dotprod(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 8]) {
+    let mut o = [[0.0f32; GROUP]; TOKENS];
+    // SAFETY: the caller's guarantees are the multi-token body's, for one token.
+    unsafe { tokens::<1>(dtype, g, &[a], &mut o) };
+    *out = o[0];
+}
+
+/// NEON + dotprod multi-token group kernel: [`group_neon_dotprod`] for [`TOKENS`]
+/// tokens, each block unpacked once.
+///
+/// # Safety
+/// As for [`group_neon_dotprod`], for every token.
+#[target_feature(enable = "neon,dotprod")]
+pub unsafe fn group_tokens_neon_dotprod(
+    dtype: DType,
+    g: &Group,
+    acts: &[&QuantizedActs; TOKENS],
+    out: &mut [[f32; GROUP]; TOKENS],
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe { tokens::<TOKENS>(dtype, g, acts, out) }
+}
+
+/// The kernel body for `T ≤ TOKENS` tokens (results in `out[..T]`).
+///
+/// # Safety
+/// As for [`group_neon_dotprod`], for every token.
+#[target_feature(enable = "neon,dotprod")]
+#[inline]
+unsafe fn tokens<const T: usize>(
+    dtype: DType,
+    g: &Group,
+    acts: &[&QuantizedActs; T],
+    out: &mut [[f32; GROUP]; TOKENS],
+) {
     let q8 = dtype == DType::Q8_0;
     let qsb = if q8 { 256 } else { 128 };
-    assert!(g.qs.len() >= g.nb * qsb && a.q.len() >= g.nb * QK);
-    let mut acc = [vdupq_n_f32(0.0); 2];
+    assert!(g.qs.len() >= g.nb * qsb);
+    for a in acts {
+        assert!(a.q.len() >= g.nb * QK && a.d.len() >= g.nb && a.s.len() >= g.nb);
+    }
+    let mut acc = [[vdupq_n_f32(0.0); 2]; T];
     for b in 0..g.nb {
-        // SAFETY: every pointer stays inside block `b` of `g.qs` (qsb bytes) and of
-        // `a.q` (32 bytes), checked by the assert above; NEON loads need no alignment.
-        let isum = unsafe {
-            let qp = g.qs.as_ptr().add(b * qsb);
-            let ap = a.q.as_ptr().add(b * QK);
-            let alo = vld1q_s8(ap);
-            let ahi = vld1q_s8(ap.add(16));
-            let z = vdupq_n_s32(0);
-            let row = |k: usize| -> int32x4_t {
-                if q8 {
-                    let base = (k / 4) * 128 + (k % 4) * 16;
-                    let wl = vld1q_s8(qp.add(base).cast());
-                    let wh = vld1q_s8(qp.add(base + 64).cast());
-                    sdot(sdot(z, wl, alo), wh, ahi)
-                } else {
-                    let v = vld1q_u8(qp.add((k / 4) * 64 + (k % 4) * 16));
-                    let lo = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F)));
-                    let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
-                    sdot(sdot(z, lo, alo), hi, ahi)
-                }
-            };
-            let half = |k0: usize| -> int32x4_t {
-                let p01 = vpaddq_s32(row(k0), row(k0 + 1));
-                let p23 = vpaddq_s32(row(k0 + 2), row(k0 + 3));
-                let s = vpaddq_s32(p01, p23);
-                if dtype == DType::Q4_0 {
-                    vsubq_s32(s, vdupq_n_s32(8 * a.qsum[b]))
-                } else {
-                    s
-                }
-            };
-            [half(0), half(4)]
-        };
         let dw = f16x8(g.d, b * 16);
         let mw = if dtype == DType::Q4_1 {
             f16x8(g.m, b * 16)
         } else {
             [0.0; 8]
         };
-        for h in 0..2 {
-            // SAFETY: the loads read 4 f32s from 8-element arrays at offset 0 or 4.
-            unsafe {
-                let scale = vmulq_f32(vld1q_f32(dw.as_ptr().add(4 * h)), vdupq_n_f32(a.d[b]));
-                let mut t = vmulq_f32(vcvtq_f32_s32(isum[h]), scale);
-                if dtype == DType::Q4_1 {
-                    let m = vld1q_f32(mw.as_ptr().add(4 * h));
-                    t = vaddq_f32(t, vmulq_f32(m, vdupq_n_f32(a.s[b])));
-                }
-                acc[h] = vaddq_f32(acc[h], t);
+        // SAFETY: every pointer stays inside block `b` of `g.qs` (qsb bytes) and of each
+        // `a.q` (32 bytes), checked by the asserts above; NEON loads need no alignment.
+        unsafe {
+            let w = unpack(q8, g.qs.as_ptr().add(b * qsb));
+            for (a, acc_t) in acts.iter().zip(acc.iter_mut()) {
+                block_step(dtype, &w, a.q.as_ptr().add(b * QK), a, b, &dw, &mw, acc_t);
             }
         }
     }
-    // SAFETY: `out` is 8 f32s: two stores of 4.
-    unsafe {
-        vst1q_f32(out.as_mut_ptr(), acc[0]);
-        vst1q_f32(out.as_mut_ptr().add(4), acc[1]);
+    for (o, a) in out.iter_mut().zip(acc) {
+        // SAFETY: `o` is 8 f32s: two stores of 4.
+        unsafe {
+            vst1q_f32(o.as_mut_ptr(), a[0]);
+            vst1q_f32(o.as_mut_ptr().add(4), a[1]);
+        }
     }
 }

@@ -14,7 +14,7 @@
 //! tokens) in flight, one accumulator each, and reduce eight of them with one transpose
 //! ([`crate::ops::simd::reduce8`]).
 
-use super::qdot::{self, Packed, QuantizedActs, GROUP};
+use super::qdot::{self, ActsTile, Packed, QuantizedActs, GROUP};
 use super::simd::{load8, Elem};
 use crate::dequant::dequantize_into;
 use crate::dtype::DType;
@@ -394,24 +394,62 @@ pub fn matmul(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
     for_each_token_tile(xs, cols, out, rows, rows * cols, body);
 }
 
-/// [`matmul`] for GGML-block weights: each tile's tokens are quantised once, then every
-/// row meets every token of the tile (values equal [`matvec`]'s).
+/// [`matmul`] for GGML-block weights. Every token is quantised to 8 bits once (and
+/// interleaved into tiles of [`qdot::TILE`] tokens); rayon tasks own ranges of row
+/// groups (as [`matvec_many`] splits rows, so a handful of tokens still uses every
+/// thread); inside a task, each group meets a tile at a time through the multi-token
+/// kernels, which load and unpack a weight block once for all its tokens. Values equal
+/// [`matvec`]'s, bit for bit.
 fn matmul_quantized(w: &Matrix, xs: &[f32], out: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
-    let body = |(xt, ot): (&[f32], &mut [f32])| {
-        let acts: Vec<QuantizedActs> = xt.chunks_exact(cols).map(QuantizedActs::from_f32).collect();
-        let p = w.packed.as_ref().expect("quantised matrices are packed");
-        let kernel = qdot::active();
-        let mut buf = [0.0f32; GROUP];
-        for g in 0..p.groups() {
-            let n = GROUP.min(rows - g * GROUP);
-            for (a, orow) in acts.iter().zip(ot.chunks_exact_mut(rows)) {
-                qdot::dot_group(kernel, p, g, a, &mut buf);
-                orow[g * GROUP..g * GROUP + n].copy_from_slice(&buf[..n]);
+    let n = xs.len() / cols;
+    let p = w.packed.as_ref().expect("quantised matrices are packed");
+    let threads = rayon::current_num_threads();
+    let parallel = rows * cols * n >= PAR_MIN_WORK && threads > 1;
+    let acts: Vec<QuantizedActs> = if parallel && n >= 2 * threads {
+        xs.par_chunks_exact(cols)
+            .map(QuantizedActs::from_f32)
+            .collect()
+    } else {
+        xs.chunks_exact(cols).map(QuantizedActs::from_f32).collect()
+    };
+    let acts: Vec<&QuantizedActs> = acts.iter().collect();
+    let tiles: Vec<ActsTile> = acts.chunks(qdot::TILE).map(ActsTile::new).collect();
+    let kernel = qdot::active();
+    let groups = p.groups();
+    // Results group-major, `part[g * n + t]` = group `g`'s eight rows for token `t`, so a
+    // task's share is contiguous; copied into `out` (token-major) afterwards.
+    let mut part = vec![[0.0f32; GROUP]; groups * n];
+    let body = |g0: usize, chunk: &mut [[f32; GROUP]]| {
+        // Token tiles bound the activations a task streams per group (they stay in L2).
+        for (ti, ts) in tiles.chunks(TOKEN_TILE / qdot::TILE).enumerate() {
+            for (i, gout) in chunk.chunks_exact_mut(n).enumerate() {
+                let mut t0 = ti * TOKEN_TILE;
+                for tile in ts {
+                    let t1 = t0 + tile.len();
+                    qdot::dot_group_tile(kernel, p, g0 + i, tile, &mut gout[t0..t1]);
+                    t0 = t1;
+                }
             }
         }
     };
-    for_each_token_tile(xs, cols, out, rows, rows * cols, body);
+    if parallel {
+        // About four tasks per thread (rayon balances them when another process holds a
+        // core), at least two groups each.
+        let per = groups.div_ceil(4 * threads).max(2);
+        part.par_chunks_mut(per * n)
+            .enumerate()
+            .for_each(|(i, c)| body(i * per, c));
+    } else {
+        body(0, &mut part);
+    }
+    for (g, gt) in part.chunks_exact(n).enumerate() {
+        let r0 = g * GROUP;
+        let m = GROUP.min(rows - r0);
+        for (t, v) in gt.iter().enumerate() {
+            out[t * rows + r0..t * rows + r0 + m].copy_from_slice(&v[..m]);
+        }
+    }
 }
 
 /// Runs `body(xs_tile, out_tile)` over tiles of [`token_tile`] tokens (`xs`:

@@ -33,9 +33,11 @@
 //! `neon-dotprod`) when the CPU supports it. Tests call every supported variant directly
 //! through [`dot_group`].
 
+use super::simd::load8;
 use crate::dtype::DType;
 use half::f16;
 use std::sync::OnceLock;
+use wide::{f32x8, i32x8, CmpGe, CmpLe};
 
 /// Values per block.
 pub const QK: usize = 32;
@@ -56,7 +58,9 @@ pub struct QuantizedActs {
 }
 
 impl QuantizedActs {
-    /// Quantises `x` (length a multiple of 32): same rounding as the reference twin.
+    /// Quantises `x` (length a multiple of 32): same rounding as the reference twin
+    /// (`round` half away from zero, then clamped to ±127; NaN codes 0), eight lanes at
+    /// a time.
     pub fn quantize(&mut self, x: &[f32]) {
         debug_assert_eq!(x.len() % QK, 0);
         let nb = x.len() / QK;
@@ -64,16 +68,42 @@ impl QuantizedActs {
         self.s.resize(nb, 0.0);
         self.qsum.resize(nb, 0);
         self.q.resize(x.len(), 0);
+        let (half, one, lim) = (f32x8::splat(0.5), f32x8::ONE, f32x8::splat(128.0));
         for (b, blk) in x.chunks_exact(QK).enumerate() {
-            let amax = blk.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let v: [f32x8; 4] = std::array::from_fn(|i| load8(&blk[i * 8..]));
+            // `wide`'s `max` ignores a NaN lane as `f32::max` does; the maximum of the
+            // other values does not depend on the order.
+            let amax = v
+                .iter()
+                .fold(f32x8::ZERO, |m, vi| m.max(vi.abs()))
+                .to_array()
+                .into_iter()
+                .fold(0.0f32, f32::max);
             let d = amax / 127.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (o, &v) in self.q[b * QK..(b + 1) * QK].iter_mut().zip(blk) {
-                let q = ((v * id).round() as i32).clamp(-127, 127);
+            let idv = f32x8::splat(id);
+            let mut sum = i32x8::ZERO;
+            for (vi, out) in v
+                .iter()
+                .zip(self.q[b * QK..(b + 1) * QK].chunks_exact_mut(8))
+            {
+                // NaN codes 0 (as `NaN as i32`); the rest is clamped to ±128, then rounded
+                // half away from zero exactly (`y − trunc(y)` is exact for |y| ≤ 128).
+                let y = *vi * idv;
+                let y = y.is_nan().blend(f32x8::ZERO, y).max(-lim).min(lim);
+                let t = y.trunc_int();
+                let frac = y - t.round_float();
+                let up = frac.cmp_ge(half).blend(one, f32x8::ZERO)
+                    - frac.cmp_le(-half).blend(one, f32x8::ZERO);
+                let q = (t + up.round_int())
+                    .max(i32x8::splat(-127))
+                    .min(i32x8::splat(127));
                 sum += q;
-                *o = q as i8;
+                for (o, qi) in out.iter_mut().zip(q.to_array()) {
+                    *o = qi as i8;
+                }
             }
+            let sum = sum.reduce_add();
             self.d[b] = d;
             self.s[b] = d * sum as f32;
             self.qsum[b] = sum;
@@ -366,6 +396,175 @@ pub fn dot_group(kernel: Kernel, p: &Packed, g: usize, a: &QuantizedActs, out: &
     }
 }
 
+/// Tokens one multi-token kernel call serves ([`dot_group_tokens`]): each weight block
+/// is loaded and unpacked once for this many activation blocks.
+pub const TOKENS: usize = 4;
+
+/// `out[j][k] = row (8g + k) · acts[j]` for every token `j` (any count): the group's
+/// eight rows against several tokens, [`TOKENS`] at a time, each weight block unpacked
+/// once per call for all of them. Every value equals [`dot_group`]'s for that token
+/// alone, bit for bit (same integer sums, same float steps in the same order), with the
+/// same kernel rules (an unsupported `kernel` runs the scalar loop).
+pub fn dot_group_tokens(
+    kernel: Kernel,
+    p: &Packed,
+    g: usize,
+    acts: &[&QuantizedActs],
+    out: &mut [[f32; GROUP]],
+) {
+    debug_assert_eq!(acts.len(), out.len());
+    let grp = p.group(g);
+    for (a, o) in acts.chunks(TOKENS).zip(out.chunks_mut(TOKENS)) {
+        // A short last tile repeats its last token; the extra results are dropped.
+        let tile: [&QuantizedActs; TOKENS] = std::array::from_fn(|j| a[j.min(a.len() - 1)]);
+        for t in &tile {
+            assert_eq!(t.blocks(), grp.nb, "activation blocks vs matrix blocks");
+        }
+        let mut buf = [[0.0f32; GROUP]; TOKENS];
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 if kernel.is_supported() => {
+                // SAFETY: AVX2, FMA and F16C were detected at run time just above; every
+                // token has as many blocks as the group (asserted above).
+                unsafe { super::x86::group_tokens_avx2(p.dtype, &grp, &tile, &mut buf) }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni if kernel.is_supported() => {
+                // SAFETY: AVX-512 F/BW/VL/VNNI and F16C were detected just above; block
+                // counts asserted above.
+                unsafe { super::x86::group_tokens_avx512vnni(p.dtype, &grp, &tile, &mut buf) }
+            }
+            #[cfg(target_arch = "aarch64")]
+            Kernel::NeonDotprod if kernel.is_supported() => {
+                // SAFETY: NEON is baseline on aarch64 and `dotprod` was detected just
+                // above; block counts asserted above.
+                unsafe { super::aarch64::group_tokens_neon_dotprod(p.dtype, &grp, &tile, &mut buf) }
+            }
+            _ => group_tokens_scalar(p.dtype, &grp, &tile, &mut buf),
+        }
+        o.copy_from_slice(&buf[..o.len()]);
+    }
+}
+
+/// Tokens of one [`ActsTile`].
+pub const TILE: usize = 8;
+
+/// Up to [`TILE`] tokens' quantised activations, plus a copy interleaved by token for
+/// the AVX-512 tile kernel: per block `b`, per 4-byte word `e` of the block (elements
+/// `4e..4e + 4`), the tile's tokens' words side by side, so one 16-byte broadcast gives a
+/// vector whose lane `(row j, token t)` holds token `t`'s word for every row `j`. Built
+/// once per batched product; a short tile repeats its last token (results dropped).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub struct ActsTile<'a> {
+    acts: Vec<&'a QuantizedActs>,
+    nb: usize,
+    /// `[nb][8][TILE][4]` codes.
+    q: Vec<i8>,
+    /// `[nb][TILE]` scales `d_x`, sums `s_x` and integer sums `Σ q_x`.
+    d: Vec<f32>,
+    s: Vec<f32>,
+    qsum: Vec<i32>,
+}
+
+impl<'a> ActsTile<'a> {
+    /// Interleaves `acts` (1 to [`TILE`] tokens, equal block counts).
+    pub fn new(acts: &[&'a QuantizedActs]) -> ActsTile<'a> {
+        assert!(
+            !acts.is_empty() && acts.len() <= TILE,
+            "1..={TILE} tokens per tile"
+        );
+        let nb = acts[0].blocks();
+        let tok = |t: usize| acts[t.min(acts.len() - 1)];
+        let mut q = vec![0i8; nb * 8 * TILE * 4];
+        let (mut d, mut s, mut qsum) = (
+            vec![0.0; nb * TILE],
+            vec![0.0; nb * TILE],
+            vec![0; nb * TILE],
+        );
+        for b in 0..nb {
+            for t in 0..TILE {
+                let a = tok(t);
+                assert_eq!(a.blocks(), nb, "activation blocks differ within a tile");
+                for e in 0..8 {
+                    let at = ((b * 8 + e) * TILE + t) * 4;
+                    q[at..at + 4].copy_from_slice(&a.q[b * QK + e * 4..b * QK + e * 4 + 4]);
+                }
+                d[b * TILE + t] = a.d[b];
+                s[b * TILE + t] = a.s[b];
+                qsum[b * TILE + t] = a.qsum[b];
+            }
+        }
+        ActsTile {
+            acts: acts.to_vec(),
+            nb,
+            q,
+            d,
+            s,
+            qsum,
+        }
+    }
+
+    /// Number of (real) tokens.
+    pub fn len(&self) -> usize {
+        self.acts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.acts.is_empty()
+    }
+}
+
+/// The interleaved arrays of an [`ActsTile`], for the kernels.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) struct TileView<'t> {
+    pub nb: usize,
+    pub q: &'t [i8],
+    pub d: &'t [f32],
+    pub s: &'t [f32],
+    pub qsum: &'t [i32],
+}
+
+/// `out[t][k] = row (8g + k) · tile token t` for every token of the tile: as
+/// [`dot_group_tokens`] (bit for bit the one-token values), with the AVX-512 VNNI
+/// variant reading the tile's interleaved copy (no cross-lane reduction: each `vpdpbusd`
+/// lane sums one row × one token); the other variants run [`dot_group_tokens`].
+pub fn dot_group_tile(
+    kernel: Kernel,
+    p: &Packed,
+    g: usize,
+    tile: &ActsTile,
+    out: &mut [[f32; GROUP]],
+) {
+    debug_assert_eq!(out.len(), tile.len());
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx512Vnni && kernel.is_supported() {
+        let grp = p.group(g);
+        assert_eq!(grp.nb, tile.nb, "activation blocks vs matrix blocks");
+        let view = TileView {
+            nb: tile.nb,
+            q: &tile.q,
+            d: &tile.d,
+            s: &tile.s,
+            qsum: &tile.qsum,
+        };
+        let mut buf = [[0.0f32; GROUP]; TILE];
+        // SAFETY: AVX-512 F/BW/VL/VNNI and F16C were detected just above; the tile has
+        // the group's block count (asserted above) and its arrays are sized by `new`.
+        // Four tokens or fewer: one vector per row half instead of two.
+        unsafe {
+            if tile.len() <= 4 {
+                super::x86::group_tile_avx512vnni::<1>(p.dtype, &grp, &view, &mut buf)
+            } else {
+                super::x86::group_tile_avx512vnni::<2>(p.dtype, &grp, &view, &mut buf)
+            }
+        };
+        let n = out.len();
+        out.copy_from_slice(&buf[..n]);
+        return;
+    }
+    dot_group_tokens(kernel, p, g, &tile.acts, out);
+}
+
 #[inline(always)]
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
@@ -416,6 +615,41 @@ pub fn group_scalar(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 
             } else {
                 t
             };
+        }
+    }
+    *out = acc;
+}
+
+/// The portable multi-token variant: [`group_scalar`]'s steps for every token, each
+/// 8-row block unpacked once for all of them (the scalar twin of the multi-token
+/// kernels; equal to [`group_scalar`] per token, bit for bit).
+pub fn group_tokens_scalar(
+    dtype: DType,
+    g: &Group,
+    acts: &[&QuantizedActs; TOKENS],
+    out: &mut [[f32; GROUP]; TOKENS],
+) {
+    let qsb = qs_bytes(dtype);
+    let mut acc = [[0.0f32; GROUP]; TOKENS];
+    let mut w = [[0i8; QK]; GROUP];
+    for b in 0..g.nb {
+        unpack_block(dtype, &g.qs[b * qsb..(b + 1) * qsb], &mut w);
+        for (a, acc_t) in acts.iter().zip(acc.iter_mut()) {
+            let q: &[i8; QK] = a.q[b * QK..(b + 1) * QK].try_into().expect("one block");
+            for (k, acc_k) in acc_t.iter_mut().enumerate() {
+                let isum: i32 = w[k]
+                    .iter()
+                    .zip(q)
+                    .map(|(&wi, &qi)| wi as i32 * qi as i32)
+                    .sum();
+                let dw = f16_at(g.d, b * 16 + k * 2);
+                let t = isum as f32 * (dw * a.d[b]);
+                *acc_k += if dtype == DType::Q4_1 {
+                    t + f16_at(g.m, b * 16 + k * 2) * a.s[b]
+                } else {
+                    t
+                };
+            }
         }
     }
     *out = acc;
