@@ -278,11 +278,11 @@ pub fn apply_quant_mode(
     let expected = "expected fp32, fp16, bf16, int8, int4, int2 or kXvY (X, Y in 8/4/2, e.g. k8v4), optionally followed by +rN and +pre/+post";
     let mut parts = name.split('+');
     let head = parts.next().unwrap_or("");
-    let bits = |c: char| match c {
-        '8' => Some(Precision::Int8),
-        '4' => Some(Precision::Int4),
-        '2' => Some(Precision::Int2),
-        _ => None,
+    // `X`/`Y` name a KIVI width by its bits per code.
+    let bits = |c: char| {
+        Precision::ALL
+            .into_iter()
+            .find(|p| p.kivi_bits().is_some() && c.to_digit(10) == Some(p.bits()))
     };
     if let Some(p) = Precision::parse(head) {
         kv.precision = p;

@@ -43,29 +43,22 @@ fn address_space_limit() -> Option<u64> {
 /// ([`widest_precision`]).
 pub fn kv_bytes_per_token(cfg: &Config, precision: Precision) -> u128 {
     let values = 2 * cfg.n_layers as u128 * cfg.kv_dim() as u128;
-    // Bytes per value, in eighths: int8 1 byte + f16 scale/zero per group; int4 half a
-    // byte + the same. Both rounded up generously.
-    let eighths: u128 = match precision {
-        Precision::Fp32 => 32,
-        Precision::Fp16 | Precision::Bf16 => 16,
-        Precision::Int8 => 10,
-        Precision::Int4 => 6,
-        Precision::Int2 => 4,
+    // Bytes per value, in eighths: the code bits, plus 2 for a KIVI width's f16 scale and
+    // zero per group and the f32 residual group, rounded up generously (int8 10, int4 6,
+    // int2 4).
+    let kivi_overhead = if precision.kivi_bits().is_some() {
+        2
+    } else {
+        0
     };
+    let eighths = u128::from(precision.bits()) + kivi_overhead;
     values * eighths / 8
 }
 
 /// The wider of a cache's K and V precisions, for [`kv_bytes_per_token`].
 pub fn widest_precision(kv: &crate::kv_cache::KvConfig) -> Precision {
-    let bits = |p: Precision| match p {
-        Precision::Fp32 => 32,
-        Precision::Fp16 | Precision::Bf16 => 16,
-        Precision::Int8 => 8,
-        Precision::Int4 => 4,
-        Precision::Int2 => 2,
-    };
     let (k, v) = (kv.key_precision(), kv.value_precision());
-    if bits(k) >= bits(v) {
+    if k.bits() >= v.bits() {
         k
     } else {
         v

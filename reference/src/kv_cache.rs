@@ -74,6 +74,14 @@ impl Precision {
     pub fn parse(s: &str) -> Option<Precision> {
         Precision::ALL.into_iter().find(|p| p.name() == s)
     }
+    /// Bits one stored element takes (codes only, without KIVI's scales and zeros).
+    pub fn bits(self) -> u32 {
+        match self {
+            Precision::Fp32 => 32,
+            Precision::Fp16 | Precision::Bf16 => 16,
+            p => p.kivi_bits().map_or(32, Bits::width),
+        }
+    }
     /// The KIVI code width, for int8/int4/int2.
     pub fn kivi_bits(self) -> Option<Bits> {
         match self {
@@ -501,4 +509,21 @@ fn to_f16(x: &[f32]) -> Stored {
 
 fn to_bf16(x: &[f32]) -> Stored {
     Stored::Bf16(x.iter().map(|&v| bf16::from_f32(v)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bits_per_element_and_names_round_trip() {
+        let bits: Vec<u32> = Precision::ALL.iter().map(|p| p.bits()).collect();
+        assert_eq!(bits, [32, 16, 16, 8, 4, 2]);
+        for p in Precision::ALL {
+            assert_eq!(Precision::parse(p.name()), Some(p));
+            if let Some(b) = p.kivi_bits() {
+                assert_eq!(b.width(), p.bits());
+            }
+        }
+    }
 }

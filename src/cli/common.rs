@@ -10,27 +10,12 @@ use crate::weights::{Format, ModelFiles};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
-#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
-pub enum KvQuantize {
-    Fp32,
-    Fp16,
-    Bf16,
-    Int8,
-    Int4,
-    Int2,
-}
-
-impl From<KvQuantize> for Precision {
-    fn from(k: KvQuantize) -> Precision {
-        match k {
-            KvQuantize::Fp32 => Precision::Fp32,
-            KvQuantize::Fp16 => Precision::Fp16,
-            KvQuantize::Bf16 => Precision::Bf16,
-            KvQuantize::Int8 => Precision::Int8,
-            KvQuantize::Int4 => Precision::Int4,
-            KvQuantize::Int2 => Precision::Int2,
-        }
-    }
+/// The values of `--kv-quantize`, `--kv-quantize-k` and `--kv-quantize-v`: every
+/// precision's name, from [`Precision::ALL`] (so a new precision needs no CLI change).
+pub fn precision_parser() -> impl clap::builder::TypedValueParser<Value = Precision> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(Precision::ALL.map(Precision::name))
+        .try_map(|s| Precision::parse(&s).ok_or("not a KV precision"))
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -94,15 +79,15 @@ pub struct CacheArgs {
     pub positions: Positions,
     /// KV cache storage precision (int8/int4/int2: KIVI, K per channel in groups, V per
     /// token).
-    #[arg(long = "kv-quantize", value_enum, default_value = "fp32")]
-    pub kv_quantize: KvQuantize,
+    #[arg(long = "kv-quantize", value_parser = precision_parser(), default_value = "fp32")]
+    pub kv_quantize: Precision,
     /// K's storage precision, overriding --kv-quantize for K (e.g. int8 with
     /// --kv-quantize-v int4 for K8V4).
-    #[arg(long = "kv-quantize-k", value_enum, value_name = "P")]
-    pub kv_quantize_k: Option<KvQuantize>,
+    #[arg(long = "kv-quantize-k", value_parser = precision_parser(), value_name = "P")]
+    pub kv_quantize_k: Option<Precision>,
     /// V's storage precision, overriding --kv-quantize for V.
-    #[arg(long = "kv-quantize-v", value_enum, value_name = "P")]
-    pub kv_quantize_v: Option<KvQuantize>,
+    #[arg(long = "kv-quantize-v", value_parser = precision_parser(), value_name = "P")]
+    pub kv_quantize_v: Option<Precision>,
     /// Tokens per K quantisation group (int8/int4/int2).
     #[arg(long = "kv-group-size", value_name = "G", default_value_t = 32)]
     pub group_size: usize,
@@ -185,13 +170,13 @@ impl CacheArgs {
             }
         }
         Ok(KvConfig {
-            precision: self.kv_quantize.into(),
+            precision: self.kv_quantize,
             group_size: self.group_size,
             sink: self.sink.unwrap_or(0),
             window: self.window,
             positions: self.positions.into(),
-            k_precision: self.kv_quantize_k.map(Precision::from),
-            v_precision: self.kv_quantize_v.map(Precision::from),
+            k_precision: self.kv_quantize_k,
+            v_precision: self.kv_quantize_v,
             residual: self.residual,
             key_rope: self.key_rope.into(),
         })

@@ -111,23 +111,19 @@ pub fn validate(kv: &KvConfig, cfg: &Config) -> Result<()> {
         } else {
             "--kv-quantize"
         };
-        if p == Precision::Int4 && !cfg.head_dim.is_multiple_of(2) {
-            return Err(Error::flag(
-                flag,
-                format!(
-                    "int4 packs pairs along head_dim, which is odd ({})",
-                    cfg.head_dim
-                ),
-            ));
-        }
-        if p == Precision::Int2 && !cfg.head_dim.is_multiple_of(4) {
-            return Err(Error::flag(
-                flag,
-                format!(
-                    "int2 packs four codes per byte along head_dim, which is not a multiple of 4 ({})",
-                    cfg.head_dim
-                ),
-            ));
+        if let Some(bits) = p.kivi_bits() {
+            // Codes are packed along head_dim, 8 / width codes per byte.
+            let per_byte = (8 / bits.width()) as usize;
+            if !cfg.head_dim.is_multiple_of(per_byte) {
+                return Err(Error::flag(
+                    flag,
+                    format!(
+                        "{} packs {per_byte} codes per byte along head_dim, which is not a multiple of {per_byte} ({})",
+                        p.name(),
+                        cfg.head_dim
+                    ),
+                ));
+            }
         }
     }
     Ok(())
