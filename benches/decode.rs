@@ -15,6 +15,11 @@
 //!   an all-cores rayon pool. The `-cpu` variants of the single-threaded runs read the
 //!   thread's CPU-time clock instead of the wall clock, so their ratio holds on a shared
 //!   machine where other processes take turns on the cores.
+//! * `decode_kivi/smollm2/{mode}-{dense,streaming}/4K-cpu`: SmolLM2-135M (native Q4_1, when
+//!   `TINYGPT_SMOLLM2` or the fetch script's cache path names it; skipped with a message
+//!   otherwise), one decode step with 4,096 tokens seen, 1 thread, CPU-time clock, for every
+//!   KIVI mode of README's 4,096-token table (`+rN` residual, `+pre` pre-RoPE keys, `kXvY`
+//!   asymmetric). This is the table's decode-speed column.
 //! * `prefill/{tiny,flagship}/{batched,token-by-token}/256`: a 256-token prompt into an
 //!   empty fp32 cache, through `forward_batch` or 256 calls of `forward`.
 //!
@@ -249,6 +254,64 @@ fn prefill(c: &mut Criterion) {
     prefill_pair(c, "flagship", &model, true);
 }
 
+/// The SmolLM2 GGUF, as the tests find it (`TINYGPT_SMOLLM2`, else the fetch script's path).
+fn smollm2_path() -> Option<std::path::PathBuf> {
+    let p = std::env::var_os("TINYGPT_SMOLLM2")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            let cache = std::env::var_os("TINYGPT_CACHE")
+                .map(std::path::PathBuf::from)
+                .unwrap_or_else(|| {
+                    std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                        .join(".cache/tinygpt-cpu")
+                });
+            cache.join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    p.is_file().then_some(p)
+}
+
+/// The KV modes of README's 4,096-token KIVI table (names as `cache-table --modes` takes them).
+const KIVI_MODES: [&str; 11] = [
+    "fp32",
+    "int8",
+    "int4",
+    "int4+pre",
+    "int4+r128",
+    "int4+r128+pre",
+    "k8v4",
+    "int2+r32",
+    "int2+r128",
+    "int2+r128+pre",
+    "k4v2+r128",
+];
+
+fn decode_kivi(c: &mut Criterion) {
+    let Some(path) = smollm2_path() else {
+        eprintln!("decode_kivi: SmolLM2 GGUF not found (set TINYGPT_SMOLLM2); skipped");
+        return;
+    };
+    let files = ModelFiles::open(Some(&path)).expect("SmolLM2 GGUF");
+    let model = Model::load(&files, WeightsDType::Native).expect("load");
+    let threads = pool(1);
+    let len = 4096;
+    let mut g = c.benchmark_group("decode_kivi/smollm2");
+    g.throughput(Throughput::Elements(1));
+    for mode in KIVI_MODES {
+        for streaming in [false, true] {
+            let mut kv = kv_config(Precision::Fp32, streaming);
+            tinygpt_cpu::eval::apply_quant_mode(mode, &mut kv).expect("mode name");
+            let region = if streaming { "streaming" } else { "dense" };
+            let id = BenchmarkId::new(format!("{mode}-{region}"), "4K-cpu");
+            let mut state: Option<Filled> = None;
+            g.bench_function(id, |b| {
+                let st = state.get_or_insert_with(|| Filled::new(&model, &kv, len));
+                b.iter_custom(|iters| st.run(&model, &threads, iters, Clock::ThreadCpu));
+            });
+        }
+    }
+    g.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_secs(1))
@@ -259,6 +322,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = engine_vs_reference, prefill, decode_tiny, decode_flagship
+    targets = engine_vs_reference, prefill, decode_tiny, decode_flagship, decode_kivi
 }
 criterion_main!(benches);
