@@ -5,6 +5,11 @@
 #
 #   scripts/kivi-table.sh MODEL.gguf OUTDIR [BIN]     (BIN defaults to target/release/tinygpt-cpu)
 #
+# The decode-speed columns come from `TINYGPT_SMOLLM2=MODEL.gguf cargo bench --bench decode --
+# decode_kivi` (one decode step with 4,096 tokens seen, 1 thread, CPU-time clock): run it
+# first; without its results in target/criterion the columns print "—". TABLE_ONLY=1 skips
+# the perplexity and cache-table runs and prints the table from OUTDIR's files.
+#
 # Each mode is a separate process, so the wall time per mode (times.txt) is its decode time
 # for 4,095 teacher-forced tokens, one at a time.
 set -euo pipefail
@@ -14,6 +19,7 @@ OUT=${2:?usage: scripts/kivi-table.sh MODEL.gguf OUTDIR [BIN]}
 BIN=${3:-target/release/tinygpt-cpu}
 N=4096
 mkdir -p "$OUT"
+if [ -z "${TABLE_ONLY:-}" ]; then
 : > "$OUT/times.txt"
 run() { # name, flags...
     local name=$1; shift
@@ -42,6 +48,7 @@ run s_int2_r128 $S --kv-quantize int2 --kv-residual 128
 run s_k4v2_r128 $S --kv-quantize-k int4 --kv-quantize-v int2 --kv-residual 128
 "$BIN" cache-table "$M" --lengths $N --json \
     --modes fp32,int8,int4,int4+r128,k8v4,int2+r32,int2+r128,k4v2+r128 > "$OUT/bytes.json"
+fi
 python3 - "$OUT" <<'PY'
 import json, os, sys
 d = sys.argv[1]
@@ -52,8 +59,16 @@ def ppl(n):
 base = {"dense": ppl("dense_fp32"), "s": ppl("s_fp32")}
 rows = ["fp32", "int8", "int4", "int4+pre", "int4+r128", "int4+r128+pre", "k8v4",
         "int2+r32", "int2+r128", "int2+r128+pre", "k4v2+r128"]
-print("| KV mode | dense ppl | Δ vs fp32 | bytes at 4K | sink 4 + window 252 ppl | Δ vs fp32 | bytes |")
-print("|---|---:|---:|---:|---:|---:|---:|")
+def step_ms(label, region):
+    f = f"target/criterion/decode_kivi_smollm2/{label}-{region}/4K-cpu/new/estimates.json"
+    return json.load(open(f))["mean"]["point_estimate"] / 1e6 if os.path.exists(f) else None
+def speed(label, region):
+    t, t0 = step_ms(label, region), step_ms("fp32", region)
+    if t is None or t0 is None:
+        return "—"
+    return f"{1e3 / t:.1f} ({t0 / t:.2f}×)"
+print("| KV mode | dense ppl | Δ vs fp32 | bytes at 4K | decode tok/s at 4K | sink 4 + window 252 ppl | Δ vs fp32 | bytes | decode tok/s |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 for label in rows:
     key = label.replace("+", "_")
     cells = [label]
@@ -66,5 +81,6 @@ for label in rows:
         else:
             delta = "" if label == "fp32" else f"{(p / base[reg] - 1) * 100:+.2f}%"
             cells += [f"{p:.3f}", delta, bs]
+        cells.append(speed(label, "dense" if reg == "dense" else "streaming"))
     print("| " + " | ".join(cells) + " |")
 PY
