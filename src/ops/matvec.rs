@@ -452,15 +452,26 @@ fn matmul_quantized(mats: &[&Matrix], xs: &[f32], out: Vec<Vec<&mut [f32]>>) {
     let threads = rayon::current_num_threads();
     let work: usize = mats.iter().map(|m| m.rows * cols * n).sum();
     let parallel = work >= PAR_MIN_WORK && threads > 1;
-    let acts: Vec<QuantizedActs> = if parallel && n >= 2 * threads {
-        xs.par_chunks_exact(cols)
-            .map(QuantizedActs::from_f32)
-            .collect()
+    // The quantised tokens go into buffers this thread keeps from one product to the next
+    // (a serve step runs a few hundred products; their allocations showed in profiles).
+    let mut acts = ACTS.with(|a| std::mem::take(&mut *a.borrow_mut()));
+    acts.resize_with(n, QuantizedActs::default);
+    let quantize = |(a, x): (&mut QuantizedActs, &[f32])| a.quantize(x);
+    // In parallel only when it pays: a serve step's 16 tokens take microseconds, less than
+    // waking the other threads.
+    if parallel && n * cols >= PAR_MIN_QUANT {
+        acts[..n]
+            .par_iter_mut()
+            .zip(xs.par_chunks_exact(cols))
+            .for_each(quantize);
     } else {
-        xs.chunks_exact(cols).map(QuantizedActs::from_f32).collect()
-    };
-    let acts: Vec<&QuantizedActs> = acts.iter().collect();
-    let tiles: Vec<ActsTile> = acts.chunks(qdot::TILE).map(ActsTile::new).collect();
+        acts[..n]
+            .iter_mut()
+            .zip(xs.chunks_exact(cols))
+            .for_each(quantize);
+    }
+    let act_refs: Vec<&QuantizedActs> = acts[..n].iter().collect();
+    let tiles: Vec<ActsTile> = act_refs.chunks(qdot::TILE).map(ActsTile::new).collect();
     let kernel = qdot::active();
     // Groups per task: about four tasks per thread over all the matrices (rayon balances
     // them when another process holds a core), at least two groups each.
@@ -496,7 +507,12 @@ fn matmul_quantized(mats: &[&Matrix], xs: &[f32], out: Vec<Vec<&mut [f32]>>) {
                     let got = &mut buf[..tile.len()];
                     qdot::dot_group_tile(kernel, p, g0 + i, tile, got);
                     for (o, v) in rows_out[t0..t0 + tile.len()].iter_mut().zip(got.iter()) {
-                        o[r0..r1].copy_from_slice(&v[..r1 - r0]);
+                        if r1 - r0 == GROUP {
+                            // A fixed length: two vector moves, not a `memmove` call.
+                            o[r0..r0 + GROUP].copy_from_slice(v);
+                        } else {
+                            o[r0..r1].copy_from_slice(&v[..r1 - r0]);
+                        }
                     }
                     t0 += tile.len();
                 }
@@ -508,6 +524,24 @@ fn matmul_quantized(mats: &[&Matrix], xs: &[f32], out: Vec<Vec<&mut [f32]>>) {
     } else {
         tasks.into_iter().for_each(body);
     }
+    drop((tiles, act_refs));
+    // A long prompt's prefill does not keep its thousands of rows alive.
+    acts.truncate(KEEP_ACTS);
+    ACTS.with(|a| *a.borrow_mut() = acts);
+}
+
+/// Activations (tokens × columns) from which [`matmul_quantized`] quantises its tokens in
+/// parallel.
+const PAR_MIN_QUANT: usize = 1 << 16;
+
+/// Most quantised tokens [`ACTS`] keeps (a serve step of 64 sequences plus a 64-token
+/// prompt chunk is 128; each token is `cols` bytes plus four floats per 32 columns).
+const KEEP_ACTS: usize = 256;
+
+thread_local! {
+    /// [`matmul_quantized`]'s quantised tokens, kept for the next product on this thread
+    /// (taken out while in use, so a nested call just allocates its own).
+    static ACTS: std::cell::RefCell<Vec<QuantizedActs>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Runs `body(xs_tile, out_tile)` over tiles of [`token_tile`] tokens (`xs`:
