@@ -776,10 +776,12 @@ pub struct SeqStep<'s> {
 impl Model {
     /// Continuous batching: advances several independent sequences in one forward pass.
     /// The tokens of every sequence are stacked into one `(n, hidden)` activation, so each
-    /// projection and MLP matrix is read once per step for all of them ([`matmul`]);
+    /// projection and MLP matrix is read once per step for all of them ([`matmul`];
+    /// [`matmul_many`] for q/k/v and gate/up, which share one quantisation of the tokens);
     /// attention runs per sequence, token by token in order, against that sequence's cache
-    /// at its own positions (sequences in parallel: they share nothing). Each session's
-    /// `logits` receive the logits of its last token.
+    /// at its own positions (sequences in parallel: they share nothing). The LM head is one
+    /// product for every sequence's last token, written straight into each session's
+    /// `logits` ([`matmul_rows`]).
     ///
     /// Every value equals what [`forward`](Self::forward) gives for that sequence alone,
     /// token after token, bit for bit ([`matmul`] computes each token's row as [`matvec`]

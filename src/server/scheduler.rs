@@ -8,8 +8,8 @@
 //!    (oldest first), so a long prompt is prefilled over several steps while the others
 //!    keep decoding;
 //! 4. one [`Model::forward_sequences`] runs them all;
-//! 5. every sequence that produced logits samples its next token with its own sampler,
-//!    and finished sequences (EOS, `max_tokens`, a stop string) leave.
+//! 5. every sequence that produced logits samples its next token with its own sampler
+//!    (the sequences in parallel), and finished sequences (EOS, `max_tokens`, a stop string) leave.
 //!
 //! Per sequence, this is exactly `generate`'s loop (prefill, sample, feed back), and the
 //! batched forward is bit-identical to the solo one, so a greedy request returns what
