@@ -15,7 +15,7 @@ use crate::config::Config;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvConfig, LayerKv};
-use crate::ops::{self, matmul, matvec, matvec_many, Matrix};
+use crate::ops::{self, matmul, matmul_many, matmul_rows, matvec, matvec_many, Matrix};
 use crate::weights::{ModelFiles, Tensor};
 
 /// Weight dtype the engine computes with (`--weights-dtype`).
@@ -465,8 +465,12 @@ impl Model {
             matmul(&lw.wo, &b.att, n, &mut b.proj);
             ops::add_assign(&mut b.x, &b.proj);
             norm_rows(&b.x, &lw.ffn_norm, c.rms_norm_eps, &mut b.h);
-            matmul(&lw.w_gate, &b.h, n, &mut b.gate);
-            matmul(&lw.w_up, &b.h, n, &mut b.up);
+            matmul_many(
+                &[&lw.w_gate, &lw.w_up],
+                &b.h,
+                n,
+                &mut [&mut b.gate, &mut b.up],
+            );
             ops::swiglu(&mut b.gate, &b.up);
             matmul(&lw.w_down, &b.gate, n, &mut b.proj);
             ops::add_assign(&mut b.x, &b.proj);
@@ -512,9 +516,18 @@ impl Model {
     ) -> Result<()> {
         let (c, lw, n) = (&self.cfg, &self.layers[l], b.n);
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
-        matmul(&lw.wq, &b.h, n, &mut b.q);
+        if let (Some(wk), Some(wv)) = (&lw.wk, &lw.wv) {
+            matmul_many(
+                &[&lw.wq, wk, wv],
+                &b.h,
+                n,
+                &mut [&mut b.q, &mut b.k, &mut b.v],
+            );
+        } else {
+            matmul(&lw.wq, &b.h, n, &mut b.q);
+        }
         b.q.chunks_exact_mut(qd).for_each(|r| add_bias(r, &lw.bq));
-        let (Some(wk), Some(wv)) = (&lw.wk, &lw.wv) else {
+        let (Some(_), Some(_)) = (&lw.wk, &lw.wv) else {
             let Some((before, ks, vs)) = &replay[self.kv_source[l]] else {
                 unreachable!("the source of a shared layer holds K/V and comes first");
             };
@@ -543,8 +556,6 @@ impl Model {
             }
             return Ok(());
         };
-        matmul(wk, &b.h, n, &mut b.k);
-        matmul(wv, &b.h, n, &mut b.v);
         b.k.chunks_exact_mut(kvd).for_each(|r| add_bias(r, &lw.bk));
         b.v.chunks_exact_mut(kvd).for_each(|r| add_bias(r, &lw.bv));
         check_finite_kv(&b.k, &b.v, l, start)?;
@@ -765,10 +776,12 @@ pub struct SeqStep<'s> {
 impl Model {
     /// Continuous batching: advances several independent sequences in one forward pass.
     /// The tokens of every sequence are stacked into one `(n, hidden)` activation, so each
-    /// projection and MLP matrix is read once per step for all of them ([`matmul`]);
+    /// projection and MLP matrix is read once per step for all of them ([`matmul`];
+    /// [`matmul_many`] for q/k/v and gate/up, which share one quantisation of the tokens);
     /// attention runs per sequence, token by token in order, against that sequence's cache
-    /// at its own positions (sequences in parallel: they share nothing). Each session's
-    /// `logits` receive the logits of its last token.
+    /// at its own positions (sequences in parallel: they share nothing). The LM head is one
+    /// product for every sequence's last token, written straight into each session's
+    /// `logits` ([`matmul_rows`]).
     ///
     /// Every value equals what [`forward`](Self::forward) gives for that sequence alone,
     /// token after token, bit for bit ([`matmul`] computes each token's row as [`matvec`]
@@ -840,16 +853,17 @@ impl Model {
         };
         for (l, lw) in self.layers.iter().enumerate() {
             norm_rows(&x, &lw.attn_norm, &mut h);
-            matmul(&lw.wq, &h, n, &mut q);
             // `None` in a YOCO shared layer: it computes no K/V (every step here has one
             // token then, see above) and reads its source layer's cache.
             let shared_source = match (&lw.wk, &lw.wv) {
                 (Some(wk), Some(wv)) => {
-                    matmul(wk, &h, n, &mut k);
-                    matmul(wv, &h, n, &mut v);
+                    matmul_many(&[&lw.wq, wk, wv], &h, n, &mut [&mut q, &mut k, &mut v]);
                     None
                 }
-                _ => Some(self.kv_source[l]),
+                _ => {
+                    matmul(&lw.wq, &h, n, &mut q);
+                    Some(self.kv_source[l])
+                }
             };
             let mut biases = vec![(&lw.bq, &mut q, qd)];
             if shared_source.is_none() {
@@ -918,8 +932,7 @@ impl Model {
             matmul(&lw.wo, &att, n, &mut proj);
             ops::add_assign(&mut x, &proj);
             norm_rows(&x, &lw.ffn_norm, &mut h);
-            matmul(&lw.w_gate, &h, n, &mut gate);
-            matmul(&lw.w_up, &h, n, &mut up);
+            matmul_many(&[&lw.w_gate, &lw.w_up], &h, n, &mut [&mut gate, &mut up]);
             // Row by row, so the SIMD/tail split of each row is the one `forward` sees.
             gate.chunks_exact_mut(ff)
                 .zip(up.chunks_exact(ff))
@@ -935,11 +948,11 @@ impl Model {
             ops::rmsnorm(&x[r * hd..(r + 1) * hd], &self.norm, c.rms_norm_eps, hr);
             check_finite_hidden(hr, st.start + st.tokens.len() - 1)?;
         }
-        let mut logits = vec![0.0f32; b * c.vocab_size];
-        matmul(&self.lm_head, &last, b, &mut logits);
-        for (st, lg) in steps.iter_mut().zip(logits.chunks_exact(c.vocab_size)) {
-            st.session.logits.copy_from_slice(lg);
-        }
+        let mut logits: Vec<&mut [f32]> = steps
+            .iter_mut()
+            .map(|st| &mut st.session.logits[..])
+            .collect();
+        matmul_rows(&self.lm_head, &last, &mut logits);
         Ok(())
     }
 }

@@ -376,7 +376,7 @@ pub fn matmul(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
         return matvec(w, xs, out);
     }
     let Some(fw) = w.float_rows() else {
-        return matmul_quantized(w, xs, out);
+        return matmul_quantized(&[w], xs, vec![out.chunks_exact_mut(rows).collect()]);
     };
     fn run<E: Elem>(w: &[E], cols: usize, xs: &[f32], out: &mut [f32]) {
         let rows = w.len() / cols;
@@ -394,62 +394,154 @@ pub fn matmul(w: &Matrix, xs: &[f32], n_tokens: usize, out: &mut [f32]) {
     for_each_token_tile(xs, cols, out, rows, rows * cols, body);
 }
 
-/// [`matmul`] for GGML-block weights. Every token is quantised to 8 bits once (and
-/// interleaved into tiles of [`qdot::TILE`] tokens); rayon tasks own ranges of row
-/// groups (as [`matvec_many`] splits rows, so a handful of tokens still uses every
-/// thread); inside a task, each group meets a tile at a time through the multi-token
-/// kernels, which load and unpack a weight block once for all its tokens. Values equal
-/// [`matvec`]'s, bit for bit.
-fn matmul_quantized(w: &Matrix, xs: &[f32], out: &mut [f32]) {
-    let (rows, cols) = (w.rows, w.cols);
+/// Several matrices applied to the same `n_tokens` tokens (`q/k/v`, `gate/up`):
+/// `outs[i] = mats[i] · xs`, each `(n_tokens, mats[i].rows)`. Over GGML blocks the tokens
+/// are quantised once for all of them and every matrix's row groups share one parallel
+/// region; otherwise (float weights, or one token) it is [`matmul`] per matrix
+/// ([`matvec_many`] for one token). Values equal [`matvec`]'s, bit for bit.
+pub fn matmul_many(mats: &[&Matrix], xs: &[f32], n_tokens: usize, outs: &mut [&mut [f32]]) {
+    debug_assert_eq!(mats.len(), outs.len());
+    if n_tokens == 1 {
+        return matvec_many(mats, xs, outs);
+    }
+    if mats.iter().any(|m| m.packed.is_none()) {
+        for (m, o) in mats.iter().zip(outs.iter_mut()) {
+            matmul(m, xs, n_tokens, o);
+        }
+        return;
+    }
+    let rows = mats
+        .iter()
+        .zip(outs.iter_mut())
+        .map(|(m, o)| o.chunks_exact_mut(m.rows).collect())
+        .collect();
+    matmul_quantized(mats, xs, rows);
+}
+
+/// [`matmul`] with each token's output row in a slice of its own (`outs[t]`, `w.rows`
+/// long): the LM head of a serve step writes every sequence's logits in place.
+pub fn matmul_rows(w: &Matrix, xs: &[f32], outs: &mut [&mut [f32]]) {
+    let n = outs.len();
+    debug_assert_eq!(xs.len(), n * w.cols);
+    if n == 1 {
+        return matvec(w, xs, outs[0]);
+    }
+    if w.packed.is_none() {
+        let mut out = vec![0.0f32; n * w.rows];
+        matmul(w, xs, n, &mut out);
+        for (o, r) in outs.iter_mut().zip(out.chunks_exact(w.rows)) {
+            o.copy_from_slice(r);
+        }
+        return;
+    }
+    let rows = outs.iter_mut().map(|o| &mut **o).collect();
+    matmul_quantized(&[w], xs, vec![rows]);
+}
+
+/// [`matmul`] for GGML-block weights: `out[m][t] = mats[m] · token t` (each `mats[m].rows`
+/// long). Every token is quantised to 8 bits once for all the matrices (and interleaved
+/// into tiles of [`qdot::TILE`] tokens); rayon tasks own ranges of one matrix's row groups
+/// (as [`matvec_many`] splits rows, so a handful of tokens still uses every thread) and
+/// the matching pieces of every token's output row, so results land in place; inside a
+/// task, each group meets a tile at a time through the multi-token kernels, which load and
+/// unpack a weight block once for all its tokens. Values equal [`matvec`]'s, bit for bit.
+fn matmul_quantized(mats: &[&Matrix], xs: &[f32], out: Vec<Vec<&mut [f32]>>) {
+    let cols = mats[0].cols;
+    debug_assert!(mats.iter().all(|m| m.cols == cols));
     let n = xs.len() / cols;
-    let p = w.packed.as_ref().expect("quantised matrices are packed");
     let threads = rayon::current_num_threads();
-    let parallel = rows * cols * n >= PAR_MIN_WORK && threads > 1;
-    let acts: Vec<QuantizedActs> = if parallel && n >= 2 * threads {
-        xs.par_chunks_exact(cols)
-            .map(QuantizedActs::from_f32)
-            .collect()
+    let work: usize = mats.iter().map(|m| m.rows * cols * n).sum();
+    let parallel = work >= PAR_MIN_WORK && threads > 1;
+    // The quantised tokens go into buffers this thread keeps from one product to the next
+    // (a serve step runs a few hundred products; their allocations showed in profiles).
+    let mut acts = ACTS.with(|a| std::mem::take(&mut *a.borrow_mut()));
+    acts.resize_with(n, QuantizedActs::default);
+    let quantize = |(a, x): (&mut QuantizedActs, &[f32])| a.quantize(x);
+    // In parallel only when it pays: a serve step's 16 tokens take microseconds, less than
+    // waking the other threads.
+    if parallel && n * cols >= PAR_MIN_QUANT {
+        acts[..n]
+            .par_iter_mut()
+            .zip(xs.par_chunks_exact(cols))
+            .for_each(quantize);
     } else {
-        xs.chunks_exact(cols).map(QuantizedActs::from_f32).collect()
-    };
-    let acts: Vec<&QuantizedActs> = acts.iter().collect();
-    let tiles: Vec<ActsTile> = acts.chunks(qdot::TILE).map(ActsTile::new).collect();
+        acts[..n]
+            .iter_mut()
+            .zip(xs.chunks_exact(cols))
+            .for_each(quantize);
+    }
+    let act_refs: Vec<&QuantizedActs> = acts[..n].iter().collect();
+    let tiles: Vec<ActsTile> = act_refs.chunks(qdot::TILE).map(ActsTile::new).collect();
     let kernel = qdot::active();
-    let groups = p.groups();
-    // Results group-major, `part[g * n + t]` = group `g`'s eight rows for token `t`, so a
-    // task's share is contiguous; copied into `out` (token-major) afterwards.
-    let mut part = vec![[0.0f32; GROUP]; groups * n];
-    let body = |g0: usize, chunk: &mut [[f32; GROUP]]| {
+    // Groups per task: about four tasks per thread over all the matrices (rayon balances
+    // them when another process holds a core), at least two groups each.
+    let total_groups: usize = mats.iter().map(|m| m.rows.div_ceil(GROUP)).sum();
+    let per = if parallel {
+        total_groups.div_ceil(4 * threads).max(2)
+    } else {
+        total_groups
+    };
+    // Task = (matrix, first group, its rows of every token's output).
+    let mut tasks: Vec<(&Matrix, usize, Vec<&mut [f32]>)> = Vec::new();
+    for (m, rows_out) in mats.iter().zip(out) {
+        let first = tasks.len();
+        let n_tasks = m.rows.div_ceil(GROUP).div_ceil(per);
+        tasks.extend((0..n_tasks).map(|i| (*m, i * per, Vec::with_capacity(n))));
+        for row in rows_out {
+            debug_assert_eq!(row.len(), m.rows);
+            for (i, piece) in row.chunks_mut(per * GROUP).enumerate() {
+                tasks[first + i].2.push(piece);
+            }
+        }
+    }
+    let body = |(m, g0, mut rows_out): (&Matrix, usize, Vec<&mut [f32]>)| {
+        let p = m.packed.as_ref().expect("quantised matrices are packed");
+        let span = rows_out[0].len();
+        let mut buf = [[0.0f32; GROUP]; qdot::TILE];
         // Token tiles bound the activations a task streams per group (they stay in L2).
         for (ti, ts) in tiles.chunks(TOKEN_TILE / qdot::TILE).enumerate() {
-            for (i, gout) in chunk.chunks_exact_mut(n).enumerate() {
+            for (i, r0) in (0..span).step_by(GROUP).enumerate() {
+                let r1 = (r0 + GROUP).min(span);
                 let mut t0 = ti * TOKEN_TILE;
                 for tile in ts {
-                    let t1 = t0 + tile.len();
-                    qdot::dot_group_tile(kernel, p, g0 + i, tile, &mut gout[t0..t1]);
-                    t0 = t1;
+                    let got = &mut buf[..tile.len()];
+                    qdot::dot_group_tile(kernel, p, g0 + i, tile, got);
+                    for (o, v) in rows_out[t0..t0 + tile.len()].iter_mut().zip(got.iter()) {
+                        if r1 - r0 == GROUP {
+                            // A fixed length: two vector moves, not a `memmove` call.
+                            o[r0..r0 + GROUP].copy_from_slice(v);
+                        } else {
+                            o[r0..r1].copy_from_slice(&v[..r1 - r0]);
+                        }
+                    }
+                    t0 += tile.len();
                 }
             }
         }
     };
     if parallel {
-        // About four tasks per thread (rayon balances them when another process holds a
-        // core), at least two groups each.
-        let per = groups.div_ceil(4 * threads).max(2);
-        part.par_chunks_mut(per * n)
-            .enumerate()
-            .for_each(|(i, c)| body(i * per, c));
+        tasks.into_par_iter().for_each(body);
     } else {
-        body(0, &mut part);
+        tasks.into_iter().for_each(body);
     }
-    for (g, gt) in part.chunks_exact(n).enumerate() {
-        let r0 = g * GROUP;
-        let m = GROUP.min(rows - r0);
-        for (t, v) in gt.iter().enumerate() {
-            out[t * rows + r0..t * rows + r0 + m].copy_from_slice(&v[..m]);
-        }
-    }
+    drop((tiles, act_refs));
+    // A long prompt's prefill does not keep its thousands of rows alive.
+    acts.truncate(KEEP_ACTS);
+    ACTS.with(|a| *a.borrow_mut() = acts);
+}
+
+/// Activations (tokens × columns) from which [`matmul_quantized`] quantises its tokens in
+/// parallel.
+const PAR_MIN_QUANT: usize = 1 << 16;
+
+/// Most quantised tokens [`ACTS`] keeps (a serve step of 64 sequences plus a 64-token
+/// prompt chunk is 128; each token is `cols` bytes plus four floats per 32 columns).
+const KEEP_ACTS: usize = 256;
+
+thread_local! {
+    /// [`matmul_quantized`]'s quantised tokens, kept for the next product on this thread
+    /// (taken out while in use, so a nested call just allocates its own).
+    static ACTS: std::cell::RefCell<Vec<QuantizedActs>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Runs `body(xs_tile, out_tile)` over tiles of [`token_tile`] tokens (`xs`:

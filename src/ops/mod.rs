@@ -10,7 +10,7 @@ pub mod simd;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use matvec::{matmul, matvec, matvec_many, Matrix};
+pub use matvec::{matmul, matmul_many, matmul_rows, matvec, matvec_many, Matrix};
 use wide::f32x8;
 
 /// RMSNorm: `out = weight · x / sqrt(mean(x²) + eps)`.

@@ -8,8 +8,8 @@
 //!    (oldest first), so a long prompt is prefilled over several steps while the others
 //!    keep decoding;
 //! 4. one [`Model::forward_sequences`] runs them all;
-//! 5. every sequence that produced logits samples its next token with its own sampler,
-//!    and finished sequences (EOS, `max_tokens`, a stop string) leave.
+//! 5. every sequence that produced logits samples its next token with its own sampler
+//!    (the sequences in parallel), and finished sequences (EOS, `max_tokens`, a stop string) leave.
 //!
 //! Per sequence, this is exactly `generate`'s loop (prefill, sample, feed back), and the
 //! batched forward is bit-identical to the solo one, so a greedy request returns what
@@ -22,6 +22,7 @@ use crate::kv_cache::KvConfig;
 use crate::model::{Model, SeqStep, Session};
 use crate::sampler::{Sampler, SamplerConfig};
 use crate::tokenizer::StreamDecoder;
+use rayon::prelude::*;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -173,8 +174,8 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
             continue;
         }
 
-        let mut produced = 0usize;
-        let mut finished: Vec<(usize, Event)> = Vec::new();
+        // Which sequences have logits to sample from (their prompt is all read).
+        let mut sample_now = vec![false; seqs.len()];
         for &(i, n) in &ran {
             let s = &mut seqs[i];
             let prompt_len = s.job.prompt_ids.len();
@@ -188,19 +189,41 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
             } else {
                 s.pos += 1;
             }
-            if s.session.logits.iter().any(|x| !x.is_finite()) {
-                let e = Event::Error(format!(
-                    "the model produced non-finite logits at position {}",
-                    s.pos - 1
-                ));
-                finished.push((i, e));
-                continue;
-            }
-            let t = s.sampler.sample(&s.session.logits);
-            produced += 1;
-            if let Some(done) = accept(s, t, tok) {
-                m.requests_finished.fetch_add(1, Ordering::Relaxed);
-                finished.push((i, done));
+            sample_now[i] = true;
+        }
+        // Each sequence checks and samples its own logits (a pass or more over the
+        // vocabulary each): in parallel, they share nothing.
+        let picks: Vec<Option<Result<u32, usize>>> = seqs
+            .par_iter_mut()
+            .zip(&sample_now)
+            .map(|(s, &now)| {
+                now.then(|| {
+                    if s.session.logits.iter().any(|x| !x.is_finite()) {
+                        Err(s.pos - 1)
+                    } else {
+                        Ok(s.sampler.sample(&s.session.logits))
+                    }
+                })
+            })
+            .collect();
+        let mut produced = 0usize;
+        let mut finished: Vec<(usize, Event)> = Vec::new();
+        for (i, pick) in picks.into_iter().enumerate() {
+            match pick {
+                None => {}
+                Some(Err(pos)) => {
+                    let e = Event::Error(format!(
+                        "the model produced non-finite logits at position {pos}"
+                    ));
+                    finished.push((i, e));
+                }
+                Some(Ok(t)) => {
+                    produced += 1;
+                    if let Some(done) = accept(&mut seqs[i], t, tok) {
+                        m.requests_finished.fetch_add(1, Ordering::Relaxed);
+                        finished.push((i, done));
+                    }
+                }
             }
         }
         m.tokens_generated
