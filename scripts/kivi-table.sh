@@ -41,24 +41,36 @@ run dense_int2_r32 --kv-quantize int2 --kv-residual 32
 run dense_int2_r128 --kv-quantize int2 --kv-residual 128
 run dense_int2_r128_pre --kv-quantize int2 --kv-residual 128 --kv-key-rope pre
 run dense_k4v2_r128 --kv-quantize-k int4 --kv-quantize-v int2 --kv-residual 128
+run dense_int2_r128_g16 --kv-quantize int2 --kv-residual 128 --kv-group-size 16
 run s_fp32 $S
 run s_int8 $S --kv-quantize int8
 run s_int4 $S --kv-quantize int4
 run s_int2_r128 $S --kv-quantize int2 --kv-residual 128
 run s_k4v2_r128 $S --kv-quantize-k int4 --kv-quantize-v int2 --kv-residual 128
+run s_int4_pre $S --kv-quantize int4 --kv-key-rope pre
+run s_int4_r128 $S --kv-quantize int4 --kv-residual 128
+run s_int4_r128_pre $S --kv-quantize int4 --kv-residual 128 --kv-key-rope pre
+run s_k8v4 $S --kv-quantize-k int8 --kv-quantize-v int4
+run s_int2_r32 $S --kv-quantize int2 --kv-residual 32
+run s_int2_r128_pre $S --kv-quantize int2 --kv-residual 128 --kv-key-rope pre
+run s_int2_r128_g16 $S --kv-quantize int2 --kv-residual 128 --kv-group-size 16
 "$BIN" cache-table "$M" --lengths $N --json \
     --modes fp32,int8,int4,int4+r128,k8v4,int2+r32,int2+r128,k4v2+r128 > "$OUT/bytes.json"
+"$BIN" cache-table "$M" --lengths $N --json --kv-group-size 16 --modes int2+r128 > "$OUT/bytes_g16.json"
 fi
 python3 - "$OUT" <<'PY'
 import json, os, sys
 d = sys.argv[1]
 by = {r["mode"]: r["bytes"] for r in json.load(open(f"{d}/bytes.json"))["rows"]}
+if os.path.exists(f"{d}/bytes_g16.json"):  # K groups of 16 tokens: the "+g16" row
+    for r in json.load(open(f"{d}/bytes_g16.json"))["rows"]:
+        by[r["mode"].replace("int2+r128", "int2+r128+g16")] = r["bytes"]
 def ppl(n):
     f = f"{d}/{n}.json"
     return json.load(open(f))["ppl"] if os.path.exists(f) else None
 base = {"dense": ppl("dense_fp32"), "s": ppl("s_fp32")}
 rows = ["fp32", "int8", "int4", "int4+pre", "int4+r128", "int4+r128+pre", "k8v4",
-        "int2+r32", "int2+r128", "int2+r128+pre", "k4v2+r128"]
+        "int2+r32", "int2+r128", "int2+r128+pre", "int2+r128+g16", "k4v2+r128"]
 def step_ms(label, region):
     f = f"target/criterion/decode_kivi_smollm2/{label}-{region}/4K-cpu/new/estimates.json"
     return json.load(open(f))["mean"]["point_estimate"] / 1e6 if os.path.exists(f) else None
