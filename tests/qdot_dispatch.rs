@@ -1,5 +1,6 @@
-//! Every quantised-weight kernel variant this CPU supports (`qdot::Kernel::supported`)
-//! against the scalar twin in the reference crate, bit for bit: odd row counts (partial
+//! Every quantised-weight kernel variant this CPU supports (`qdot::Kernel::supported`;
+//! `scalar` and the `wide`-based `portable` run on every machine, so they are always
+//! among them) against the scalar twin in the reference crate, bit for bit: odd row counts (partial
 //! row groups), 1 to 9 blocks per row, extreme codes (Q8_0 −128 and 127, Q4 nibbles 0
 //! and 15), extreme f16 scales (0, subnormal, ±65504) and extreme activations (zero
 //! blocks, 1e30, subnormal values, one large value among tiny ones).
@@ -95,6 +96,9 @@ fn reports_supported_variants() {
         qdot::active().name()
     );
     assert_eq!(s[0], Kernel::Scalar);
+    // the portable variant runs (and is tested) everywhere
+    assert_eq!(s[1], Kernel::Portable);
+    assert!(Kernel::Portable.is_supported());
     assert!(s.contains(&qdot::active()));
     for k in Kernel::ALL {
         assert_eq!(Kernel::from_name(k.name()), Some(k));
