@@ -21,8 +21,7 @@
 
 use super::qdot::{Group, QuantizedActs, GROUP, QK, TOKENS};
 use crate::dtype::DType;
-use half::f16;
-use wide::{f32x8, i16x16, i32x8, i8x16, u8x16};
+use wide::{f32x8, i16x16, i32x8, i8x16, u8x16, CmpEq};
 
 /// One 8-row block of codes widened to 16 bits: `[k]` row `k`'s elements 0..16, `[8 + k]`
 /// its elements 16..32 (Q4: the low and the high nibbles of its 16 bytes, 0..15).
@@ -65,7 +64,11 @@ fn widen_acts(q: &[i8]) -> (i16x16, i16x16) {
 #[inline(always)]
 fn isum(dtype: DType, w: &[i16x16; 16], (lo, hi): (i16x16, i16x16), qsum: i32) -> i32x8 {
     // part[k]: row k's eight partial sums of four products each.
-    let part: [i32x8; GROUP] = std::array::from_fn(|k| w[k].dot(lo) + w[8 + k].dot(hi));
+    // (A loop, not `array::from_fn`, which the compiler left as a call here.)
+    let mut part = [i32x8::ZERO; GROUP];
+    for (k, p) in part.iter_mut().enumerate() {
+        *p = w[k].dot(lo) + w[8 + k].dot(hi);
+    }
     let t = i32x8::transpose(part);
     let s = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
     if dtype == DType::Q4_0 {
@@ -75,12 +78,34 @@ fn isum(dtype: DType, w: &[i16x16; 16], (lo, hi): (i16x16, i16x16), qsum: i32) -
     }
 }
 
-/// Eight f16 values at `b[at..at + 16]` as f32 lanes (exact conversion).
+/// Eight f16 values at `b[at..at + 16]` as f32 lanes, in vector integer steps (no F16C
+/// needed), equal bit for bit to `half`'s `f16::to_f32` for every pattern (the unit test
+/// below tries all 65,536): a normal value moves its exponent and mantissa into place and
+/// rebiases the exponent; a subnormal (or zero) is its mantissa times `2^-24`, an exact
+/// product of normal floats (so flush-to-zero modes cannot change it); infinities keep
+/// the all-ones exponent, and a NaN also gets the quiet bit, as `half` (and F16C) do.
 #[inline(always)]
 fn f16x8(b: &[u8], at: usize) -> f32x8 {
-    f32x8::from(std::array::from_fn::<f32, 8, _>(|k| {
-        f16::from_le_bytes([b[at + 2 * k], b[at + 2 * k + 1]]).to_f32()
-    }))
+    let b = &b[at..at + 16];
+    let mut h = [0i32; 8];
+    for (k, o) in h.iter_mut().enumerate() {
+        *o = u16::from_le_bytes([b[2 * k], b[2 * k + 1]]) as i32;
+    }
+    let h = i32x8::from(h);
+    let sign = (h & i32x8::splat(0x8000)) << 16;
+    let exp = h & i32x8::splat(0x7C00);
+    let man = h & i32x8::splat(0x03FF);
+    let normal = ((h & i32x8::splat(0x7FFF)) << 13) + i32x8::splat((127 - 15) << 23);
+    let quiet = man
+        .cmp_eq(i32x8::ZERO)
+        .blend(i32x8::ZERO, i32x8::splat(0x0040_0000));
+    let special = i32x8::splat(0x7F80_0000) | quiet | (man << 13);
+    let tiny: i32x8 = bytemuck::cast(man.round_float() * f32x8::splat(1.0 / 16_777_216.0));
+    let bits = exp.cmp_eq(i32x8::ZERO).blend(
+        tiny,
+        exp.cmp_eq(i32x8::splat(0x7C00)).blend(special, normal),
+    );
+    bytemuck::cast(bits | sign)
 }
 
 /// Block `b`'s eight scales and (Q4_1) minimums as f32 lanes; zero minimums otherwise.
@@ -161,5 +186,33 @@ pub fn group_tokens_portable(
     }
     for (o, acc_t) in out.iter_mut().zip(acc) {
         *o = acc_t.to_array();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::f16x8;
+    use half::f16;
+
+    /// Every f16 bit pattern, in every lane position, against `half`'s conversion.
+    #[test]
+    fn f16_conversion_equals_half_for_every_pattern() {
+        let mut bytes = vec![0u8; 2 * 65_536 + 2];
+        for h in 0..=u16::MAX {
+            let at = 2 + 2 * h as usize;
+            bytes[at..at + 2].copy_from_slice(&h.to_le_bytes());
+        }
+        // offset 2: lane k holds pattern 8i + k; offset 0: shifted by one lane
+        for start in [0usize, 2] {
+            for chunk in 0..(65_536 / 8) {
+                let at = start + 16 * chunk;
+                let got = f16x8(&bytes, at).to_array();
+                for (k, g) in got.iter().enumerate() {
+                    let raw = u16::from_le_bytes([bytes[at + 2 * k], bytes[at + 2 * k + 1]]);
+                    let want = f16::from_bits(raw).to_f32();
+                    assert_eq!(g.to_bits(), want.to_bits(), "f16 {raw:#06x}");
+                }
+            }
+        }
     }
 }
