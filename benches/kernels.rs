@@ -3,7 +3,9 @@
 //! * `matvec/{shape}/{dtype}-{threads}t`: one matrix-vector product, throughput = bytes of
 //!   weights read (so criterion prints GB/s). Shapes: `768x256` (the flagship's gate/up
 //!   projection, cache-resident) and `4096x4096` (64 MiB in f32: streams from DRAM).
-//!   Q8_0/Q4_1 include quantising the activation to 8 bits per block, as the model does.
+//!   Q8_0/Q4_1 include quantising the activation to 8 bits per block, as the model does,
+//!   and run the active kernel variant (printed first; `TINYGPT_KERNEL=scalar|portable|…`
+//!   forces one).
 //! * `qdot/{shape}/{dtype}-{kernel}-1t-cpu`: one quantised matvec through each kernel
 //!   variant this CPU supports (`qdot::Kernel::supported`), one thread, CPU-time clock,
 //!   throughput = bytes of weights read. `1536x576` is SmolLM2-135M's gate/up projection
@@ -85,6 +87,11 @@ fn matrix(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Matrix {
 }
 
 fn bench_matvec(c: &mut Criterion) {
+    // The Q8_0/Q4_1 rows run this variant (`TINYGPT_KERNEL` forces one).
+    println!(
+        "matvec: quantised-weight kernel variant {}",
+        qdot::active().name()
+    );
     let n = all_cores();
     let pools = [(1usize, pool(1)), (n, pool(n))];
     let mut rng = ChaCha8Rng::seed_from_u64(1);

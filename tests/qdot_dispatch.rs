@@ -1,5 +1,6 @@
-//! Every quantised-weight kernel variant this CPU supports (`qdot::Kernel::supported`)
-//! against the scalar twin in the reference crate, bit for bit: odd row counts (partial
+//! Every quantised-weight kernel variant this CPU supports (`qdot::Kernel::supported`;
+//! `scalar` and the `wide`-based `portable` run on every machine, so they are always
+//! among them) against the scalar twin in the reference crate, bit for bit: odd row counts (partial
 //! row groups), 1 to 9 blocks per row, extreme codes (Q8_0 −128 and 127, Q4 nibbles 0
 //! and 15), extreme f16 scales (0, subnormal, ±65504) and extreme activations (zero
 //! blocks, 1e30, subnormal values, one large value among tiny ones).
@@ -13,7 +14,7 @@ use half::f16;
 use proptest::prelude::*;
 use tinygpt_cpu::dtype::DType;
 use tinygpt_cpu::ops::qdot::{self, Kernel, Packed, QuantizedActs, GROUP};
-use tinygpt_cpu::ops::{matmul, matvec, Matrix};
+use tinygpt_cpu::ops::{matmul, matvec, matvec_many, Matrix};
 use tinygpt_cpu::weights::{Tensor, TensorBytes};
 use tinygpt_reference::ggml_dot;
 
@@ -95,6 +96,9 @@ fn reports_supported_variants() {
         qdot::active().name()
     );
     assert_eq!(s[0], Kernel::Scalar);
+    // the portable variant runs (and is tested) everywhere
+    assert_eq!(s[1], Kernel::Portable);
+    assert!(Kernel::Portable.is_supported());
     assert!(s.contains(&qdot::active()));
     for k in Kernel::ALL {
         assert_eq!(Kernel::from_name(k.name()), Some(k));
@@ -374,6 +378,94 @@ fn batched_quantised_matmul_equals_one_token_matvec() {
                             "{dtype} threads={threads} tokens={ntok} t={t} r={r}"
                         );
                     }
+                }
+            }
+        }
+    }
+}
+
+/// `matvec_many` (the decode step's fused `q/k/v` and `gate/up` products: rows of several
+/// matrices cut into tasks of equal work, a task may span two matrices) gives each matrix
+/// exactly what `matvec` gives it alone on one thread: matrices of unequal, odd row counts
+/// (cuts inside and across matrices, partial row groups), float and GGML dtypes in one
+/// call, pools of 1, 2, 3 and 5 threads.
+#[test]
+fn matvec_many_equals_one_matvec_per_matrix_at_any_thread_count() {
+    let cols = 320;
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let mut make = |dtype: DType, rows: usize| {
+        let bytes = match dtype {
+            DType::F32 => (0..rows * cols)
+                .flat_map(|_| ((next() % 2001) as f32 / 1e4 - 0.1).to_le_bytes())
+                .collect(),
+            _ => {
+                let nb = rows * cols / 32;
+                let codes: Vec<u8> = (0..nb * 32).map(|_| next() as u8).collect();
+                let scales: Vec<u16> = (0..nb * 2)
+                    .map(|_| f16::from_f32((next() % 2000) as f32 / 1e4 - 0.1).to_bits())
+                    .collect();
+                rows_bytes(dtype, rows, cols / 32, &codes, &scales)
+            }
+        };
+        Matrix::from_tensor(&Tensor {
+            name: "w".into(),
+            dtype,
+            shape: vec![rows, cols],
+            data: TensorBytes::owned(&bytes),
+        })
+    };
+    let sets: Vec<Vec<Matrix>> = vec![
+        vec![
+            make(DType::Q4_1, 203),
+            make(DType::Q4_1, 67),
+            make(DType::Q4_1, 67),
+        ],
+        vec![make(DType::Q8_0, 77), make(DType::F32, 301)],
+        vec![
+            make(DType::Q4_0, 9),
+            make(DType::Q8_0, 250),
+            make(DType::F32, 1),
+        ],
+    ];
+    let x: Vec<f32> = (0..cols)
+        .map(|_| (next() % 20001) as f32 / 1e4 - 1.0)
+        .collect();
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    for mats in &sets {
+        let want: Vec<Vec<f32>> = mats
+            .iter()
+            .map(|m| {
+                let mut o = vec![0.0f32; m.rows];
+                one.install(|| matvec(m, &x, &mut o));
+                o
+            })
+            .collect();
+        let refs: Vec<&Matrix> = mats.iter().collect();
+        for threads in [1, 2, 3, 5] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let mut got: Vec<Vec<f32>> = mats.iter().map(|m| vec![f32::NAN; m.rows]).collect();
+            let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|o| o.as_mut_slice()).collect();
+            pool.install(|| matvec_many(&refs, &x, &mut outs));
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                for (r, (a, b)) in g.iter().zip(w).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "threads={threads} matrix {i} ({:?}) row {r}",
+                        mats[i]
+                    );
                 }
             }
         }

@@ -336,18 +336,54 @@ pub fn matvec_many(mats: &[&Matrix], x: &[f32], outs: &mut [&mut [f32]]) {
         }
         return;
     }
-    // About two tasks per thread, each a multiple of RB rows.
-    let mut tasks: Vec<(&Matrix, usize, &mut [f32])> = Vec::new();
+    tasks_of_equal_work(mats, outs, work.div_ceil(2 * threads))
+        .into_par_iter()
+        .for_each(|segs| {
+            for (m, base, oc) in segs {
+                input.rows(m, base, oc);
+            }
+        });
+}
+
+/// One [`matvec_many`] task: row ranges `(matrix, first row, outputs)`.
+type Task<'m, 'o> = Vec<(&'m Matrix, usize, &'o mut [f32])>;
+
+/// Cuts the matrices' rows, in order, into tasks of about `per` multiply-adds each
+/// (`rows × cols`), every cut on a multiple of [`RB`] rows (a packed row group); a task
+/// may end one matrix and start the next. Equal tasks keep the threads' shares equal
+/// when the matrices differ in size (`q` 576 rows, `k` and `v` 192 each: per-matrix chunks
+/// gave one thread 576 rows and the other 384).
+fn tasks_of_equal_work<'m, 'o>(
+    mats: &[&'m Matrix],
+    outs: &'o mut [&mut [f32]],
+    per: usize,
+) -> Vec<Task<'m, 'o>> {
+    let mut tasks = Vec::new();
+    let (mut cur, mut cur_work): (Task, usize) = (Vec::new(), 0);
     for (m, o) in mats.iter().zip(outs.iter_mut()) {
-        let share = m.rows * m.cols * 2 * threads / work.max(1);
-        let chunk = m.rows.div_ceil(share.max(1)).next_multiple_of(RB);
-        for (ci, oc) in o.chunks_mut(chunk).enumerate() {
-            tasks.push((m, ci * chunk, oc));
+        let mut rest: &'o mut [f32] = o;
+        let mut r0 = 0;
+        while !rest.is_empty() {
+            let room = per.saturating_sub(cur_work).max(1);
+            let n = room
+                .div_ceil(m.cols.max(1))
+                .next_multiple_of(RB)
+                .min(rest.len());
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(n);
+            rest = tail;
+            cur.push((*m, r0, head));
+            r0 += n;
+            cur_work += n * m.cols;
+            if cur_work >= per {
+                tasks.push(std::mem::take(&mut cur));
+                cur_work = 0;
+            }
         }
     }
+    if !cur.is_empty() {
+        tasks.push(cur);
+    }
     tasks
-        .into_par_iter()
-        .for_each(|(m, base, oc)| input.rows(m, base, oc));
 }
 
 /// Most tokens per [`matmul`] task: a tile's activations stay in L2 while each block of

@@ -5,6 +5,7 @@
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
 pub mod matvec;
+mod portable;
 pub mod qdot;
 pub mod simd;
 #[cfg(target_arch = "x86_64")]

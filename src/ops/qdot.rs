@@ -29,9 +29,18 @@
 //!
 //! [`Kernel`] names the variants; [`active`] is the one the engine uses: the best the CPU
 //! supports (`is_x86_feature_detected!` / `is_aarch64_feature_detected!`), or the one
-//! named by the environment variable `TINYGPT_KERNEL` (`scalar`, `avx2`, `avx512vnni`,
-//! `neon-dotprod`) when the CPU supports it. Tests call every supported variant directly
-//! through [`dot_group`].
+//! named by the environment variable `TINYGPT_KERNEL` (`scalar`, `portable`, `avx2`,
+//! `avx512vnni`, `neon-dotprod`) when the CPU supports it. Tests call every supported
+//! variant directly through [`dot_group`].
+//!
+//! * `scalar`: plain Rust loops, the reference's steps one row at a time (the twin the
+//!   others are tested against; not a speed target);
+//! * `portable` (`super::portable`): `wide` vectors only, no `std::arch`, so it builds
+//!   and runs on every target; the best variant of a CPU with neither AVX2 nor the Arm
+//!   dot-product extension. Its speed depends on the vector width the build enables
+//!   (`.cargo/config.toml` builds for the host CPU);
+//! * `avx2`, `avx512vnni` (`super::x86`), `neon-dotprod` (`super::aarch64`): one
+//!   instruction set each, behind run-time detection.
 
 use super::simd::load8;
 use crate::dtype::DType;
@@ -127,6 +136,8 @@ impl QuantizedActs {
 pub enum Kernel {
     /// Plain Rust loops over the packed layout (every CPU).
     Scalar,
+    /// `wide` vectors (`i16x16` pair products): every CPU, any target.
+    Portable,
     /// x86_64 AVX2 (`vpmaddubsw` + `vpmaddwd`), F16C for the scales.
     Avx2,
     /// x86_64 AVX-512 BW + VNNI (`vpdpbusd` on 512-bit vectors).
@@ -137,8 +148,9 @@ pub enum Kernel {
 
 impl Kernel {
     /// Every variant, slowest first.
-    pub const ALL: [Kernel; 4] = [
+    pub const ALL: [Kernel; 5] = [
         Kernel::Scalar,
+        Kernel::Portable,
         Kernel::Avx2,
         Kernel::Avx512Vnni,
         Kernel::NeonDotprod,
@@ -147,6 +159,7 @@ impl Kernel {
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Scalar => "scalar",
+            Kernel::Portable => "portable",
             Kernel::Avx2 => "avx2",
             Kernel::Avx512Vnni => "avx512vnni",
             Kernel::NeonDotprod => "neon-dotprod",
@@ -160,7 +173,7 @@ impl Kernel {
     /// Whether this CPU can run the variant (run-time detection).
     pub fn is_supported(self) -> bool {
         match self {
-            Kernel::Scalar => true,
+            Kernel::Scalar | Kernel::Portable => true,
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2 => {
                 is_x86_feature_detected!("avx2")
@@ -392,6 +405,7 @@ pub fn dot_group(kernel: Kernel, p: &Packed, g: usize, a: &QuantizedActs, out: &
             // SAFETY: NEON is baseline on aarch64 and `dotprod` was detected just above.
             unsafe { super::aarch64::group_neon_dotprod(p.dtype, &grp, a, out) }
         }
+        Kernel::Portable => super::portable::group_portable(p.dtype, &grp, a, out),
         _ => group_scalar(p.dtype, &grp, a, out),
     }
 }
@@ -439,6 +453,9 @@ pub fn dot_group_tokens(
                 // SAFETY: NEON is baseline on aarch64 and `dotprod` was detected just
                 // above; block counts asserted above.
                 unsafe { super::aarch64::group_tokens_neon_dotprod(p.dtype, &grp, &tile, &mut buf) }
+            }
+            Kernel::Portable => {
+                super::portable::group_tokens_portable(p.dtype, &grp, &tile, &mut buf)
             }
             _ => group_tokens_scalar(p.dtype, &grp, &tile, &mut buf),
         }
@@ -593,8 +610,7 @@ fn unpack_block(dtype: DType, qs: &[u8], w: &mut [[i8; QK]; GROUP]) {
     }
 }
 
-/// The portable variant: per row, per block, the reference's exact steps (integer dots
-/// written so the compiler can vectorise them).
+/// The scalar variant: per row, per block, the reference's exact steps in plain loops.
 pub fn group_scalar(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 8]) {
     let qsb = qs_bytes(dtype);
     let mut acc = [0.0f32; GROUP];
@@ -620,7 +636,7 @@ pub fn group_scalar(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 
     *out = acc;
 }
 
-/// The portable multi-token variant: [`group_scalar`]'s steps for every token, each
+/// The scalar multi-token variant: [`group_scalar`]'s steps for every token, each
 /// 8-row block unpacked once for all of them (the scalar twin of the multi-token
 /// kernels; equal to [`group_scalar`] per token, bit for bit).
 pub fn group_tokens_scalar(
