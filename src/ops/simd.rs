@@ -174,3 +174,68 @@ impl Elem for bf16 {
         bytemuck::cast(i32x8::from_u16x8(u16x8::new(a)) << 16)
     }
 }
+
+/// Variants of the fused KIVI attention kernels (`quant::dot_codes_rows`,
+/// `quant::axpy_codes_rows`): **the one dispatch point** for them. The engine uses
+/// [`kv_kernel`]; tests call each supported variant through the `_with` functions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvKernel {
+    /// `wide` vectors (whatever the build targets), any head dim.
+    Portable,
+    /// x86_64 AVX-512 F/BW/VL + F16C (`vpermps` nibble lookup), head dims 32/64/96/128;
+    /// other head dims take the portable path.
+    Avx512,
+}
+
+impl KvKernel {
+    /// Every variant, slowest first.
+    pub const ALL: [KvKernel; 2] = [KvKernel::Portable, KvKernel::Avx512];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvKernel::Portable => "portable",
+            KvKernel::Avx512 => "avx512",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<KvKernel> {
+        KvKernel::ALL.into_iter().find(|k| k.name() == s)
+    }
+
+    /// Whether this CPU can run the variant (run-time detection).
+    pub fn is_supported(self) -> bool {
+        match self {
+            KvKernel::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            KvKernel::Avx512 => {
+                is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
+    /// The variants this CPU supports, slowest first.
+    pub fn supported() -> Vec<KvKernel> {
+        KvKernel::ALL
+            .into_iter()
+            .filter(|k| k.is_supported())
+            .collect()
+    }
+}
+
+/// The KIVI attention kernel the engine uses, chosen once: `TINYGPT_KV_KERNEL`
+/// (`portable`, `avx512`) if it names a supported variant, else the fastest supported.
+pub fn kv_kernel() -> KvKernel {
+    static ACTIVE: std::sync::OnceLock<KvKernel> = std::sync::OnceLock::new();
+    *ACTIVE.get_or_init(|| {
+        std::env::var("TINYGPT_KV_KERNEL")
+            .ok()
+            .and_then(|s| KvKernel::from_name(s.trim()))
+            .filter(|k| k.is_supported())
+            .unwrap_or_else(|| *KvKernel::supported().last().expect("portable"))
+    })
+}
