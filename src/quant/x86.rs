@@ -101,21 +101,40 @@ const fn perm_tables<const W: u8, const HD: usize>() -> ([[i32; 16]; 16], [[u16;
 }
 
 /// Extract `k` of every dword of `d` (codes `k` of each group of `32 / W`) as f32.
+/// int4/int2: a shift, then `vpermps` from the table `[0.0, 1.0, …, 15.0]` (int2: lane
+/// `i` holds `i % 4`), which reads only a lane's low 4 bits (no mask, no convert);
+/// int8: shift, mask, `vcvtdq2ps`.
 #[target_feature(enable = "avx512f")]
 #[inline]
 fn extract<const W: u8>(d: __m512i, k: usize) -> __m512 {
-    let mask = _mm512_set1_epi32((1i32 << W) - 1);
     let x = if k == 0 {
-        _mm512_and_si512(d, mask)
-    } else if k + 1 == per_dword::<W>() {
-        _mm512_srl_epi32(d, _mm_cvtsi32_si128((W as usize * k) as i32))
+        d
     } else {
-        _mm512_and_si512(
-            _mm512_srl_epi32(d, _mm_cvtsi32_si128((W as usize * k) as i32)),
-            mask,
-        )
+        _mm512_srl_epi32(d, _mm_cvtsi32_si128((W as usize * k) as i32))
     };
-    _mm512_cvtepi32_ps(x)
+    match W {
+        4 => _mm512_permutexvar_ps(
+            x,
+            _mm512_setr_ps(
+                0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
+                15.0,
+            ),
+        ),
+        2 => _mm512_permutexvar_ps(
+            x,
+            _mm512_setr_ps(
+                0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0,
+            ),
+        ),
+        _ => {
+            let x = if k + 1 == per_dword::<W>() {
+                x
+            } else {
+                _mm512_and_si512(x, _mm512_set1_epi32(0xFF))
+            };
+            _mm512_cvtepi32_ps(x)
+        }
+    }
 }
 
 /// 64 bytes at `p`, of which only the first `n` (≤ 64) are read; the rest are zero.
