@@ -31,8 +31,9 @@
 //! but once per query head instead of once per KV head.) Values never rotate, so they
 //! take the fused path in both modes.
 //!
-//! Scores are reduced eight rows at a time (`ops::simd::reduce8`), always in the same order,
-//! so a row's score does not depend on how the rows were cut into runs or blocks.
+//! Scores are reduced eight rows at a time (`ops::simd::reduce8`; the AVX-512 KIVI kernels
+//! sixteen, `quant::x86`), always in the same order, so a row's score does not depend on
+//! how the rows were cut into runs or blocks.
 //! Folding changes the summation order, so results match the dequantise-then-dot path
 //! (and the reference) to rounding, not bit for bit. Cost per step is O(stored rows).
 //!
