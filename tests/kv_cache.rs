@@ -1020,3 +1020,41 @@ fn kivi_kernels_every_variant_match_scalar_twins() {
         }
     }
 }
+
+/// The dispatched softmax (AVX-512 where the CPU has it) against the portable one: the
+/// same `exp` per value, so only the sum's order differs; odd lengths (both tails),
+/// hidden rows (`-inf`), a wide range of scores.
+#[test]
+fn softmax_variants_agree() {
+    use tinygpt_cpu::attention::{softmax, softmax_portable};
+    let mut rng = ChaCha8Rng::seed_from_u64(0x50f7);
+    for n in [
+        1usize, 2, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32, 33, 100, 1000, 4099,
+    ] {
+        for spread in [0.1f32, 5.0, 60.0] {
+            let x: Vec<f32> = (0..n)
+                .map(|i| {
+                    if i % 11 == 5 {
+                        f32::NEG_INFINITY
+                    } else {
+                        rng.gen_range(-spread..spread)
+                    }
+                })
+                .collect();
+            let (mut a, mut b) = (x.clone(), x.clone());
+            softmax(&mut a);
+            softmax_portable(&mut b);
+            let tol = 2.0 * n as f32 * f32::EPSILON;
+            for i in 0..n {
+                assert!(
+                    (a[i] - b[i]).abs() <= tol * b[i].max(f32::MIN_POSITIVE),
+                    "n={n} spread={spread} i={i}: {} vs {}",
+                    a[i],
+                    b[i]
+                );
+            }
+            let sum: f32 = a.iter().sum();
+            assert!((sum - 1.0).abs() <= tol, "n={n}: sum {sum}");
+        }
+    }
+}
