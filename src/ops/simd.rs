@@ -255,8 +255,8 @@ pub(crate) mod avx512 {
     pub(crate) fn exp16(x: __m512) -> __m512 {
         let s = _mm512_set1_ps;
         let r = _mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x, s(std::f32::consts::LOG2_E)));
-        let t = _mm512_fnmadd_ps(r, s(0.693359375), x);
-        let t = _mm512_fnmadd_ps(r, s(-2.12194440e-4), t);
+        let t = _mm512_fnmadd_ps(r, s(0.693_359_4), x);
+        let t = _mm512_fnmadd_ps(r, s(-2.121_944_4e-4), t);
         let t2 = _mm512_mul_ps(t, t);
         let t4 = _mm512_mul_ps(t2, t2);
         let inner = _mm512_fmadd_ps(
@@ -380,7 +380,7 @@ pub(crate) mod avx512 {
                 f32::MAX,
                 f32::MIN,
             ]);
-            while xs.len() % 16 != 0 {
+            while !xs.len().is_multiple_of(16) {
                 xs.push(1.5);
             }
             for c in xs.chunks_exact(16) {
