@@ -31,8 +31,9 @@
 //! but once per query head instead of once per KV head.) Values never rotate, so they
 //! take the fused path in both modes.
 //!
-//! Scores are reduced eight rows at a time (`ops::simd::reduce8`), always in the same order,
-//! so a row's score does not depend on how the rows were cut into runs or blocks.
+//! Scores are reduced eight rows at a time (`ops::simd::reduce8`; the AVX-512 KIVI kernels
+//! sixteen, `quant::x86`), always in the same order, so a row's score does not depend on
+//! how the rows were cut into runs or blocks.
 //! Folding changes the summation order, so results match the dequantise-then-dot path
 //! (and the reference) to rounding, not bit for bit. Cost per step is O(stored rows).
 //!
@@ -168,8 +169,21 @@ fn dot_block(q: &[f32], rows: &[f32], out: &mut [f32]) {
 /// Vectorised: the max over eight independent chains (exact in any order), `exp` eight
 /// lanes at a time (`wide`'s polynomial, within 2 ulp of libm's; `exp(−inf) = 0`), the
 /// sum over eight lane accumulators, one division per value. Differs from the
-/// reference's scalar loop by rounding only (the attention tests bound it).
+/// reference's scalar loop by rounding only (the attention tests bound it). The
+/// `avx512` variant (`ops::simd::KvKernel`) computes the same `exp` per value sixteen
+/// lanes at a time and adds the sum in another order.
 pub fn softmax(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::ops::simd::kv_kernel() == crate::ops::simd::KvKernel::Avx512 {
+        // SAFETY: `kv_kernel` picks the AVX-512 variant only when the CPU has AVX-512 F.
+        unsafe { crate::ops::simd::avx512::softmax(x) };
+        return;
+    }
+    softmax_portable(x)
+}
+
+/// [`softmax`] on `wide` vectors (the portable variant).
+pub fn softmax_portable(x: &mut [f32]) {
     let n = x.len();
     let n8 = n - n % 8;
     let mut mv = f32x8::splat(f32::NEG_INFINITY);

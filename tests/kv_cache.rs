@@ -853,3 +853,208 @@ fn validate_rejects_bad_flags() {
         assert!(err.to_string().starts_with(flag), "{kv:?}: {err}");
     }
 }
+
+/// Every KIVI attention kernel variant the CPU supports (`ops::simd::KvKernel`) against
+/// the scalar twins (`quant::dot_codes_scalar`, per-row `u·s + z`), summed in f64: random
+/// head dims (the AVX-512 ones and others), run lengths 1, around 16 (its block) and 32
+/// (a K group), 1 and 3 queries, constant channels (the smallest scale, one code),
+/// extreme parameters (±65504) and zero weights. The bound is the f32 summation-order
+/// bound `2·n·2⁻²⁴·Σ|terms|`: a wrong lane or row shows up as an O(1) error.
+#[test]
+fn kivi_kernels_every_variant_match_scalar_twins() {
+    use half::f16;
+    use tinygpt_cpu::quant::{axpy_codes_rows_with, dot_codes_groups_with, get, Bits, KvKernel};
+    let kernels = KvKernel::supported();
+    eprintln!(
+        "KIVI kernels tested: {:?}",
+        kernels.iter().map(|k| k.name()).collect::<Vec<_>>()
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(0x4b56_4b56);
+    let u = f32::EPSILON as f64 / 2.0;
+    for kernel in kernels {
+        for bits in [Bits::Int8, Bits::Int4, Bits::Int2] {
+            for hd in [32usize, 64, 128, 256, 96, 16, 48, 8] {
+                let pk = bits.packed_len(hd);
+                for rows in [1usize, 2, 15, 16, 17, 31, 32, 33, 64, 100] {
+                    for nq in [1usize, 3] {
+                        for shape in ["random", "constant", "extreme"] {
+                            let ctx = format!(
+                                "{} bits={bits:?} hd={hd} rows={rows} nq={nq} {shape}",
+                                kernel.name()
+                            );
+                            let codes: Vec<u8> = match shape {
+                                "constant" => vec![0u8; rows * pk],
+                                _ => (0..rows * pk).map(|_| rng.gen()).collect(),
+                            };
+                            let code = |r: usize, c: usize| get(&codes[r * pk..], c, bits) as f64;
+                            let big = |rng: &mut ChaCha8Rng| {
+                                if rng.gen_bool(0.5) {
+                                    65504.0f32
+                                } else {
+                                    -65504.0
+                                }
+                            };
+                            // Keys: groups of G rows (the run starting `offset` rows into its
+                            // first group), per-channel (scale, zero) per group.
+                            let (g, offset) = [(32, 0), (32, 5), (7, 3), (1, 0)][rows % 4];
+                            let groups = (offset + rows).div_ceil(g);
+                            let (ks, kz): (Vec<f16>, Vec<f16>) = (0..groups * hd)
+                                .map(|_| match shape {
+                                    "constant" => (f16::from_f32(1e-5), f16::from_f32(-0.5)),
+                                    "extreme" => (
+                                        f16::from_f32(big(&mut rng).abs() / 4.0),
+                                        f16::from_f32(big(&mut rng)),
+                                    ),
+                                    _ => (
+                                        f16::from_f32(rng.gen_range(1e-3..0.5f32)),
+                                        f16::from_f32(rng.gen_range(-2.0..2.0f32)),
+                                    ),
+                                })
+                                .unzip();
+                            let q: Vec<f32> = (0..nq * hd)
+                                .map(|_| match shape {
+                                    "extreme" => big(&mut rng) * rng.gen_range(0.0..1.0f32),
+                                    _ => rng.gen_range(-2.0..2.0f32),
+                                })
+                                .collect();
+                            let stride = rows + 3;
+                            let mut out = vec![f32::NAN; nq * stride];
+                            let mut fold = vec![0.0f32; nq * hd];
+                            dot_codes_groups_with(
+                                kernel,
+                                &codes,
+                                &q,
+                                hd,
+                                (&ks, &kz),
+                                (g, offset),
+                                bits,
+                                &mut fold,
+                                &mut out,
+                                stride,
+                            );
+                            for j in 0..nq {
+                                let q = &q[j * hd..(j + 1) * hd];
+                                for r in 0..rows {
+                                    let k = (offset + r) / g;
+                                    // The folded terms (q_c s_c)·u_rc and q_c z_c, in f64.
+                                    let term = |c: usize| {
+                                        let qs = q[c] * ks[k * hd + c].to_f32();
+                                        (
+                                            qs as f64 * code(r, c),
+                                            q[c] as f64 * kz[k * hd + c].to_f32() as f64,
+                                        )
+                                    };
+                                    let exact: f64 = (0..hd).map(|c| term(c).0 + term(c).1).sum();
+                                    let mag: f64 =
+                                        (0..hd).map(|c| term(c).0.abs() + term(c).1.abs()).sum();
+                                    let got = out[j * stride + r];
+                                    assert!(
+                                        (got as f64 - exact).abs()
+                                            <= 2.0 * (hd + 2) as f64 * u * mag,
+                                        "{ctx} dot j={j} r={r}: {got} vs {exact}"
+                                    );
+                                }
+                            }
+                            // Values: per-row (scale, zero), weights with zeros.
+                            let (vs, vz): (Vec<f16>, Vec<f16>) = (0..rows)
+                                .map(|_| match shape {
+                                    "constant" => (f16::from_f32(1e-5), f16::from_f32(0.25)),
+                                    "extreme" => (
+                                        f16::from_f32(big(&mut rng).abs() / 4.0),
+                                        f16::from_f32(big(&mut rng)),
+                                    ),
+                                    _ => (
+                                        f16::from_f32(rng.gen_range(1e-3..0.5f32)),
+                                        f16::from_f32(rng.gen_range(-2.0..2.0f32)),
+                                    ),
+                                })
+                                .unzip();
+                            let probs: Vec<f32> = (0..nq * stride)
+                                .map(|i| {
+                                    if i % 7 == 3 {
+                                        0.0
+                                    } else {
+                                        rng.gen_range(0.0..1.0f32)
+                                    }
+                                })
+                                .collect();
+                            let acc0: Vec<f32> =
+                                (0..nq * hd).map(|_| rng.gen_range(-1.0..1.0f32)).collect();
+                            let mut acc = acc0.clone();
+                            let mut vb = vec![0.5f32; nq];
+                            axpy_codes_rows_with(
+                                kernel, &codes, &vs, &vz, &probs, stride, &mut acc, &mut vb, bits,
+                            );
+                            for j in 0..nq {
+                                // Σ_r p_r (u_r s_r + z_r), the twin's terms (p·s)·u and p·z.
+                                let ps = |r: usize| probs[j * stride + r] * vs[r].to_f32();
+                                let pz =
+                                    |r: usize| probs[j * stride + r] as f64 * vz[r].to_f32() as f64;
+                                let zsum: f64 = (0..rows).map(pz).sum();
+                                let zmag: f64 = (0..rows).map(|r| pz(r).abs()).sum::<f64>() + 0.5;
+                                for c in 0..hd {
+                                    let exact: f64 = acc0[j * hd + c] as f64
+                                        + (0..rows).map(|r| ps(r) as f64 * code(r, c)).sum::<f64>();
+                                    let mag: f64 = acc0[j * hd + c].abs() as f64
+                                        + (0..rows)
+                                            .map(|r| (ps(r) as f64 * code(r, c)).abs())
+                                            .sum::<f64>();
+                                    let got = acc[j * hd + c] as f64;
+                                    assert!(
+                                        (got - exact).abs() <= 2.0 * (rows + 1) as f64 * u * mag,
+                                        "{ctx} axpy j={j} c={c}: {got} vs {exact}"
+                                    );
+                                }
+                                let got = vb[j] as f64;
+                                assert!(
+                                    (got - (0.5 + zsum)).abs()
+                                        <= 2.0 * (rows + 1) as f64 * u * zmag,
+                                    "{ctx} bias j={j}: {got} vs {}",
+                                    0.5 + zsum
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The dispatched softmax (AVX-512 where the CPU has it) against the portable one: the
+/// same `exp` per value, so only the sum's order differs; odd lengths (both tails),
+/// hidden rows (`-inf`), a wide range of scores.
+#[test]
+fn softmax_variants_agree() {
+    use tinygpt_cpu::attention::{softmax, softmax_portable};
+    let mut rng = ChaCha8Rng::seed_from_u64(0x50f7);
+    for n in [
+        1usize, 2, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32, 33, 100, 1000, 4099,
+    ] {
+        for spread in [0.1f32, 5.0, 60.0] {
+            let x: Vec<f32> = (0..n)
+                .map(|i| {
+                    if i % 11 == 5 {
+                        f32::NEG_INFINITY
+                    } else {
+                        rng.gen_range(-spread..spread)
+                    }
+                })
+                .collect();
+            let (mut a, mut b) = (x.clone(), x.clone());
+            softmax(&mut a);
+            softmax_portable(&mut b);
+            let tol = 2.0 * n as f32 * f32::EPSILON;
+            for i in 0..n {
+                assert!(
+                    (a[i] - b[i]).abs() <= tol * b[i].max(f32::MIN_POSITIVE),
+                    "n={n} spread={spread} i={i}: {} vs {}",
+                    a[i],
+                    b[i]
+                );
+            }
+            let sum: f32 = a.iter().sum();
+            assert!((sum - 1.0).abs() <= tol, "n={n}: sum {sum}");
+        }
+    }
+}

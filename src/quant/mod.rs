@@ -288,7 +288,11 @@ fn widen_hi(b: u8x16) -> f32x8 {
     i32x8::from_u16x8(u16x8::from_u8x16_high(b)).round_float()
 }
 
-use crate::ops::simd::{load8, reduce8, store8, Elem};
+pub use crate::ops::simd::KvKernel;
+use crate::ops::simd::{kv_kernel, load8, reduce8, store8, Elem};
+
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 /// `Σ_j w[j] · u_j` over a packed row of `w.len()` codes (the offset codes themselves,
 /// no scale or zero: the caller folded them into `w`).
@@ -459,6 +463,131 @@ pub fn dot_codes_rows(
     by_shape!(bits, hd, dot_codes_rows_k(codes, qs, bias, out, stride))
 }
 
+/// Scores `out[j * stride + r] = q_j · k_r` of a run of KIVI K rows (`codes`: `(rows,
+/// packed(hd))`) against the `q.len() / hd` queries `q`, where run row `r` belongs to
+/// group `(offset + r) / group` whose per-channel parameters are `scale`/`zero`
+/// `[k·hd..(k + 1)·hd]` (stored f16). Per group the scales are folded into the queries
+/// once: `q·k = Σ_c (q_c s_c) u_c + Σ_c q_c z_c`. `fold` is `(queries, hd)` scratch.
+/// A row's score does not depend on how many groups the run spans or where it starts.
+#[allow(clippy::too_many_arguments)]
+pub fn dot_codes_groups(
+    codes: &[u8],
+    q: &[f32],
+    hd: usize,
+    (scale, zero): (&[f16], &[f16]),
+    (group, offset): (usize, usize),
+    bits: Bits,
+    fold: &mut [f32],
+    out: &mut [f32],
+    stride: usize,
+) {
+    dot_codes_groups_with(
+        kv_kernel(),
+        codes,
+        q,
+        hd,
+        (scale, zero),
+        (group, offset),
+        bits,
+        fold,
+        out,
+        stride,
+    )
+}
+
+/// [`dot_codes_groups`] with a chosen variant (tests run every supported one; an
+/// unsupported variant, or a head dim it does not take, runs the portable kernel).
+#[allow(clippy::too_many_arguments)]
+pub fn dot_codes_groups_with(
+    kernel: KvKernel,
+    codes: &[u8],
+    q: &[f32],
+    hd: usize,
+    (scale, zero): (&[f16], &[f16]),
+    (group, offset): (usize, usize),
+    bits: Bits,
+    fold: &mut [f32],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let p = bits.packed_len(hd);
+    let (nq, n) = (q.len() / hd, codes.len() / p);
+    debug_assert_eq!(codes.len(), n * p);
+    #[cfg(target_arch = "x86_64")]
+    if kernel == KvKernel::Avx512 && avx512_takes(hd) {
+        // SAFETY: AVX-512 F/BW/VL and F16C are available (checked by `avx512_takes`).
+        unsafe {
+            by_blocks!(
+                bits,
+                hd,
+                x86::dot_codes_groups(codes, q, scale, zero, group, offset, out, stride)
+            )
+        };
+        return;
+    }
+    let _ = kernel;
+    let mut bias = [0.0f32; 16];
+    let mut heap = Vec::new();
+    let bias: &mut [f32] = if nq <= bias.len() {
+        &mut bias[..nq]
+    } else {
+        heap.resize(nq, 0.0);
+        &mut heap
+    };
+    let fold = &mut fold[..nq * hd];
+    for k in 0..(offset + n).div_ceil(group) {
+        let a = (k * group).saturating_sub(offset);
+        let b = ((k + 1) * group - offset).min(n);
+        let (s, z) = (&scale[k * hd..(k + 1) * hd], &zero[k * hd..(k + 1) * hd]);
+        for ((q, f), b) in q
+            .chunks_exact(hd)
+            .zip(fold.chunks_exact_mut(hd))
+            .zip(bias.iter_mut())
+        {
+            *b = fold_channels(q, s, z, f);
+        }
+        dot_codes_rows(
+            &codes[a * p..b * p],
+            fold,
+            bias,
+            bits,
+            &mut out[a..],
+            stride,
+        );
+    }
+}
+
+/// Whether the AVX-512 kernels run here for head dim `hd` (the CPU has the features and
+/// `hd` is 32, 64, 128 or 256).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn avx512_takes(hd: usize) -> bool {
+    x86::takes(hd) && KvKernel::Avx512.is_supported()
+}
+
+/// Calls `$f::<W, HD>(args)` for the head dims of [`x86::takes`].
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_blocks {
+    ($bits:expr, $hd:expr, $($f:ident)::+($($a:expr),* $(,)?)) => {
+        match ($bits, $hd) {
+            (Bits::Int8, 32) => $($f)::+::<8, 32>($($a),*),
+            (Bits::Int8, 64) => $($f)::+::<8, 64>($($a),*),
+            (Bits::Int8, 128) => $($f)::+::<8, 128>($($a),*),
+            (Bits::Int8, _) => $($f)::+::<8, 256>($($a),*),
+            (Bits::Int4, 32) => $($f)::+::<4, 32>($($a),*),
+            (Bits::Int4, 64) => $($f)::+::<4, 64>($($a),*),
+            (Bits::Int4, 128) => $($f)::+::<4, 128>($($a),*),
+            (Bits::Int4, _) => $($f)::+::<4, 256>($($a),*),
+            (Bits::Int2, 32) => $($f)::+::<2, 32>($($a),*),
+            (Bits::Int2, 64) => $($f)::+::<2, 64>($($a),*),
+            (Bits::Int2, 128) => $($f)::+::<2, 128>($($a),*),
+            (Bits::Int2, _) => $($f)::+::<2, 256>($($a),*),
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+use by_blocks;
+
 fn dot_codes_rows_k<const W: u8, const HD: usize>(
     codes: &[u8],
     qs: &[f32],
@@ -504,8 +633,37 @@ pub fn axpy_codes_rows(
     bias: &mut [f32],
     bits: Bits,
 ) {
+    axpy_codes_rows_with(kv_kernel(), codes, scale, zero, p, stride, acc, bias, bits)
+}
+
+/// [`axpy_codes_rows`] with a chosen variant (as [`dot_codes_rows_with`]).
+#[allow(clippy::too_many_arguments)]
+pub fn axpy_codes_rows_with(
+    kernel: KvKernel,
+    codes: &[u8],
+    scale: &[f16],
+    zero: &[f16],
+    p: &[f32],
+    stride: usize,
+    acc: &mut [f32],
+    bias: &mut [f32],
+    bits: Bits,
+) {
     let hd = acc.len() / bias.len();
     debug_assert_eq!(codes.len(), scale.len() * bits.packed_len(hd));
+    #[cfg(target_arch = "x86_64")]
+    if kernel == KvKernel::Avx512 && avx512_takes(hd) {
+        // SAFETY: AVX-512 F/BW/VL and F16C are available (checked by `avx512_takes`).
+        unsafe {
+            by_blocks!(
+                bits,
+                hd,
+                x86::axpy_codes_rows(codes, scale, zero, p, stride, acc, bias)
+            )
+        };
+        return;
+    }
+    let _ = kernel;
     by_shape!(
         bits,
         hd,

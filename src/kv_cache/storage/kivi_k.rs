@@ -353,38 +353,17 @@ impl KeyRun for ChannelRun<'_> {
     /// per row and query: `q·k = Σ_c (q_c s_c) u_c + Σ_c q_c z_c`. A row's score does not
     /// depend on how many groups the run spans.
     fn dot_rows(&self, qs: &[f32], fold: &mut [f32], out: &mut [f32], stride: usize) {
-        let (hd, p) = (self.hd, self.packed);
-        let nq = qs.len() / hd;
-        let mut bias = [0.0f32; 16];
-        let mut heap = Vec::new();
-        let bias: &mut [f32] = if nq <= bias.len() {
-            &mut bias[..nq]
-        } else {
-            heap.resize(nq, 0.0);
-            &mut heap
-        };
-        let fold = &mut fold[..nq * hd];
-        for (k, rows) in self.segments() {
-            let (scale, zero) = (
-                &self.scale[k * hd..(k + 1) * hd],
-                &self.zero[k * hd..(k + 1) * hd],
-            );
-            for ((q, f), b) in qs
-                .chunks_exact(hd)
-                .zip(fold.chunks_exact_mut(hd))
-                .zip(bias.iter_mut())
-            {
-                *b = quant::fold_channels(q, scale, zero, f);
-            }
-            quant::dot_codes_rows(
-                &self.codes[rows.start * p..rows.end * p],
-                fold,
-                bias,
-                self.bits,
-                &mut out[rows.start..],
-                stride,
-            );
-        }
+        quant::dot_codes_groups(
+            self.codes,
+            qs,
+            self.hd,
+            (self.scale, self.zero),
+            (self.group, self.offset),
+            self.bits,
+            fold,
+            out,
+            stride,
+        );
     }
 
     /// Calls `f(r0, rows)` with the rows dequantised into `buf` (exactly what `read_key`

@@ -209,7 +209,8 @@ pub(crate) trait ValueRun {
     /// Rows in the run.
     fn len(&self) -> usize;
     /// `acc_j += Σ_r p[j * stride + r] · v_r` for every query `j` (`acc`: `(queries,
-    /// head_dim)`), row by row in order; rows of weight 0 may be skipped. A store may
+    /// head_dim)`), in an order fixed by the store and its kernel variant (row by row, or
+    /// interleaved row sets added at the end of the run); rows of weight 0 may be skipped. A store may
     /// defer a per-query constant into `bias[j]`, which the caller adds to every element
     /// of `acc_j` once all runs are summed.
     fn axpy_rows(&self, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]);
