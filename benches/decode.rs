@@ -32,7 +32,9 @@
 
 mod common;
 
-use common::{all_cores, flagship_files, kv_config, len_label, pool, Clock, SyntheticRows};
+use common::{
+    all_cores, flagship_files, kv_config, len_label, pool, smollm2_path, Clock, SyntheticRows,
+};
 use criterion::{
     criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
@@ -252,22 +254,6 @@ fn prefill(c: &mut Criterion) {
     let (_dir, files) = flagship_files();
     let model = Model::load(&files, WeightsDType::Native).expect("load");
     prefill_pair(c, "flagship", &model, true);
-}
-
-/// The SmolLM2 GGUF, as the tests find it (`TINYGPT_SMOLLM2`, else the fetch script's path).
-fn smollm2_path() -> Option<std::path::PathBuf> {
-    let p = std::env::var_os("TINYGPT_SMOLLM2")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            let cache = std::env::var_os("TINYGPT_CACHE")
-                .map(std::path::PathBuf::from)
-                .unwrap_or_else(|| {
-                    std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                        .join(".cache/tinygpt-cpu")
-                });
-            cache.join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    p.is_file().then_some(p)
 }
 
 /// The KV modes of README's 4,096-token KIVI table (names as `cache-table --modes` takes them).

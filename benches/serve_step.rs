@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{pool, Clock};
+use common::{pool, smollm2_path, Clock};
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
 use std::time::Duration;
 use tinygpt_cpu::kv_cache::{KvConfig, Precision};
@@ -73,11 +73,11 @@ impl Batch {
 }
 
 fn bench_serve_step(c: &mut Criterion) {
-    let Some(path) = std::env::var_os("TINYGPT_SMOLLM2") else {
-        eprintln!("serve_step: set TINYGPT_SMOLLM2 to SmolLM2-135M-Instruct.Q4_1.gguf; skipped");
+    let Some(path) = smollm2_path() else {
+        eprintln!("serve_step: SmolLM2 GGUF not found (set TINYGPT_SMOLLM2); skipped");
         return;
     };
-    let files = ModelFiles::open(Some(std::path::Path::new(&path))).unwrap();
+    let files = ModelFiles::open(Some(&path)).unwrap();
     let model = Model::load(&files, WeightsDType::Native).unwrap();
     let kv = KvConfig {
         precision: Precision::Int4,

@@ -296,3 +296,19 @@ pub fn thread_cpu_time() -> std::time::Duration {
 pub fn thread_cpu_time() -> std::time::Duration {
     wall_epoch().elapsed()
 }
+
+/// The SmolLM2 GGUF, as the tests find it (`tests/common`) (`TINYGPT_SMOLLM2`, else the fetch script's path).
+pub fn smollm2_path() -> Option<std::path::PathBuf> {
+    let p = std::env::var_os("TINYGPT_SMOLLM2")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            let cache = std::env::var_os("TINYGPT_CACHE")
+                .map(std::path::PathBuf::from)
+                .unwrap_or_else(|| {
+                    std::path::PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                        .join(".cache/tinygpt-cpu")
+                });
+            cache.join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    p.is_file().then_some(p)
+}
