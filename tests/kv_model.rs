@@ -176,8 +176,9 @@ fn kivi_greedy_quality_against_fp32() {
     let files = files();
     let model = Model::load(&files, WeightsDType::Native).unwrap();
     let g = golden("tiny.json");
-    let n = 60;
+    let n = 150;
     let mut int4_matches = Vec::new();
+    let (mut near_ties, mut steps) = (0usize, 0usize);
     for p in g["prompts"].as_array().unwrap() {
         let ids = ids(&p["prompt_ids"]);
         let run = |precision| {
@@ -189,6 +190,12 @@ fn kivi_greedy_quality_against_fp32() {
             greedy(&mut e, &ids, n)
         };
         let base = run(Precision::Fp32);
+        near_ties += base
+            .logits
+            .iter()
+            .filter(|l| common::margin(l) < INT4_FLIP_MARGIN)
+            .count();
+        steps += base.logits.len();
         let int8 = run(Precision::Int8);
         let m = prefix_match(&int8.ids, &base.ids);
         if m < n {
@@ -222,10 +229,16 @@ fn kivi_greedy_quality_against_fp32() {
     }
     let mean = int4_matches.iter().sum::<f64>() / int4_matches.len() as f64;
     eprintln!("int4 prefix match per prompt: {int4_matches:?}, mean {mean:.3}");
-    // The issue's target is a mean prefix match >= 0.70. On the bundled model it is 0.55:
-    // the tiny model has many near-ties (fp32 margins of 0.01-0.2 at the divergence steps)
-    // and a greedy prefix ends at the first flip. Perplexity is the real quality measure
-    // (below); the shortfall is reported in the README rather than hidden by a lower bar.
+    eprintln!(
+        "fp32 steps with a top-2 margin below {INT4_FLIP_MARGIN}: {near_ties} of {steps} ({:.1}%)",
+        100.0 * near_ties as f64 / steps as f64
+    );
+    // Issue 13's target is a mean prefix match >= 0.80 over 150 tokens. At R = 0 the bundled
+    // model reaches ~0.32: a fifth of its fp32 steps are near-ties (top-2 margin < 0.25,
+    // printed above), a greedy prefix ends at the first flipped near-tie, and the assert
+    // above checks that every int4 divergence is such a near-tie. Perplexity is the real
+    // quality measure (below); the shortfall is reported in the README rather than hidden
+    // by a lower bar.
     let text = std::fs::read_to_string(fixtures().join("heldout.txt")).unwrap();
     let mut tokens = files.tokenizer.encode(&text).unwrap();
     tokens.truncate(1024);
