@@ -164,6 +164,113 @@ fn dot_block(q: &[f32], rows: &[f32], out: &mut [f32]) {
     out.copy_from_slice(&reduce8(part).to_array()[..m]);
 }
 
+/// Scores of every query in `qs` (`(queries, head_dim)`, rotated) against a block of
+/// `m ≤ BLOCK` stored keys `rows` (`(m, head_dim)`, not yet rotated) that RoPE rotates
+/// at read time: `out[j * stride + r] = q_j · rot(rows[r])`, row `r` rotated by
+/// `cos[r * half..]`, `sin[r * half..]` (`half = head_dim / 2`, a multiple of 8) as
+/// [`rotate_inline`] rotates it. The rotated row stays in registers and each of its
+/// chunks serves up to four queries (a GQA group's heads). A row's score is summed in one
+/// fixed order — lane accumulators over the chunk pairs `(i, half + i)` in turn, then the
+/// lanes as [`reduce8`] adds them — in a full block or not, so it does not depend on how
+/// the rows were cut into runs or blocks.
+#[inline]
+fn rotate_dot_block(
+    qs: &[f32],
+    rows: &[f32],
+    hd: usize,
+    (cos, sin): (&[f32], &[f32]),
+    out: &mut [f32],
+    stride: usize,
+) {
+    let (m, half) = (rows.len() / hd, hd / 2);
+    debug_assert!(half.is_multiple_of(8) && m <= BLOCK && qs.len().is_multiple_of(hd));
+    let nq = qs.len() / hd;
+    if m < BLOCK {
+        for (j, q) in qs.chunks_exact(hd).enumerate() {
+            for (r, row) in rows.chunks_exact(hd).enumerate() {
+                let cs = (&cos[r * half..], &sin[r * half..]);
+                let acc = rotate_dot_lanes(q, row, cs);
+                let a = acc.to_array();
+                let tail: f32 = std::iter::empty::<f32>().sum();
+                out[j * stride + r] =
+                    (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))) + tail;
+            }
+        }
+        return;
+    }
+    let mut j = 0;
+    while j < nq {
+        let take = (nq - j).min(4);
+        let q = &qs[j * hd..(j + take) * hd];
+        let o = &mut out[j * stride..];
+        match take {
+            4 => rotate_dot_k::<4>(q, rows, (cos, sin), o, stride),
+            3 => rotate_dot_k::<3>(q, rows, (cos, sin), o, stride),
+            2 => rotate_dot_k::<2>(q, rows, (cos, sin), o, stride),
+            _ => rotate_dot_k::<1>(q, rows, (cos, sin), o, stride),
+        }
+        j += take;
+    }
+}
+
+/// One rotated chunk pair of a row: `(a·c − b·s, b·c + a·s)`, as [`rotate_inline`].
+#[inline(always)]
+fn rotate_chunk(row: &[f32], half: usize, i: usize, cos: &[f32], sin: &[f32]) -> (f32x8, f32x8) {
+    let (a, b) = (load8(&row[i..]), load8(&row[half + i..]));
+    let (c, s) = (load8(&cos[i..]), load8(&sin[i..]));
+    (a * c - b * s, b * c + a * s)
+}
+
+/// The lane accumulators of one row's score in [`rotate_dot_block`]'s order.
+#[inline(always)]
+fn rotate_dot_lanes(q: &[f32], row: &[f32], (cos, sin): (&[f32], &[f32])) -> f32x8 {
+    let half = row.len() / 2;
+    let mut acc = f32x8::ZERO;
+    let mut i = 0;
+    while i + 8 <= half {
+        let (ra, rb) = rotate_chunk(row, half, i, cos, sin);
+        acc = ra.mul_add(load8(&q[i..]), acc);
+        acc = rb.mul_add(load8(&q[half + i..]), acc);
+        i += 8;
+    }
+    acc
+}
+
+/// [`rotate_dot_block`] for a full block and `Q` queries.
+#[inline(always)]
+fn rotate_dot_k<const Q: usize>(
+    qs: &[f32],
+    rows: &[f32],
+    (cos, sin): (&[f32], &[f32]),
+    out: &mut [f32],
+    stride: usize,
+) {
+    let hd = qs.len() / Q;
+    let half = hd / 2;
+    let rows: &[f32] = &rows[..BLOCK * hd];
+    let (cos, sin) = (&cos[..BLOCK * half], &sin[..BLOCK * half]);
+    let mut acc = [[f32x8::ZERO; BLOCK]; Q];
+    let mut i = 0;
+    while i + 8 <= half {
+        let qa: [f32x8; Q] = std::array::from_fn(|j| load8(&qs[j * hd + i..]));
+        let qb: [f32x8; Q] = std::array::from_fn(|j| load8(&qs[j * hd + half + i..]));
+        for r in 0..BLOCK {
+            let row = &rows[r * hd..(r + 1) * hd];
+            let (ra, rb) = rotate_chunk(row, half, i, &cos[r * half..], &sin[r * half..]);
+            for j in 0..Q {
+                acc[j][r] = ra.mul_add(qa[j], acc[j][r]);
+                acc[j][r] = rb.mul_add(qb[j], acc[j][r]);
+            }
+        }
+        i += 8;
+    }
+    let tail: f32 = std::iter::empty::<f32>().sum();
+    for (j, a) in acc.iter().enumerate() {
+        let sums = reduce8(std::array::from_fn(|r| (a[r], tail)));
+        out[j * stride..j * stride + BLOCK].copy_from_slice(&sums.to_array());
+    }
+}
+
 /// In-place softmax with max subtraction; entries of `-inf` get weight 0.
 ///
 /// Vectorised: the max over eight independent chains (exact in any order), `exp` eight
@@ -575,13 +682,18 @@ fn score_head<P: EvictionPolicy + Clone>(
             return;
         };
         let base = if by_id { run.id } else { run.first };
+        let fused = half.is_multiple_of(8);
         run.rows.for_each_block(block, params, &mut |r0, rows| {
+            let (c, s) = (&c[(base + r0) * half..], &s[(base + r0) * half..]);
+            if fused {
+                rotate_dot_block(qh, rows, hd, (c, s), &mut out[r0..], n);
+                return;
+            }
             for (r, row) in rows.chunks_exact_mut(hd).enumerate() {
-                let i = base + r0 + r;
                 rotate_inline(
                     row,
-                    &c[i * half..(i + 1) * half],
-                    &s[i * half..(i + 1) * half],
+                    &c[r * half..(r + 1) * half],
+                    &s[r * half..(r + 1) * half],
                 );
             }
             let m = rows.len() / hd;
@@ -1043,6 +1155,80 @@ mod tests {
                         "hd={hd} m={m} r={r}: {} vs {want}",
                         out[r]
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rotate_dot_block_matches_rotate_then_dot() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        for hd in [16usize, 32, 64, 96, 128, 256] {
+            let half = hd / 2;
+            for nq in 1..=9 {
+                let stride = BLOCK + 3;
+                let qs: Vec<f32> = (0..nq * hd).map(|_| rng.gen_range(-3.0..3.0)).collect();
+                let mut rows: Vec<f32> =
+                    (0..BLOCK * hd).map(|_| rng.gen_range(-8.0..8.0)).collect();
+                // an extreme row and a constant one
+                rows[..hd].fill(65504.0);
+                rows[hd..2 * hd].fill(0.0);
+                let angles: Vec<f32> = (0..BLOCK * half)
+                    .map(|_| rng.gen_range(-7.0..7.0))
+                    .collect();
+                let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+                let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+                let mut full = vec![f32::NAN; nq * stride];
+                rotate_dot_block(&qs, &rows, hd, (&cos, &sin), &mut full, stride);
+                for (j, q) in qs.chunks_exact(hd).enumerate() {
+                    for r in 0..BLOCK {
+                        let mut row = rows[r * hd..(r + 1) * hd].to_vec();
+                        rotate_inline(
+                            &mut row,
+                            &cos[r * half..(r + 1) * half],
+                            &sin[r * half..(r + 1) * half],
+                        );
+                        let want: f64 =
+                            q.iter().zip(&row).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let mag: f64 = q
+                            .iter()
+                            .zip(&row)
+                            .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                            .sum();
+                        let got = full[j * stride + r];
+                        assert!(
+                            (got as f64 - want).abs() <= 1e-6 * mag.max(1.0),
+                            "hd={hd} queries={nq} j={j} r={r}: {got} vs {want}"
+                        );
+                    }
+                    assert!(full[j * stride + BLOCK..(j + 1) * stride]
+                        .iter()
+                        .all(|x| x.is_nan()));
+                }
+                // The same rows cut into smaller blocks score bit for bit the same.
+                for m in 1..BLOCK {
+                    for r0 in (0..BLOCK).step_by(m) {
+                        let k = m.min(BLOCK - r0);
+                        let mut part = vec![0.0f32; nq * stride];
+                        rotate_dot_block(
+                            &qs,
+                            &rows[r0 * hd..(r0 + k) * hd],
+                            hd,
+                            (&cos[r0 * half..], &sin[r0 * half..]),
+                            &mut part,
+                            stride,
+                        );
+                        for j in 0..nq {
+                            for r in 0..k {
+                                assert_eq!(
+                                    part[j * stride + r].to_bits(),
+                                    full[j * stride + r0 + r].to_bits(),
+                                    "hd={hd} queries={nq} block {m} row {}",
+                                    r0 + r
+                                );
+                            }
+                        }
+                    }
                 }
             }
         }
