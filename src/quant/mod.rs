@@ -291,10 +291,10 @@ fn widen_hi(b: u8x16) -> f32x8 {
 pub use crate::ops::simd::KvKernel;
 use crate::ops::simd::{kv_kernel, load8, reduce8, store8, Elem};
 
-#[cfg(target_arch = "x86_64")]
-mod x86;
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 /// `Σ_j w[j] · u_j` over a packed row of `w.len()` codes (the offset codes themselves,
 /// no scale or zero: the caller folded them into `w`).
@@ -541,11 +541,14 @@ pub fn dot_codes_groups_with(
     }
     #[cfg(target_arch = "aarch64")]
     if kernel == KvKernel::Neon && neon_takes(hd) {
-        by_blocks!(
-            bits,
-            hd,
-            aarch64::dot_codes_groups(codes, q, scale, zero, group, offset, out, stride)
-        );
+        // SAFETY: NEON is available (checked by `neon_takes`).
+        unsafe {
+            by_blocks!(
+                bits,
+                hd,
+                aarch64::dot_codes_groups(codes, q, scale, zero, group, offset, out, stride)
+            )
+        };
         return;
     }
     let _ = kernel;
@@ -715,11 +718,14 @@ pub fn axpy_codes_rows_with(
     }
     #[cfg(target_arch = "aarch64")]
     if kernel == KvKernel::Neon && neon_takes(hd) {
-        by_blocks!(
-            bits,
-            hd,
-            aarch64::axpy_codes_rows(codes, scale, zero, p, stride, acc, bias)
-        );
+        // SAFETY: NEON is available (checked by `neon_takes`).
+        unsafe {
+            by_blocks!(
+                bits,
+                hd,
+                aarch64::axpy_codes_rows(codes, scale, zero, p, stride, acc, bias)
+            )
+        };
         return;
     }
     let _ = kernel;

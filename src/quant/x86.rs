@@ -573,10 +573,9 @@ pub(super) mod avx2 {
             _mm256_srl_epi32(d, _mm_cvtsi32_si128((W as usize * k) as i32))
         };
         match W {
-            2 => _mm256_permutevar8x32_ps(
-                _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0),
-                x,
-            ),
+            2 => {
+                _mm256_permutevar8x32_ps(_mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0), x)
+            }
             _ => {
                 let x = if k + 1 == per_dword::<W>() {
                     x
@@ -778,7 +777,8 @@ pub(super) mod avx2 {
                 let mut zl = [0.0f32; 8];
                 // SAFETY: `zl` holds 8 floats; unaligned store.
                 unsafe { _mm256_storeu_ps(zl.as_mut_ptr(), zacc) };
-                let bias = ((zl[0] + zl[1]) + (zl[2] + zl[3])) + ((zl[4] + zl[5]) + (zl[6] + zl[7]));
+                let bias =
+                    ((zl[0] + zl[1]) + (zl[2] + zl[3])) + ((zl[4] + zl[5]) + (zl[6] + zl[7]));
                 // SAFETY: a ≤ b ≤ rows; `codes` holds rows · bpr bytes, `o` rows floats.
                 unsafe { score_rows::<W, HD>(codes, (a, b), &qv, bias, o) };
             }
