@@ -472,8 +472,8 @@ pub(super) unsafe fn axpy_codes_rows<const W: u8, const HD: usize>(
     }
 }
 
-/// AVX2 + FMA + F16C variants of the same two kernels (the `avx2` [`KvKernel`]
-/// (crate::ops::simd::KvKernel), for x86_64 CPUs without AVX-512), for the head dims of
+/// AVX2 + FMA + F16C variants of the same two kernels (the `avx2`
+/// [`crate::ops::simd::KvKernel`], for x86_64 CPUs without AVX-512), for the head dims of
 /// [`takes`]. The scheme of the AVX-512 ones on 8 lanes: codes read as they lie, 32 bytes
 /// at a time (`RPL = 32 / BPR` whole rows per load, or `BPR / 32` loads per row); code
 /// `k` of every dword comes out with one shift, then a mask and `vcvtdq2ps` (int8, int4)
