@@ -20,6 +20,10 @@
 //!   cache holds (what attention has to read per step). `{kv}`: every precision (int2
 //!   included), plus `int2+r128` (KIVI residual of 128 f32 rows) and `int4+pre` (keys
 //!   stored before RoPE, rotated at read time).
+//! * `attention_16k/{int8,int4,int2}-kernels-{variant}-1t-cpu`: the two fused KIVI kernels
+//!   alone (K scores + V weighted sum, 8 KV heads × 16K rows, no softmax or append), forced
+//!   to each variant this CPU supports (`KvKernel`: `portable`, `avx2`, `avx512`, `neon`),
+//!   so one run compares them; throughput = bytes of codes and parameters read.
 //!
 //! * `read_bandwidth/{size}-{threads}t`: the machine's read bandwidth, independent of our
 //!   kernels: summing an f32 buffer with eight f32x8 accumulators (threads split it).
@@ -301,7 +305,95 @@ fn bench_attention(c: &mut Criterion) {
             });
         }
     }
+    bench_kv_kernels(&mut g);
     g.finish();
+}
+
+/// `attention_16k/{int8,int4,int2}-kernels-{variant}-1t-cpu`: the two fused KIVI kernels
+/// alone, forced to each variant this CPU supports (`KvKernel::supported`, through the
+/// `_with` functions): K scores (`dot_codes_groups_with`, groups of 32 rows) and the
+/// V weighted sum (`axpy_codes_rows_with`) of the flagship's 8 KV heads (head dim 32, one
+/// query each) over 16K rows, with fixed weights (no softmax, no append). Throughput =
+/// bytes of codes and parameters read.
+fn bench_kv_kernels(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
+    use tinygpt_cpu::quant::{axpy_codes_rows_with, dot_codes_groups_with, Bits, KvKernel};
+    const GROUP: usize = 32;
+    let (heads, hd, rows) = (FLAGSHIP_KV_HEADS, FLAGSHIP_HEAD_DIM, ATTN_ROWS);
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let q = uniform(&mut rng, heads * hd, 2.0);
+    let probs: Vec<f32> = uniform(&mut rng, rows, 1.0)
+        .iter()
+        .map(|x| x.abs() / rows as f32)
+        .collect();
+    let params = |rng: &mut ChaCha8Rng, n: usize| -> (Vec<f16>, Vec<f16>) {
+        let s = uniform(rng, n, 0.1);
+        let z = uniform(rng, n, 1.0);
+        (
+            s.iter().map(|x| f16::from_f32(x.abs() + 1e-3)).collect(),
+            z.iter().map(|x| f16::from_f32(*x)).collect(),
+        )
+    };
+    for bits in [Bits::Int8, Bits::Int4, Bits::Int2] {
+        let pk = bits.packed_len(hd);
+        let codes: Vec<Vec<u8>> = (0..2 * heads)
+            .map(|_| {
+                (0..rows * pk)
+                    .map(|_| rand::Rng::gen::<u8>(&mut rng))
+                    .collect()
+            })
+            .collect();
+        let kp: Vec<_> = (0..heads)
+            .map(|_| params(&mut rng, rows / GROUP * hd))
+            .collect();
+        let vp: Vec<_> = (0..heads).map(|_| params(&mut rng, rows)).collect();
+        let bytes = 2 * heads * rows * pk + heads * (rows / GROUP * hd + rows) * 4;
+        g.throughput(Throughput::Bytes(bytes as u64));
+        let name = match bits {
+            Bits::Int8 => "int8",
+            Bits::Int4 => "int4",
+            Bits::Int2 => "int2",
+        };
+        for kernel in KvKernel::supported() {
+            let clock = Clock::ThreadCpu;
+            let id = format!("{name}-kernels-{}-1t{}", kernel.name(), clock.suffix());
+            let (mut fold, mut scores) = (vec![0.0f32; hd], vec![0.0f32; rows]);
+            let (mut acc, mut vb) = (vec![0.0f32; hd], [0.0f32; 1]);
+            g.bench_function(BenchmarkId::from_parameter(id), |b| {
+                b.iter_custom(|iters| {
+                    let t = clock.now();
+                    for _ in 0..iters {
+                        for h in 0..heads {
+                            dot_codes_groups_with(
+                                kernel,
+                                &codes[h],
+                                &q[h * hd..(h + 1) * hd],
+                                hd,
+                                (&kp[h].0, &kp[h].1),
+                                (GROUP, 0),
+                                bits,
+                                &mut fold,
+                                &mut scores,
+                                rows,
+                            );
+                            axpy_codes_rows_with(
+                                kernel,
+                                &codes[heads + h],
+                                &vp[h].0,
+                                &vp[h].1,
+                                &probs,
+                                rows,
+                                &mut acc,
+                                &mut vb,
+                                bits,
+                            );
+                        }
+                        black_box((&scores, &acc, &vb));
+                    }
+                    clock.now() - t
+                })
+            });
+        }
+    }
 }
 
 fn config() -> Criterion {

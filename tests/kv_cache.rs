@@ -1021,6 +1021,32 @@ fn kivi_kernels_every_variant_match_scalar_twins() {
     }
 }
 
+/// Every KIVI kernel variant round-trips through its `TINYGPT_KV_KERNEL` name, and run-time
+/// detection offers the variants of this architecture (so the variant test above cannot
+/// silently skip `neon` on aarch64, e.g. under qemu, or `avx2` on an AVX2 CPU).
+#[test]
+fn kv_kernel_variants_named_and_detected() {
+    use tinygpt_cpu::quant::KvKernel;
+    for k in KvKernel::ALL {
+        assert_eq!(KvKernel::from_name(k.name()), Some(k), "{k:?}");
+    }
+    let supported = KvKernel::supported();
+    assert_eq!(supported.first(), Some(&KvKernel::Portable));
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        assert_eq!(supported.contains(&KvKernel::Avx2), avx2);
+        assert!(!supported.contains(&KvKernel::Neon));
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        assert!(supported.contains(&KvKernel::Neon));
+        assert!(!supported.contains(&KvKernel::Avx2) && !supported.contains(&KvKernel::Avx512));
+    }
+}
+
 /// The dispatched softmax (AVX-512 where the CPU has it) against the portable one: the
 /// same `exp` per value, so only the sum's order differs; odd lengths (both tails),
 /// hidden rows (`-inf`), a wide range of scores.

@@ -182,19 +182,32 @@ impl Elem for bf16 {
 pub enum KvKernel {
     /// `wide` vectors (whatever the build targets), any head dim.
     Portable,
-    /// x86_64 AVX-512 F/BW/VL + F16C (`vpermps` nibble lookup), head dims 32/64/96/128;
+    /// x86_64 AVX-512 F/BW/VL + F16C (`vpermps` nibble lookup), head dims 32/64/128/256;
     /// other head dims take the portable path.
     Avx512,
+    /// x86_64 AVX2 + FMA + F16C (8 lanes, the scheme of `Avx512`), head dims
+    /// 32/64/128/256; other head dims take the portable path.
+    Avx2,
+    /// aarch64 NEON (4 lanes, the same scheme), head dims 32/64/128/256; other head dims
+    /// take the portable path.
+    Neon,
 }
 
 impl KvKernel {
     /// Every variant, slowest first.
-    pub const ALL: [KvKernel; 2] = [KvKernel::Portable, KvKernel::Avx512];
+    pub const ALL: [KvKernel; 4] = [
+        KvKernel::Portable,
+        KvKernel::Neon,
+        KvKernel::Avx2,
+        KvKernel::Avx512,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             KvKernel::Portable => "portable",
             KvKernel::Avx512 => "avx512",
+            KvKernel::Avx2 => "avx2",
+            KvKernel::Neon => "neon",
         }
     }
 
@@ -213,6 +226,14 @@ impl KvKernel {
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("f16c")
             }
+            #[cfg(target_arch = "x86_64")]
+            KvKernel::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "aarch64")]
+            KvKernel::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[allow(unreachable_patterns)]
             _ => false,
         }
@@ -228,7 +249,8 @@ impl KvKernel {
 }
 
 /// The KIVI attention kernel the engine uses, chosen once: `TINYGPT_KV_KERNEL`
-/// (`portable`, `avx512`) if it names a supported variant, else the fastest supported.
+/// (`portable`, `neon`, `avx2`, `avx512`) if it names a supported variant, else the
+/// fastest supported.
 pub fn kv_kernel() -> KvKernel {
     static ACTIVE: std::sync::OnceLock<KvKernel> = std::sync::OnceLock::new();
     *ACTIVE.get_or_init(|| {

@@ -291,6 +291,8 @@ fn widen_hi(b: u8x16) -> f32x8 {
 pub use crate::ops::simd::KvKernel;
 use crate::ops::simd::{kv_kernel, load8, reduce8, store8, Elem};
 
+#[cfg(target_arch = "aarch64")]
+mod aarch64;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -525,6 +527,30 @@ pub fn dot_codes_groups_with(
         };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if kernel == KvKernel::Avx2 && avx2_takes(hd) {
+        // SAFETY: AVX2, FMA and F16C are available (checked by `avx2_takes`).
+        unsafe {
+            by_blocks!(
+                bits,
+                hd,
+                x86::avx2::dot_codes_groups(codes, q, scale, zero, group, offset, out, stride)
+            )
+        };
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if kernel == KvKernel::Neon && neon_takes(hd) {
+        // SAFETY: NEON is available (checked by `neon_takes`).
+        unsafe {
+            by_blocks!(
+                bits,
+                hd,
+                aarch64::dot_codes_groups(codes, q, scale, zero, group, offset, out, stride)
+            )
+        };
+        return;
+    }
     let _ = kernel;
     let mut bias = [0.0f32; 16];
     let mut heap = Vec::new();
@@ -565,8 +591,23 @@ fn avx512_takes(hd: usize) -> bool {
     x86::takes(hd) && KvKernel::Avx512.is_supported()
 }
 
-/// Calls `$f::<W, HD>(args)` for the head dims of [`x86::takes`].
+/// Whether the AVX2 kernels run here for head dim `hd` (the CPU has AVX2, FMA and F16C
+/// and `hd` is 32, 64, 128 or 256).
 #[cfg(target_arch = "x86_64")]
+#[inline]
+fn avx2_takes(hd: usize) -> bool {
+    x86::avx2::takes(hd) && KvKernel::Avx2.is_supported()
+}
+
+/// Whether the NEON kernels run here for head dim `hd` (32, 64, 128 or 256).
+#[cfg(target_arch = "aarch64")]
+#[inline]
+fn neon_takes(hd: usize) -> bool {
+    aarch64::takes(hd) && KvKernel::Neon.is_supported()
+}
+
+/// Calls `$f::<W, HD>(args)` for the head dims of [`x86::takes`] (and `aarch64::takes`).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 macro_rules! by_blocks {
     ($bits:expr, $hd:expr, $($f:ident)::+($($a:expr),* $(,)?)) => {
         match ($bits, $hd) {
@@ -585,7 +626,7 @@ macro_rules! by_blocks {
         }
     };
 }
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 use by_blocks;
 
 fn dot_codes_rows_k<const W: u8, const HD: usize>(
@@ -659,6 +700,30 @@ pub fn axpy_codes_rows_with(
                 bits,
                 hd,
                 x86::axpy_codes_rows(codes, scale, zero, p, stride, acc, bias)
+            )
+        };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if kernel == KvKernel::Avx2 && avx2_takes(hd) {
+        // SAFETY: AVX2, FMA and F16C are available (checked by `avx2_takes`).
+        unsafe {
+            by_blocks!(
+                bits,
+                hd,
+                x86::avx2::axpy_codes_rows(codes, scale, zero, p, stride, acc, bias)
+            )
+        };
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if kernel == KvKernel::Neon && neon_takes(hd) {
+        // SAFETY: NEON is available (checked by `neon_takes`).
+        unsafe {
+            by_blocks!(
+                bits,
+                hd,
+                aarch64::axpy_codes_rows(codes, scale, zero, p, stride, acc, bias)
             )
         };
         return;
