@@ -90,10 +90,7 @@ fn check(
     dtype: DType,
     bits: &[u16],
     vals: &[f32],
-    rows: usize,
-    cols: usize,
-    r0: usize,
-    n: usize,
+    (rows, cols, r0, n): (usize, usize, usize, usize),
     x: &[f32],
 ) -> Result<(), TestCaseError> {
     let h: Vec<f16> = bits.iter().map(|&b| f16::from_bits(b)).collect();
@@ -153,8 +150,7 @@ proptest! {
             (Just(s), prop::collection::vec(f16_bits(), s.0 * s.1), acts(s.1))
         })
     ) {
-        let (rows, cols, r0, n) = s;
-        check(DType::F16, &bits, &[], rows, cols, r0, n, &x)?;
+        check(DType::F16, &bits, &[], s, &x)?;
     }
 
     #[test]
@@ -163,8 +159,7 @@ proptest! {
             (Just(s), prop::collection::vec(bf16_bits(), s.0 * s.1), acts(s.1))
         })
     ) {
-        let (rows, cols, r0, n) = s;
-        check(DType::BF16, &bits, &[], rows, cols, r0, n, &x)?;
+        check(DType::BF16, &bits, &[], s, &x)?;
     }
 
     #[test]
@@ -173,8 +168,7 @@ proptest! {
             (Just(s), prop::collection::vec(-1e6f32..1e6, s.0 * s.1), acts(s.1))
         })
     ) {
-        let (rows, cols, r0, n) = s;
-        check(DType::F32, &[], &vals, rows, cols, r0, n, &x)?;
+        check(DType::F32, &[], &vals, s, &x)?;
     }
 }
 

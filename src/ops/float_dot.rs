@@ -19,16 +19,16 @@
 //! * `portable`: `wide::f32x8` (any target; f16 widened through `half`'s slice conversion,
 //!   bf16 with an integer shift); also what `neon-dotprod` runs (NEON through `wide`);
 //! * `avx2` (`super::float_x86`): AVX2 + FMA, f16 widened by F16C `vcvtph2ps`, bf16 by
-//!   `vpmovzxwd` + a 16-bit shift; 8 rows in flight, one `ymm` accumulator each;
-//! * `avx512vnni` (`super::float_x86`): AVX-512 F (its VNNI part is not used here),
-//!   16 lanes holding **two rows' 8 lanes** each (row `2k` in the low half, `2k + 1` in the
-//!   high half), so a 512-bit FMA advances two rows' lane sums by one step each and the
-//!   8-lane order above is kept exactly; f16 widened by `vcvtph2ps` on 16 values.
+//!   `vpmovzxwd` + a 16-bit shift; 8 rows in flight, one `ymm` accumulator each, or one
+//!   row at a time (`streamed`); `avx512vnni` runs this form as well. A 512-bit form that
+//!   keeps the order (two rows' 8 lanes per register, row `2k` in the low half) was
+//!   measured and dropped: 25% slower out of L2, no faster out of DRAM (benches/README.md).
 //!
 //! Not used: AVX512-BF16 `vdpbf16ps` multiplies bf16 by bf16, so it would round the
-//! *activations* to bf16 (and it sums pairs of products before accumulating), a different
-//! numerical contract from the reference's; see `docs/design.md` (§ float weights) and
-//! benches/README.md for why the exact widen + FMA path is kept.
+//! *activations* to bf16 (and it adds pairs of products before accumulating), a different
+//! numerical contract from the reference's; the exact widen + FMA path already reads bf16
+//! weights from DRAM at the read-bandwidth probe's speed (benches/README.md), so the
+//! contract is kept (`docs/design.md`, summation order).
 
 use super::qdot::Kernel;
 use super::simd::{load8, reduce8, Elem};
@@ -107,17 +107,16 @@ fn rows_elem<E: ArchElem>(
         return;
     }
     match kernel {
+        // `avx512vnni` runs the AVX2 form too: 16 lanes holding two rows' 8-lane sums
+        // (the only 512-bit layout that keeps the order) read 25% slower out of L2 and no
+        // faster out of DRAM on the AVX-512 machine measured (benches/README.md).
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 if kernel.is_supported() => {
+        Kernel::Avx2 | Kernel::Avx512Vnni
+            if kernel.is_supported() && Kernel::Avx2.is_supported() =>
+        {
             // SAFETY: AVX2, FMA and F16C were detected at run time just above; the rows
             // read are `r0..r0 + out.len()` (in `w`, checked above) and `x[..cols]`.
             unsafe { super::float_x86::rows_avx2(w, cols, r0, x, out, streamed) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512Vnni if kernel.is_supported() => {
-            // SAFETY: AVX-512 F and F16C (part of this variant's check) were detected at
-            // run time just above; reads as for AVX2.
-            unsafe { super::float_x86::rows_avx512(w, cols, r0, x, out, streamed) }
         }
         Kernel::Scalar => {
             for (j, o) in out.iter_mut().enumerate() {
