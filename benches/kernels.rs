@@ -29,7 +29,9 @@
 //! * `read_bandwidth/{size}-{threads}t`: the machine's read bandwidth, independent of our
 //!   kernels: summing an f32 buffer with eight f32x8 accumulators (threads split it).
 //!   `5.5MiB` is the bundled model's weight size (stays in L3 between passes), `64MiB`
-//!   streams from DRAM. The denominators of the bandwidth bound in benches/README.md.
+//!   streams from DRAM, `64MiB-thp` the same from a huge-page-advised mapping (as the
+//!   packed quantised weights are). The denominators of the bandwidth bound in
+//!   benches/README.md.
 //!
 //! Names ending in `-cpu` are single-threaded runs timed with the thread's CPU-time clock
 //! (robust to other processes sharing the machine); the others are wall-clock time.
@@ -393,10 +395,28 @@ fn bench_read_bandwidth(c: &mut Criterion) {
     let n = all_cores();
     let pools = [(1usize, pool(1)), (n, pool(n))];
     let mut g = c.benchmark_group("read_bandwidth");
-    for (label, bytes) in [("5.5MiB", 5_767_168usize), ("64MiB", 64 << 20)] {
-        // f32x8 elements: 32-byte aligned, so no load straddles a cache line.
-        let buf: Vec<wide::f32x8> = vec![wide::f32x8::splat(1e-3); bytes / 32];
-        let x: &[f32] = bytemuck::cast_slice(&buf);
+    for (label, bytes) in [
+        ("5.5MiB", 5_767_168usize),
+        ("64MiB", 64 << 20),
+        ("64MiB-thp", 64 << 20),
+    ] {
+        // f32x8 elements: 32-byte aligned, so no load straddles a cache line. `-thp`: an
+        // anonymous mapping advised to use transparent huge pages, as the packed
+        // quantised weights are (`qdot::Packed`); the others are heap buffers (4 KiB pages
+        // where THP is `madvise`-only).
+        let buf: Vec<wide::f32x8>;
+        let mut map;
+        let x: &[f32] = if label.ends_with("-thp") {
+            map = memmap2::MmapMut::map_anon(bytes).expect("anonymous mapping");
+            #[cfg(target_os = "linux")]
+            map.advise(memmap2::Advice::HugePage).expect("madvise");
+            let x: &mut [f32] = bytemuck::cast_slice_mut(&mut map[..]);
+            x.fill(1e-3);
+            x
+        } else {
+            buf = vec![wide::f32x8::splat(1e-3); bytes / 32];
+            bytemuck::cast_slice(&buf)
+        };
         g.throughput(Throughput::Bytes(bytes as u64));
         for (t, p) in &pools {
             for &clock in clocks(*t) {
