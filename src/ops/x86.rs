@@ -382,9 +382,9 @@ const PREFETCH_BLOCKS: usize = 16;
 const PREFETCH_SCALES: usize = 256;
 
 /// Prefetches (into L1) the `bytes` of codes [`PREFETCH_BLOCKS`] blocks past `qp` and
-/// the scales (minimums) [`PREFETCH_SCALES`] bytes past block `b`'s. Addresses past the group's end are
-/// those of the next group or past the buffer: a prefetch never faults, and the pointers
-/// are formed with `wrapping_add`, never dereferenced.
+/// the scales (minimums) [`PREFETCH_SCALES`] bytes past block `b`'s. Addresses past the
+/// group's end are those of the next group or past the buffer: a prefetch never faults,
+/// and the pointers are formed with `wrapping_add`, never dereferenced.
 #[target_feature(enable = "avx2")]
 #[inline]
 fn prefetch_ahead(dtype: DType, g: &Group, qp: *const u8, b: usize, bytes: usize) {
