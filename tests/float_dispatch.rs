@@ -69,12 +69,19 @@ fn same(a: f32, b: f32) -> bool {
 }
 
 /// The documented order, written out here from f32 weights: eight lane sums with one
-/// fused multiply-add per term, the fixed lane tree, the tail from zero.
+/// multiply-add per term, the fixed lane tree, the tail from zero.
 fn documented(w: &[f32], x: &[f32]) -> f32 {
     let n8 = w.len() - w.len() % 8;
     let mut lane = [0.0f32; 8];
+    // Fused where `wide`'s `mul_add` is (x86_64 built with FMA), else multiply then add.
+    let fused = cfg!(all(target_arch = "x86_64", target_feature = "fma"));
     for i in 0..n8 {
-        lane[i % 8] = w[i].mul_add(x[i], lane[i % 8]);
+        let l = &mut lane[i % 8];
+        *l = if fused {
+            w[i].mul_add(x[i], *l)
+        } else {
+            w[i] * x[i] + *l
+        };
     }
     let l = lane;
     let mut t = 0.0f32;

@@ -7,7 +7,7 @@
 //! A row's dot product `w · x` (`n = cols`, `n8 = n − n % 8`) is, in every variant:
 //!
 //! 1. eight lane sums, lane `l` = `Σ_{i ≡ l (mod 8), i < n8} w_i · x_i` accumulated from
-//!    zero with one fused multiply-add per term, in increasing `i`;
+//!    zero with one multiply-add per term (fused iff [`FUSED`]), in increasing `i`;
 //! 2. the lanes added as `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`;
 //! 3. plus the tail `Σ_{i ≥ n8} x_i · w_i` (separate multiply and add, summed from zero).
 //!
@@ -15,7 +15,7 @@
 //! the scalar twin ([`Kernel::Scalar`], plain loops) bit for bit: the property tests in
 //! `tests/float_dispatch.rs` hold each supported variant to it.
 //!
-//! * `scalar`: the twin (plain loops, `f32::mul_add`);
+//! * `scalar`: the twin (plain loops, [`madd`]);
 //! * `portable`: `wide::f32x8` (any target; f16 widened through `half`'s slice conversion,
 //!   bf16 with an integer shift); also what `neon-dotprod` runs (NEON through `wide`);
 //! * `avx2` (`super::float_x86`): AVX2 + FMA, f16 widened by F16C `vcvtph2ps`, bf16 by
@@ -45,6 +45,23 @@ pub enum FloatRows<'a> {
 
 /// Rows one interleaved kernel call keeps in flight (one accumulator each).
 pub const RB: usize = 8;
+
+/// Whether step 1's multiply-adds are fused: what `wide::f32x8::mul_add` (the `portable`
+/// variant, and the engine's prefill micro-kernel) compiles to. `wide` 0.7 fuses only on
+/// x86_64 builds with FMA enabled (`target-cpu=native` on any FMA CPU); elsewhere (aarch64
+/// included) it multiplies, rounds, then adds, and so do the twin and every variant
+/// (found by `tests/float_dispatch.rs` under `scripts/test-aarch64.sh`).
+pub const FUSED: bool = cfg!(all(target_arch = "x86_64", target_feature = "fma"));
+
+/// One term of step 1: `w · x + acc`, fused iff [`FUSED`].
+#[inline(always)]
+pub fn madd(w: f32, x: f32, acc: f32) -> f32 {
+    if FUSED {
+        w.mul_add(x, acc)
+    } else {
+        w * x + acc
+    }
+}
 
 /// Steps 2 and 3 of the order (module docs): one row's eight lane sums and tail.
 #[inline(always)]
@@ -135,7 +152,7 @@ pub fn row_scalar<E: Elem>(row: &[E], x: &[f32]) -> f32 {
     let mut l = [0.0f32; 8];
     for (wc, xc) in row[..n8].chunks_exact(8).zip(x[..n8].chunks_exact(8)) {
         for ((li, wi), xi) in l.iter_mut().zip(wc).zip(xc) {
-            *li = wi.to_f32().mul_add(*xi, *li);
+            *li = madd(wi.to_f32(), *xi, *li);
         }
     }
     finish(l, tail(row, x, n8))

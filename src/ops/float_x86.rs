@@ -1,8 +1,9 @@
 //! The x86_64 variant of [`super::float_dot`]'s row dot products: AVX2 + FMA + F16C. It
-//! keeps the 8-lane order of the module docs there exactly (one fused multiply-add per
-//! term and lane, in increasing column), so it equals the scalar twin bit for bit.
+//! keeps the 8-lane order of the module docs there exactly (one multiply-add per term and
+//! lane, fused iff `float_dot::FUSED`, in increasing column), so it equals the scalar twin
+//! bit for bit.
 
-use super::float_dot::{finish, tail, RB};
+use super::float_dot::{finish, tail, FUSED, RB};
 use super::simd::Elem;
 use half::{bf16, f16};
 use std::arch::x86_64::*;
@@ -46,6 +47,17 @@ impl X86Elem for bf16 {
     }
 }
 
+/// `w · x + acc` per lane, fused iff [`FUSED`] (the order every variant shares).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn fma8(w: __m256, x: __m256, acc: __m256) -> __m256 {
+    if FUSED {
+        _mm256_fmadd_ps(w, x, acc)
+    } else {
+        _mm256_add_ps(_mm256_mul_ps(w, x), acc)
+    }
+}
+
 /// Row `r`'s start, rows past the last one clamped to it (their results are dropped).
 #[inline(always)]
 fn row_at<E>(w: &[E], cols: usize, r: usize) -> &[E] {
@@ -79,7 +91,7 @@ pub unsafe fn rows_avx2<E: X86Elem>(
                 // SAFETY: `i + 8 <= n8 <= cols`, the length of `row` and `x`.
                 unsafe {
                     let xv = _mm256_loadu_ps(x.as_ptr().add(i));
-                    acc = _mm256_fmadd_ps(E::ld8(row.as_ptr().add(i)), xv, acc);
+                    acc = fma8(E::ld8(row.as_ptr().add(i)), xv, acc);
                 }
                 i += 8;
             }
@@ -96,7 +108,7 @@ pub unsafe fn rows_avx2<E: X86Elem>(
             unsafe {
                 let xv = _mm256_loadu_ps(x.as_ptr().add(i));
                 for (a, row) in acc.iter_mut().zip(&rows) {
-                    *a = _mm256_fmadd_ps(E::ld8(row.as_ptr().add(i)), xv, *a);
+                    *a = fma8(E::ld8(row.as_ptr().add(i)), xv, *a);
                 }
             }
             i += 8;
