@@ -7,8 +7,8 @@
 //! token is decoded alone ([`matvec`]) or inside a prefill batch ([`matmul`]).
 //!
 //! The order of a float row's dot product `w · x` (`n = cols`, `n8 = n - n % 8`): one
-//! f32x8 accumulator with lane `l` holding `Σ_{i ≡ l (mod 8), i < n8} w_i·x_i` (fused
-//! multiply-adds in increasing `i`), its lanes summed as
+//! f32x8 accumulator with lane `l` holding `Σ_{i ≡ l (mod 8), i < n8} w_i·x_i`
+//! (multiply-adds in increasing `i`, fused iff [`float_dot::FUSED`]), its lanes summed as
 //! `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, plus the scalar tail
 //! `Σ_{i ≥ n8} w_i·x_i` summed from zero. The one-token kernels come in variants chosen at
 //! run time with the quantised ones ([`super::float_dot`]: scalar, portable, AVX2 + F16C,
