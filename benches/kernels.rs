@@ -11,6 +11,11 @@
 //!   throughput = bytes of weights read. `1536x576` is SmolLM2-135M's gate/up projection
 //!   (stays in L2); `16384x8192` is 80 MiB in Q4_1 (streams from DRAM: compare with
 //!   `read_bandwidth/64MiB-1t-cpu`). Includes quantising the activation.
+//! * `matvec_float/{shape}/{dtype}-{kernel}-{walk}-1t-cpu`: f32/f16/bf16 rows through each
+//!   float-weight kernel variant this CPU supports (`ops::float_dot`, same dispatch as
+//!   `qdot`), one thread, CPU-time clock, throughput = bytes of weights read. `768x256`
+//!   stays in L2; `8192x8192` (128 MiB in f16) streams from DRAM and runs both row walks
+//!   (`rows8`: eight rows interleaved; `streamed`: what the engine uses from DRAM).
 //! * `kv_append/{kv}`: appending one token's K and V rows to one layer of the flagship
 //!   shape (8 KV heads × head dim 32), including KIVI quantisation (V per token at append,
 //!   K per channel once a 32-token group completes), throughput = tokens (per layer; a
@@ -28,7 +33,9 @@
 //! * `read_bandwidth/{size}-{threads}t`: the machine's read bandwidth, independent of our
 //!   kernels: summing an f32 buffer with eight f32x8 accumulators (threads split it).
 //!   `5.5MiB` is the bundled model's weight size (stays in L3 between passes), `64MiB`
-//!   streams from DRAM. The denominators of the bandwidth bound in benches/README.md.
+//!   streams from DRAM, `64MiB-thp` the same from a huge-page-advised mapping (as the
+//!   packed quantised weights are). The denominators of the bandwidth bound in
+//!   benches/README.md.
 //!
 //! Names ending in `-cpu` are single-threaded runs timed with the thread's CPU-time clock
 //! (robust to other processes sharing the machine); the others are wall-clock time.
@@ -51,6 +58,8 @@ use tinygpt_cpu::attention::{attend, AttnScratch, RopeTable};
 use tinygpt_cpu::config::HfConfig;
 use tinygpt_cpu::dtype::DType;
 use tinygpt_cpu::kv_cache::{KvCache, LayerKv, Precision};
+use tinygpt_cpu::ops::float_dot::{self, FloatRows};
+use tinygpt_cpu::ops::matvec::STREAM_BYTES;
 use tinygpt_cpu::ops::qdot::{self, Kernel, Packed, QuantizedActs, GROUP};
 use tinygpt_cpu::ops::{matvec, Matrix};
 use tinygpt_cpu::weights::{Tensor, TensorBytes};
@@ -124,6 +133,63 @@ fn bench_matvec(c: &mut Criterion) {
                                     matvec(&m, black_box(&x), &mut out);
                                 }
                                 clock.now() - t0
+                            })
+                        })
+                    });
+                }
+            }
+        }
+        g.finish();
+    }
+}
+
+/// One thread, CPU-time clock, each float-weight kernel variant this CPU supports
+/// (`float_dot::rows_with`, the rows `matvec` runs) on f32, f16 and bf16 weights.
+/// `768x256`: cache-resident, rows interleaved eight at a time; `8192x8192`: 128 MiB,
+/// streams from DRAM, both walks (`-rows8` interleaved, `-streamed` the walk the engine
+/// uses above `STREAM_BYTES`).
+fn bench_float_variants(c: &mut Criterion) {
+    let one = pool(1);
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    for (rows, cols) in [(768usize, 256usize), (8192, 8192)] {
+        let w = uniform(&mut rng, rows * cols, 0.05);
+        let x = uniform(&mut rng, cols, 1.0);
+        let mut out = vec![0.0f32; rows];
+        let h: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+        let b: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let walks: &[(&str, bool)] = if rows * cols * 2 > STREAM_BYTES {
+            &[("rows8", false), ("streamed", true)]
+        } else {
+            &[("rows8", false)]
+        };
+        let mut g = c.benchmark_group(format!("matvec_float/{rows}x{cols}"));
+        for (dtype, fw) in [
+            (DType::F32, FloatRows::F32(&w)),
+            (DType::F16, FloatRows::F16(&h)),
+            (DType::BF16, FloatRows::Bf16(&b)),
+        ] {
+            let width = if dtype == DType::F32 { 4 } else { 2 };
+            g.throughput(Throughput::Bytes((rows * cols * width) as u64));
+            for k in Kernel::supported() {
+                for &(walk, streamed) in walks {
+                    let id = format!("{dtype}-{}-{walk}-1t-cpu", k.name());
+                    g.bench_function(BenchmarkId::from_parameter(id), |bch| {
+                        bch.iter_custom(|iters| {
+                            one.install(|| {
+                                let t0 = Clock::ThreadCpu.now();
+                                for _ in 0..iters {
+                                    float_dot::rows_with(
+                                        k,
+                                        fw,
+                                        cols,
+                                        0,
+                                        black_box(&x),
+                                        &mut out,
+                                        streamed,
+                                    );
+                                }
+                                black_box(&out);
+                                Clock::ThreadCpu.now() - t0
                             })
                         })
                     });
@@ -421,10 +487,28 @@ fn bench_read_bandwidth(c: &mut Criterion) {
     let n = all_cores();
     let pools = [(1usize, pool(1)), (n, pool(n))];
     let mut g = c.benchmark_group("read_bandwidth");
-    for (label, bytes) in [("5.5MiB", 5_767_168usize), ("64MiB", 64 << 20)] {
-        // f32x8 elements: 32-byte aligned, so no load straddles a cache line.
-        let buf: Vec<wide::f32x8> = vec![wide::f32x8::splat(1e-3); bytes / 32];
-        let x: &[f32] = bytemuck::cast_slice(&buf);
+    for (label, bytes) in [
+        ("5.5MiB", 5_767_168usize),
+        ("64MiB", 64 << 20),
+        ("64MiB-thp", 64 << 20),
+    ] {
+        // f32x8 elements: 32-byte aligned, so no load straddles a cache line. `-thp`: an
+        // anonymous mapping advised to use transparent huge pages, as the packed
+        // quantised weights are (`qdot::Packed`); the others are heap buffers (4 KiB pages
+        // where THP is `madvise`-only).
+        let buf: Vec<wide::f32x8>;
+        let mut map;
+        let x: &[f32] = if label.ends_with("-thp") {
+            map = memmap2::MmapMut::map_anon(bytes).expect("anonymous mapping");
+            #[cfg(target_os = "linux")]
+            map.advise(memmap2::Advice::HugePage).expect("madvise");
+            let x: &mut [f32] = bytemuck::cast_slice_mut(&mut map[..]);
+            x.fill(1e-3);
+            x
+        } else {
+            buf = vec![wide::f32x8::splat(1e-3); bytes / 32];
+            bytemuck::cast_slice(&buf)
+        };
         g.throughput(Throughput::Bytes(bytes as u64));
         for (t, p) in &pools {
             for &clock in clocks(*t) {
@@ -451,6 +535,6 @@ fn bench_read_bandwidth(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = config();
-    targets = bench_read_bandwidth, bench_qdot, bench_matvec, bench_append, bench_attention
+    targets = bench_read_bandwidth, bench_qdot, bench_float_variants, bench_matvec, bench_append, bench_attention
 }
 criterion_main!(benches);

@@ -7,20 +7,22 @@
 //! token is decoded alone ([`matvec`]) or inside a prefill batch ([`matmul`]).
 //!
 //! The order of a float row's dot product `w · x` (`n = cols`, `n8 = n - n % 8`): one
-//! f32x8 accumulator with lane `l` holding `Σ_{i ≡ l (mod 8), i < n8} w_i·x_i` (fused
-//! multiply-adds in increasing `i`), its lanes summed as
+//! f32x8 accumulator with lane `l` holding `Σ_{i ≡ l (mod 8), i < n8} w_i·x_i`
+//! (multiply-adds in increasing `i`, fused iff [`float_dot::FUSED`]), its lanes summed as
 //! `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, plus the scalar tail
-//! `Σ_{i ≥ n8} w_i·x_i` summed from zero. The kernels keep several rows (or rows ×
-//! tokens) in flight, one accumulator each, and reduce eight of them with one transpose
+//! `Σ_{i ≥ n8} w_i·x_i` summed from zero. The one-token kernels come in variants chosen at
+//! run time with the quantised ones ([`super::float_dot`]: scalar, portable, AVX2 + F16C,
+//! AVX-512), all in this order; the prefill micro-kernel ([`tile`]) keeps rows × tokens in
+//! flight, one accumulator each, and reduces eight of them with one transpose
 //! ([`crate::ops::simd::reduce8`]).
 
+use super::float_dot::{self, tail, FloatRows, RB};
 use super::qdot::{self, ActsTile, Packed, QuantizedActs, GROUP};
 use super::simd::{load8, Elem};
 use crate::dequant::dequantize_into;
 use crate::dtype::DType;
 use crate::ops::simd::reduce8;
 use crate::weights::{Tensor, TensorBytes};
-use half::{bf16, f16};
 use rayon::prelude::*;
 use std::sync::Arc;
 use wide::f32x8;
@@ -124,62 +126,6 @@ impl Matrix {
     }
 }
 
-/// Rows one [`matvec`] kernel call keeps in flight (one accumulator each).
-const RB: usize = 8;
-
-/// `out[k] = row (r0 + k) · x` for `k < out.len() ≤ 8`, in the canonical order. Rows
-/// past the end are computed on a repeat of the last row and dropped, so every row is
-/// reduced the same way wherever it falls.
-#[inline(always)]
-fn rows8<E: Elem>(w: &[E], cols: usize, r0: usize, x: &[f32], out: &mut [f32]) {
-    let last = w.len() / cols - 1;
-    let rows: [&[E]; RB] = std::array::from_fn(|k| {
-        let r = (r0 + k).min(last);
-        &w[r * cols..(r + 1) * cols]
-    });
-    let x = &x[..cols];
-    let n8 = cols - cols % 8;
-    let mut acc = [f32x8::ZERO; RB];
-    let mut i = 0;
-    while i < n8 {
-        let xv = load8(&x[i..]);
-        for (a, row) in acc.iter_mut().zip(&rows) {
-            *a = E::load8(&row[i..]).mul_add(xv, *a);
-        }
-        i += 8;
-    }
-    let part: [(f32x8, f32); RB] = std::array::from_fn(|k| (acc[k], tail(rows[k], x, n8)));
-    let n = out.len();
-    out.copy_from_slice(&reduce8(part).to_array()[..n]);
-}
-
-/// One row's dot product in the canonical order: one accumulator, then the same lane
-/// tree and tail as [`rows8`] (equal values, bit for bit).
-#[inline(always)]
-fn row1<E: Elem>(row: &[E], x: &[f32]) -> f32 {
-    let cols = row.len();
-    let x = &x[..cols];
-    let n8 = cols - cols % 8;
-    let mut acc = f32x8::ZERO;
-    let mut i = 0;
-    while i < n8 {
-        acc = E::load8(&row[i..]).mul_add(load8(&x[i..]), acc);
-        i += 8;
-    }
-    let l = acc.to_array();
-    (((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))) + tail(row, x, n8)
-}
-
-/// `Σ_{i ≥ n8} w_i · x_i`, summed from zero (the scalar tail of the canonical order).
-#[inline(always)]
-fn tail<E: Elem>(w: &[E], x: &[f32], n8: usize) -> f32 {
-    let mut t = 0.0f32;
-    for (wi, xi) in w[n8..].iter().zip(&x[n8..]) {
-        t += xi * wi.to_f32();
-    }
-    t
-}
-
 /// Rows × tokens of the [`matmul`] micro-kernel (one accumulator each, 12 in all: with
 /// the two weight vectors they fit AVX2's 16 registers and NEON's 32). Measured on the
 /// flagship prefill (256 tokens, 2 threads): 2×6 58 ms, 2×8 60, 2×5 64, 3×4 67,
@@ -238,13 +184,6 @@ fn tile<E: Elem>(w: &[E], cols: usize, r0: usize, xs: &[f32], t0: usize, out: &m
     }
 }
 
-/// The weights of a float matrix as their element type.
-enum FloatRows<'a> {
-    F32(&'a [f32]),
-    F16(&'a [f16]),
-    Bf16(&'a [bf16]),
-}
-
 impl Matrix {
     fn float_rows(&self) -> Option<FloatRows<'_>> {
         match self.dtype {
@@ -274,36 +213,12 @@ impl<'a> Input<'a> {
 
     /// `out[j] = row (r0 + j) · x` for every `j < out.len()`.
     fn rows(&self, m: &Matrix, r0: usize, out: &mut [f32]) {
-        let mut run = |w: FloatRows| match w {
-            FloatRows::F32(w) => float_rows(w, m.cols, r0, self.x, out, m.streamed),
-            FloatRows::F16(w) => float_rows(w, m.cols, r0, self.x, out, m.streamed),
-            FloatRows::Bf16(w) => float_rows(w, m.cols, r0, self.x, out, m.streamed),
-        };
         match (m.float_rows(), &self.q) {
-            (Some(w), _) => run(w),
+            (Some(w), _) => {
+                float_dot::rows_with(qdot::active(), w, m.cols, r0, self.x, out, m.streamed)
+            }
             (None, Some(q)) => m.rows_q(r0, q, out),
             (None, None) => unreachable!("quantised matrix without quantised input"),
-        }
-    }
-}
-
-/// `out[j] = row (r0 + j) · x`, rows interleaved eight at a time or streamed one by one.
-fn float_rows<E: Elem>(
-    w: &[E],
-    cols: usize,
-    r0: usize,
-    x: &[f32],
-    out: &mut [f32],
-    streamed: bool,
-) {
-    if streamed {
-        for (j, o) in out.iter_mut().enumerate() {
-            let r = r0 + j;
-            *o = row1(&w[r * cols..(r + 1) * cols], x);
-        }
-    } else {
-        for (b, o) in out.chunks_mut(RB).enumerate() {
-            rows8(w, cols, r0 + b * RB, x, o);
         }
     }
 }

@@ -4,6 +4,9 @@
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
+pub mod float_dot;
+#[cfg(target_arch = "x86_64")]
+mod float_x86;
 pub mod matvec;
 mod portable;
 pub mod qdot;

@@ -235,6 +235,56 @@ unsafe impl bytemuck::Zeroable for Line {}
 // SAFETY: as above; `Copy` and `'static`.
 unsafe impl bytemuck::Pod for Line {}
 
+/// The packed bytes: zeroed, 64-byte aligned (every group starts on a cache line).
+///
+/// From [`HUGE_MIN`] bytes up they live in an anonymous mapping that Linux is asked to
+/// back with transparent huge pages (`madvise(MADV_HUGEPAGE)`; the system default here is
+/// `madvise`, so without asking a heap buffer gets 4 KiB pages). A matvec streams the
+/// whole buffer every token: with 4 KiB pages a Q4_1 matrix read from DRAM ran at 56–64%
+/// of the read-bandwidth probe and with 2 MiB pages at 90–100% (benches/README.md,
+/// "Quantised-weight kernels per variant"): the page walks, not the bytes, bounded it.
+/// Where the advice is refused or THP is off, the mapping simply keeps 4 KiB pages.
+enum PackedBuf {
+    Lines(Vec<Line>),
+    Map(memmap2::MmapMut),
+}
+
+/// Packed matrices at least this large are put in huge-page-advised mappings (one 2 MiB
+/// page; a smaller buffer could not use one).
+const HUGE_MIN: usize = 2 << 20;
+
+impl PackedBuf {
+    fn zeroed(len: usize) -> PackedBuf {
+        if cfg!(target_os = "linux") && len >= HUGE_MIN {
+            // An anonymous mapping is zeroed and page aligned (so 64-byte aligned).
+            if let Ok(m) = memmap2::MmapMut::map_anon(len) {
+                #[cfg(target_os = "linux")]
+                let _ = m.advise(memmap2::Advice::HugePage);
+                return PackedBuf::Map(m);
+            }
+        }
+        PackedBuf::Lines(vec![Line([0; 64]); len / 64])
+    }
+
+    fn len(&self) -> usize {
+        self.bytes().len()
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            PackedBuf::Lines(v) => bytemuck::cast_slice(v),
+            PackedBuf::Map(m) => m,
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            PackedBuf::Lines(v) => bytemuck::cast_slice_mut(v),
+            PackedBuf::Map(m) => m,
+        }
+    }
+}
+
 /// Bytes of one 8-row block of codes.
 fn qs_bytes(dtype: DType) -> usize {
     match dtype {
@@ -263,7 +313,7 @@ pub struct Packed {
     nb: usize,
     /// Bytes per group (a multiple of 64).
     group_bytes: usize,
-    data: Vec<Line>,
+    data: PackedBuf,
 }
 
 /// One group's regions.
@@ -287,8 +337,8 @@ impl Packed {
         let raw = nb * (qsb + 16 + if mins { 16 } else { 0 });
         let group_bytes = raw.next_multiple_of(64);
         let groups = rows.div_ceil(GROUP);
-        let mut data = vec![Line([0; 64]); groups * group_bytes / 64];
-        let out: &mut [u8] = bytemuck::cast_slice_mut(&mut data);
+        let mut data = PackedBuf::zeroed(groups * group_bytes);
+        let out: &mut [u8] = data.bytes_mut();
         for r in 0..rows {
             let (g, k) = (r / GROUP, r % GROUP);
             let dst = &mut out[g * group_bytes..(g + 1) * group_bytes];
@@ -333,11 +383,11 @@ impl Packed {
 
     /// Bytes held (the load-time copy).
     pub fn byte_len(&self) -> usize {
-        self.data.len() * 64
+        self.data.len()
     }
 
     pub fn group(&self, g: usize) -> Group<'_> {
-        let all: &[u8] = bytemuck::cast_slice(&self.data);
+        let all: &[u8] = self.data.bytes();
         let dst = &all[g * self.group_bytes..(g + 1) * self.group_bytes];
         let qsb = qs_bytes(self.dtype);
         let nb = self.nb;
