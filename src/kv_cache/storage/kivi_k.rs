@@ -353,7 +353,7 @@ impl KeyRun for ChannelRun<'_> {
     /// per row and query: `q·k = Σ_c (q_c s_c) u_c + Σ_c q_c z_c`. A row's score does not
     /// depend on how many groups the run spans.
     fn dot_rows(&self, qs: &[f32], fold: &mut [f32], out: &mut [f32], stride: usize) {
-        quant::dot_codes_groups(
+        quant::dot_codes_groups_multi(
             self.codes,
             qs,
             self.hd,

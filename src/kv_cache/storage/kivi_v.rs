@@ -153,7 +153,7 @@ impl ValueRun for TokenRun<'_> {
     fn axpy_rows(&self, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]) {
         debug_assert_eq!(acc.len(), bias.len() * self.hd);
         debug_assert_eq!(self.codes.len(), self.len() * self.packed);
-        quant::axpy_codes_rows(
+        quant::axpy_codes_rows_multi(
             self.codes, self.scale, self.zero, p, stride, acc, bias, self.bits,
         );
     }
