@@ -314,14 +314,22 @@ fn multi_query_kernels_equal_single_query_bit_for_bit_and_match_scalar_twins() {
     eprintln!("{cases} cases");
 }
 
-/// Every head of a long run at once (the bench's shape: 16K rows, group 3, head dim 64,
-/// int4 and int2, K group 32), bit for bit against the single-query kernel.
+/// Long runs (many K groups, many 256-row super-blocks of the AVX-512 value kernel, many
+/// 64-row chunks of the portable one), SmolLM2's shape (head dim 64, 3 heads per KV head)
+/// and group sizes 2, 5 and 8, bit for bit against the single-query kernel.
 #[test]
 fn long_run_gqa_shape_bit_for_bit() {
     let mut rng = ChaCha8Rng::seed_from_u64(77);
     for kernel in KvKernel::supported() {
-        for bits in [Bits::Int4, Bits::Int2, Bits::Int8] {
-            let (hd, rows, nq) = (64usize, 4099usize, 3usize);
+        for (bits, hd, rows, nq) in [
+            (Bits::Int4, 64usize, 4099usize, 3usize),
+            (Bits::Int2, 64, 4099, 3),
+            (Bits::Int8, 64, 4099, 3),
+            (Bits::Int4, 128, 1000, 2),
+            (Bits::Int2, 32, 777, 5),
+            (Bits::Int8, 128, 600, 8),
+            (Bits::Int4, 32, 530, 8),
+        ] {
             let pk = bits.packed_len(hd);
             let codes: Vec<u8> = (0..rows * pk).map(|_| rng.gen()).collect();
             let (g, offset) = (32, 4);
@@ -355,7 +363,8 @@ fn long_run_gqa_shape_bit_for_bit() {
                 &mut b,
                 rows,
             );
-            assert!(bits_eq(&a, &b), "{} {bits:?} long dot", kernel.name());
+            let ctx = format!("{} {bits:?} hd={hd} rows={rows} nq={nq}", kernel.name());
+            assert!(bits_eq(&a, &b), "{ctx} long dot");
             let (vs, vz) = params(&mut rng, rows, "random");
             let p: Vec<f32> = (0..nq * rows)
                 .map(|_| rng.gen_range(0.0..1e-3f32))

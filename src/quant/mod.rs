@@ -957,8 +957,10 @@ fn dot_rows_multi<const W: u8, const HD: usize>(
     )
 }
 
-/// [`dot_codes_rows_k`] for exactly `G` folded queries (`qs`: `(G, hd)`), each row's
-/// codes unpacked once: head `g`'s partial sums are [`dot_lanes`]'s, reduced as there.
+/// [`dot_codes_rows_k`] for exactly `G` folded queries (`qs`: `(G, hd)`): each block of 8
+/// rows is unpacked once into floats (the exact values `codes16` / `codes8` / `code_at`
+/// give), then every head runs `dot_codes_rows_k`'s block on them ([`dot_lanes_f`]: the
+/// same FMAs in the same order), so head `j`'s scores equal it bit for bit.
 fn dot_codes_rows_multi_k<const W: u8, const HD: usize, const G: usize>(
     codes: &[u8],
     qs: &[f32],
@@ -970,57 +972,78 @@ fn dot_codes_rows_multi_k<const W: u8, const HD: usize, const G: usize>(
     let p = packed::<W>(hd);
     let rows = codes.len() / p;
     assert!(qs.len() == G * hd && bias.len() == G && out.len() >= (G - 1) * stride + rows);
-    let q: [&[f32]; G] = std::array::from_fn(|j| &qs[j * hd..(j + 1) * hd]);
+    let mut stack = [0.0f32; 8 * 128];
+    let mut heap = Vec::new();
+    let u: &mut [f32] = if hd <= 128 {
+        &mut stack[..8 * hd]
+    } else {
+        heap.resize(8 * hd, 0.0);
+        &mut heap
+    };
     for r0 in (0..rows).step_by(8) {
         let m = (rows - r0).min(8);
-        // Rows past the run pad with zeros, as in `dot_codes_rows_k`.
-        let mut part = [[(f32x8::ZERO, 0.0f32); 8]; G];
-        for k in 0..m {
-            let lanes = dot_lanes_multi::<W, HD, G>(&codes[(r0 + k) * p..], &q);
-            for (pj, l) in part.iter_mut().zip(lanes) {
-                pj[k] = l;
-            }
+        for (k, u) in u.chunks_exact_mut(hd).take(m).enumerate() {
+            unpack_row::<W, HD>(&codes[(r0 + k) * p..], u);
         }
-        for (j, (pj, &b)) in part.into_iter().zip(bias).enumerate() {
-            let scores = (reduce8(pj) + f32x8::splat(b)).to_array();
+        for (j, (q, &b)) in qs.chunks_exact(hd).zip(bias).enumerate() {
+            // Rows past the run pad with zeros, as in `dot_codes_rows_k`.
+            let part: [(f32x8, f32); 8] = std::array::from_fn(|k| {
+                if k < m {
+                    dot_lanes_f::<HD>(&u[k * hd..(k + 1) * hd], q)
+                } else {
+                    (f32x8::ZERO, 0.0)
+                }
+            });
+            let scores = (reduce8(part) + f32x8::splat(b)).to_array();
             out[j * stride + r0..j * stride + r0 + m].copy_from_slice(&scores[..m]);
         }
     }
 }
 
-/// [`dot_lanes`] of one row of codes against `G` vectors, the codes unpacked once; entry
-/// `j` equals `dot_lanes(codes, w[j])` bit for bit.
+/// The offset codes of one row as floats (`u.len()` of them), by the same steps as
+/// [`dot_lanes`] reads them.
 #[inline(always)]
-fn dot_lanes_multi<const W: u8, const HD: usize, const G: usize>(
-    codes: &[u8],
-    w: &[&[f32]; G],
-) -> [(f32x8, f32); G] {
-    let n = if HD != 0 { HD } else { w[0].len() };
+fn unpack_row<const W: u8, const HD: usize>(codes: &[u8], u: &mut [f32]) {
+    let n = if HD != 0 { HD } else { u.len() };
     let codes = &codes[..packed::<W>(n)];
-    let (mut a0, mut a1) = ([f32x8::ZERO; G], [f32x8::ZERO; G]);
     let mut e = 0;
     while e + 16 <= n {
         let (x0, x1) = codes16::<W>(codes, e);
-        for j in 0..G {
-            a0[j] = x0.mul_add(load8(&w[j][e..]), a0[j]);
-            a1[j] = x1.mul_add(load8(&w[j][e + 8..]), a1[j]);
-        }
+        store8(&mut u[e..], x0);
+        store8(&mut u[e + 8..], x1);
         e += 16;
     }
     if e + 8 <= n {
-        let x = codes8::<W>(codes, e);
-        for j in 0..G {
-            a0[j] = x.mul_add(load8(&w[j][e..]), a0[j]);
-        }
+        store8(&mut u[e..], codes8::<W>(codes, e));
         e += 8;
     }
-    std::array::from_fn(|j| {
-        let mut tail = 0.0f32;
-        for (c, &wc) in w[j][..n].iter().enumerate().skip(e) {
-            tail += code_at::<W>(codes, c) * wc;
-        }
-        (a0[j] + a1[j], tail)
-    })
+    for (j, x) in u[..n].iter_mut().enumerate().skip(e) {
+        *x = code_at::<W>(codes, j);
+    }
+}
+
+/// [`dot_lanes`] on codes already unpacked to floats (`u` from [`unpack_row`]): the same
+/// FMAs, accumulators and tail, so the same bits.
+#[inline(always)]
+fn dot_lanes_f<const HD: usize>(u: &[f32], w: &[f32]) -> (f32x8, f32) {
+    let n = if HD != 0 { HD } else { w.len() };
+    let (u, w) = (&u[..n], &w[..n]);
+    let (mut a0, mut a1) = (f32x8::ZERO, f32x8::ZERO);
+    let mut e = 0;
+    while e + 16 <= n {
+        a0 = load8(&u[e..]).mul_add(load8(&w[e..]), a0);
+        a1 = load8(&u[e + 8..]).mul_add(load8(&w[e + 8..]), a1);
+        e += 16;
+    }
+    if e + 8 <= n {
+        a0 = load8(&u[e..]).mul_add(load8(&w[e..]), a0);
+        e += 8;
+    }
+    let mut tail = 0.0f32;
+    for (&x, &wj) in u.iter().zip(w).skip(e) {
+        tail += x * wj;
+    }
+    (a0 + a1, tail)
 }
 
 /// [`axpy_codes_rows`] with every code unpacked once for all `bias.len()` queries. Each
