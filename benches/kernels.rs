@@ -29,6 +29,14 @@
 //!   alone (K scores + V weighted sum, 8 KV heads × 16K rows, no softmax or append), forced
 //!   to each variant this CPU supports (`KvKernel`: `portable`, `avx2`, `avx512`, `neon`),
 //!   so one run compares them; throughput = bytes of codes and parameters read.
+//! * `attention_gqa_16k/{kv}-1t`: the same `attend` call at SmolLM2-135M's attention shape
+//!   (9 query heads sharing 3 KV heads, head dim 64: grouped-query attention with groups
+//!   of 3) over 16K rows, fp32 / int4 / int2.
+//! * `kivi_gqa_16k/{bits}-{k|v}-{form}-1t-cpu`: each KIVI kernel alone for one KV head
+//!   of that shape (16K rows, K groups of 32, 3 query heads): K scores or V weighted sum,
+//!   `per-head` = the single-query kernels (each code unpacked once per query head),
+//!   `multi` = the multi-query kernels (each code unpacked once for the 3 heads), on the
+//!   variant this CPU selects (`TINYGPT_KV_KERNEL` forces one).
 //!
 //! * `read_bandwidth/{size}-{threads}t`: the machine's read bandwidth, independent of our
 //!   kernels: summing an f32 buffer with eight f32x8 accumulators (threads split it).
@@ -462,6 +470,153 @@ fn bench_kv_kernels(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement
     }
 }
 
+/// SmolLM2-135M's attention shape: 9 query heads on 3 KV heads, head dim 64.
+fn gqa_config_json() -> String {
+    let mut v: serde_json::Value =
+        serde_json::from_str(&flagship_config_json()).expect("flagship json");
+    v["head_dim"] = 64.into();
+    v["hidden_size"] = 576.into();
+    v["num_attention_heads"] = 9.into();
+    v["num_key_value_heads"] = 3.into();
+    v.to_string()
+}
+
+fn bench_attention_gqa(c: &mut Criterion) {
+    let cfg = HfConfig::from_json(&gqa_config_json(), Path::new("gqa"))
+        .and_then(|h| h.validate(Path::new("gqa")))
+        .expect("gqa config");
+    let rope = RopeTable::new(&cfg);
+    let rows = SyntheticRows::new(cfg.kv_dim());
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let q = uniform(&mut rng, cfg.q_dim(), 2.0);
+    let pl = pool(1);
+    let mut g = c.benchmark_group("attention_gqa_16k");
+    for p in [Precision::Fp32, Precision::Int4, Precision::Int2] {
+        let kv = kv_config(p, false);
+        let one = tinygpt_cpu::config::Config {
+            n_layers: 1,
+            ..cfg.clone()
+        };
+        let mut cache = KvCache::new(&one, &kv);
+        rows.fill(&mut cache, ATTN_ROWS);
+        let base = cache.layer(0).clone();
+        g.throughput(Throughput::Bytes(base.bytes() as u64));
+        for &clock in clocks(1) {
+            let mut layer = base.clone();
+            let mut scratch = AttnScratch::new(&cfg, &kv);
+            let mut out = vec![0.0f32; cfg.q_dim()];
+            let id = format!("{}-1t{}", kv.quant_name(), clock.suffix());
+            g.bench_function(BenchmarkId::from_parameter(id), |b| {
+                b.iter_custom(|iters| {
+                    pl.install(|| {
+                        let mut total = Duration::ZERO;
+                        for _ in 0..iters {
+                            if layer.appended() >= ATTN_ROWS + 512 {
+                                layer = base.clone();
+                            }
+                            let pos = layer.appended();
+                            let t = clock.now();
+                            attend(
+                                &cfg,
+                                &rope,
+                                &mut layer,
+                                &q,
+                                rows.k(pos),
+                                rows.v(pos),
+                                pos,
+                                &mut out,
+                                &mut scratch,
+                                None,
+                            );
+                            total += clock.now() - t;
+                        }
+                        total
+                    })
+                });
+            });
+        }
+    }
+    g.finish();
+
+    // The two kernels alone, one KV head, single-query (per head) vs multi-query.
+    use tinygpt_cpu::quant::{self, Bits};
+    let (hd, nq, n, group) = (64usize, 3usize, ATTN_ROWS, 32usize);
+    let kernel = tinygpt_cpu::ops::simd::kv_kernel();
+    eprintln!("kivi_gqa_16k: KV kernel {}", kernel.name());
+    let mut g = c.benchmark_group("kivi_gqa_16k");
+    for (bits, name) in [(Bits::Int4, "int4"), (Bits::Int2, "int2")] {
+        let pk = bits.packed_len(hd);
+        let codes: Vec<u8> = (0..n * pk).map(|i| (i * 131 + 7) as u8).collect();
+        g.throughput(Throughput::Bytes((n * pk) as u64));
+        let groups = n.div_ceil(group);
+        let ks: Vec<f16> = (0..groups * hd)
+            .map(|i| f16::from_f32(0.01 + (i % 7) as f32 * 1e-3))
+            .collect();
+        let kz: Vec<f16> = (0..groups * hd)
+            .map(|i| f16::from_f32((i % 5) as f32 * 0.1 - 0.2))
+            .collect();
+        let vs: Vec<f16> = (0..n)
+            .map(|i| f16::from_f32(0.01 + (i % 3) as f32 * 1e-3))
+            .collect();
+        let vz: Vec<f16> = (0..n)
+            .map(|i| f16::from_f32((i % 5) as f32 * 0.1 - 0.2))
+            .collect();
+        let qh = uniform(&mut rng, nq * hd, 2.0);
+        let probs: Vec<f32> = (0..nq * n).map(|i| 1e-4 + (i % 13) as f32 * 1e-5).collect();
+        for (side, multi) in [("k", false), ("k", true), ("v", false), ("v", true)] {
+            let form = if multi { "multi" } else { "per-head" };
+            let id = format!("{name}-{side}-{form}-1t-cpu");
+            let mut fold = vec![0.0f32; nq * hd];
+            let mut scores = vec![0.0f32; nq * n];
+            let mut acc = vec![0.0f32; nq * hd];
+            let mut bias = vec![0.0f32; nq];
+            g.bench_function(BenchmarkId::from_parameter(id), |b| {
+                b.iter_custom(|iters| {
+                    let t = Clock::ThreadCpu.now();
+                    for _ in 0..iters {
+                        let kp = (&ks[..], &kz[..]);
+                        match (side, multi) {
+                            ("k", true) => quant::dot_codes_groups_multi_with(
+                                kernel,
+                                &codes,
+                                &qh,
+                                hd,
+                                kp,
+                                (group, 0),
+                                bits,
+                                &mut fold,
+                                &mut scores,
+                                n,
+                            ),
+                            ("k", _) => quant::dot_codes_groups_with(
+                                kernel,
+                                &codes,
+                                &qh,
+                                hd,
+                                kp,
+                                (group, 0),
+                                bits,
+                                &mut fold,
+                                &mut scores,
+                                n,
+                            ),
+                            (_, true) => quant::axpy_codes_rows_multi_with(
+                                kernel, &codes, &vs, &vz, &probs, n, &mut acc, &mut bias, bits,
+                            ),
+                            _ => quant::axpy_codes_rows_with(
+                                kernel, &codes, &vs, &vz, &probs, n, &mut acc, &mut bias, bits,
+                            ),
+                        }
+                        black_box((&scores, &acc));
+                    }
+                    Clock::ThreadCpu.now() - t
+                });
+            });
+        }
+    }
+    g.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_secs(1))
@@ -535,6 +690,6 @@ fn bench_read_bandwidth(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = config();
-    targets = bench_read_bandwidth, bench_qdot, bench_float_variants, bench_matvec, bench_append, bench_attention
+    targets = bench_read_bandwidth, bench_qdot, bench_float_variants, bench_matvec, bench_append, bench_attention, bench_attention_gqa
 }
 criterion_main!(benches);

@@ -350,10 +350,11 @@ impl KeyRun for ChannelRun<'_> {
 
     /// Scores `out[j * stride + r] = q_j · k_r`: per group, its scales folded into the
     /// queries once (`fold`: `(queries, head_dim)` scratch), then one code dot product
-    /// per row and query: `q·k = Σ_c (q_c s_c) u_c + Σ_c q_c z_c`. A row's score does not
-    /// depend on how many groups the run spans.
+    /// per row and query: `q·k = Σ_c (q_c s_c) u_c + Σ_c q_c z_c`, each row's codes
+    /// unpacked once for all the queries (grouped-query attention). A row's score does not
+    /// depend on how many groups the run spans, nor on how many queries share the call.
     fn dot_rows(&self, qs: &[f32], fold: &mut [f32], out: &mut [f32], stride: usize) {
-        quant::dot_codes_groups(
+        quant::dot_codes_groups_multi(
             self.codes,
             qs,
             self.hd,

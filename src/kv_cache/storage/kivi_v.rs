@@ -149,11 +149,13 @@ impl ValueRun for TokenRun<'_> {
 
     /// `acc_j += Σ_r p_jr · v_r` for every query `j`, with `v_r = u_r·s_r + z_r` folded:
     /// the codes are accumulated with weight `p_jr·s_r` and `Σ_r p_jr·z_r` is added to
-    /// `bias[j]` (the caller adds `bias[j]` to every element of `acc_j` at the end).
+    /// `bias[j]` (the caller adds `bias[j]` to every element of `acc_j` at the end). Each
+    /// row's codes are unpacked once for all the queries (grouped-query attention); a
+    /// query's result does not depend on how many share the call.
     fn axpy_rows(&self, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]) {
         debug_assert_eq!(acc.len(), bias.len() * self.hd);
         debug_assert_eq!(self.codes.len(), self.len() * self.packed);
-        quant::axpy_codes_rows(
+        quant::axpy_codes_rows_multi(
             self.codes, self.scale, self.zero, p, stride, acc, bias, self.bits,
         );
     }
