@@ -187,14 +187,11 @@ fn rotate_dot_block(
     let nq = qs.len() / hd;
     if m < BLOCK {
         for (j, q) in qs.chunks_exact(hd).enumerate() {
+            let mut acc = [f32x8::ZERO; BLOCK];
             for (r, row) in rows.chunks_exact(hd).enumerate() {
-                let cs = (&cos[r * half..], &sin[r * half..]);
-                let acc = rotate_dot_lanes(q, row, cs);
-                let a = acc.to_array();
-                let tail: f32 = std::iter::empty::<f32>().sum();
-                out[j * stride + r] =
-                    (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))) + tail;
+                acc[r] = rotate_dot_lanes(q, row, (&cos[r * half..], &sin[r * half..]));
             }
+            out[j * stride..j * stride + m].copy_from_slice(&reduce_rows(&acc)[..m]);
         }
         return;
     }
@@ -264,11 +261,18 @@ fn rotate_dot_k<const Q: usize>(
         }
         i += 8;
     }
-    let tail: f32 = std::iter::empty::<f32>().sum();
     for (j, a) in acc.iter().enumerate() {
-        let sums = reduce8(std::array::from_fn(|r| (a[r], tail)));
-        out[j * stride..j * stride + BLOCK].copy_from_slice(&sums.to_array());
+        out[j * stride..j * stride + BLOCK].copy_from_slice(&reduce_rows(a));
     }
+}
+
+/// Each row's lane accumulator summed to its score with [`reduce8`] (no scalar tail: an
+/// empty sum, as [`dot_block`] adds for a row without one). A row's sum does not depend
+/// on the other rows of the block.
+#[inline(always)]
+fn reduce_rows(acc: &[f32x8; BLOCK]) -> [f32; BLOCK] {
+    let tail: f32 = std::iter::empty::<f32>().sum();
+    reduce8(std::array::from_fn(|r| (acc[r], tail))).to_array()
 }
 
 /// In-place softmax with max subtraction; entries of `-inf` get weight 0.

@@ -240,9 +240,9 @@ unsafe impl bytemuck::Pod for Line {}
 /// From [`HUGE_MIN`] bytes up they live in an anonymous mapping that Linux is asked to
 /// back with transparent huge pages (`madvise(MADV_HUGEPAGE)`; the system default here is
 /// `madvise`, so without asking a heap buffer gets 4 KiB pages). A matvec streams the
-/// whole buffer every token: with 4 KiB pages a Q4_1 matrix read from DRAM ran at 56–64%
-/// of the read-bandwidth probe and with 2 MiB pages at 90–100% (benches/README.md,
-/// "Quantised-weight kernels per variant"): the page walks, not the bytes, bounded it.
+/// whole buffer every token: a Q4_1 16384x8192 matvec from DRAM took 7.4–10.3 ms with
+/// 4 KiB pages and 5.5 ms with 2 MiB pages (benches/README.md, "Q4_1 out of DRAM"): the
+/// page walks, not the bytes, bounded it.
 /// Where the advice is refused or THP is off, the mapping simply keeps 4 KiB pages.
 enum PackedBuf {
     Lines(Vec<Line>),
