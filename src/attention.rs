@@ -328,7 +328,7 @@ pub fn softmax_portable(x: &mut [f32]) {
 
 /// Per-KV-head working memory (all O(group × stored + head_dim), never a cache copy).
 #[derive(Debug, Clone, Default)]
-struct HeadScratch {
+pub struct HeadScratch {
     /// (group, stored) scores, then softmax weights, of this KV head's query heads
     probs: Vec<f32>,
     /// (group, head_dim) queries with a K group's scales folded in
@@ -344,6 +344,16 @@ struct HeadScratch {
 /// Reusable buffers for [`attend`]; one per sequence (or per thread driving one).
 #[derive(Debug, Clone)]
 pub struct AttnScratch {
+    /// What every KV head of a step reads (written by [`prepare_step`]).
+    tables: StepTables,
+    /// Each KV head's own working memory.
+    heads: Vec<HeadScratch>,
+}
+
+/// The per-step tables every KV head reads: the rotated query, the appended key and the
+/// per-row RoPE tables and visibility.
+#[derive(Debug, Clone)]
+pub struct StepTables {
     /// (n_heads, head_dim) rotated query
     q: Vec<f32>,
     /// (n_kv_heads, head_dim) key as appended
@@ -359,37 +369,49 @@ pub struct AttnScratch {
     id_cos: Vec<f32>,
     id_sin: Vec<f32>,
     id_pos: Vec<usize>,
-    heads: Vec<HeadScratch>,
+    /// how stored keys rotate in the prepared step
+    rot: Rotation,
 }
 
 impl AttnScratch {
     pub fn new(cfg: &Config, kv: &KvConfig) -> Self {
         let _ = kv;
         AttnScratch {
-            q: vec![0.0; cfg.q_dim()],
-            k: vec![0.0; cfg.kv_dim()],
-            visible: Vec::new(),
-            slot_cos: Vec::new(),
-            slot_sin: Vec::new(),
-            id_cos: Vec::new(),
-            id_sin: Vec::new(),
-            id_pos: Vec::new(),
+            tables: StepTables {
+                q: vec![0.0; cfg.q_dim()],
+                k: vec![0.0; cfg.kv_dim()],
+                visible: Vec::new(),
+                slot_cos: Vec::new(),
+                slot_sin: Vec::new(),
+                id_cos: Vec::new(),
+                id_sin: Vec::new(),
+                id_pos: Vec::new(),
+                rot: Rotation::None,
+            },
             heads: vec![HeadScratch::default(); cfg.n_kv_heads],
         }
     }
 
-    /// Each stored row's softmax weight summed over every query head of the last step
-    /// (for [`EvictionPolicy::observe`]).
-    fn row_mass(&self, n: usize) -> Vec<f32> {
-        let mut mass = vec![0.0f32; n];
-        for hs in &self.heads {
-            for p in hs.probs.chunks_exact(n) {
-                mass.iter_mut().zip(p).for_each(|(m, x)| *m += x);
-            }
-        }
-        mass
+    /// The two halves a decode team shares out: the step tables (written by one member in
+    /// [`prepare_step`], then read by all) and the per-KV-head scratch (one member each).
+    pub fn split_mut(&mut self) -> (&mut StepTables, &mut [HeadScratch]) {
+        (&mut self.tables, &mut self.heads)
     }
+}
 
+/// Each stored row's softmax weight summed over every query head of the last step
+/// (for [`EvictionPolicy::observe`]).
+fn row_mass(heads: &[HeadScratch], n: usize) -> Vec<f32> {
+    let mut mass = vec![0.0f32; n];
+    for hs in heads {
+        for p in hs.probs.chunks_exact(n) {
+            mass.iter_mut().zip(p).for_each(|(m, x)| *m += x);
+        }
+    }
+    mass
+}
+
+impl StepTables {
     /// Makes the per-slot cos/sin table cover slots `[0, n)`.
     fn ensure_slots(&mut self, rope: &RopeTable, n: usize) {
         let half = rope.half();
@@ -458,10 +480,16 @@ pub fn attend<P: EvictionPolicy + Clone>(
     scratch: &mut AttnScratch,
     probs_out: Option<&mut Vec<f32>>,
 ) {
-    append_kv(cfg, rope, layer, k, v, pos, scratch);
+    append_kv(cfg, rope, layer, k, v, pos, &mut scratch.tables);
     attend_stored(cfg, rope, layer, q, pos, out, scratch, probs_out);
+    observe_step(layer, &scratch.heads);
+}
+
+/// Hands the step's softmax weights to an observing eviction policy (a no-op for the
+/// others).
+pub fn observe_step<P: EvictionPolicy + Clone>(layer: &mut LayerKv<P>, heads: &[HeadScratch]) {
     if layer.observes() {
-        let mass = scratch.row_mass(layer.len());
+        let mass = row_mass(heads, layer.len());
         layer.observe(&mass);
     }
 }
@@ -475,7 +503,7 @@ pub fn append_kv<P: EvictionPolicy + Clone>(
     k: &[f32],
     v: &[f32],
     pos: usize,
-    scratch: &mut AttnScratch,
+    scratch: &mut StepTables,
 ) {
     debug_assert_eq!(k.len(), cfg.kv_dim());
     debug_assert_eq!(v.len(), cfg.kv_dim());
@@ -513,63 +541,79 @@ pub fn attend_stored<P: EvictionPolicy + Clone>(
     debug_assert_eq!(layer.kv_heads(), cfg.n_kv_heads);
     debug_assert_eq!(layer.head_dim(), hd);
     debug_assert!(!layer.is_empty(), "attend_stored on an empty cache");
-    let n = layer.len();
-    let rot = prepare_step(cfg, rope, layer, q, pos, scratch);
-
-    let AttnScratch {
-        q: qr,
-        visible,
-        slot_cos,
-        slot_sin,
-        id_cos,
-        id_sin,
-        heads,
-        ..
-    } = scratch;
-    let step = Step {
-        layer,
-        hd,
-        n,
-        half: rope.half(),
-        score_scale: 1.0 / (hd as f32).sqrt(),
-        visible,
-        rot: match rot {
-            Rotation::None => None,
-            Rotation::BySlot => Some((&slot_cos[..], &slot_sin[..], false)),
-            Rotation::ById => Some((&id_cos[..], &id_sin[..], true)),
-        },
-    };
-    let work = |(h, (hs, oh)): (usize, (&mut HeadScratch, &mut [f32]))| {
-        attend_head(&step, h, &qr[h * group * hd..(h + 1) * group * hd], hs, oh)
-    };
+    prepare_step(cfg, rope, layer, q, pos, &mut scratch.tables);
+    let AttnScratch { tables, heads } = scratch;
     let parallel = cfg.n_kv_heads > 1
-        && n * cfg.n_heads * hd >= PARALLEL_MIN_WORK
+        && layer.len() * cfg.n_heads * hd >= PARALLEL_MIN_WORK
         && rayon::current_num_threads() > 1;
     if parallel {
         heads
             .par_iter_mut()
             .zip(out.par_chunks_mut(group * hd))
             .enumerate()
-            .for_each(work);
+            .for_each(|(h, (hs, oh))| {
+                attend_heads(cfg, rope, layer, tables, h, std::slice::from_mut(hs), oh)
+            });
     } else {
-        heads
-            .iter_mut()
-            .zip(out.chunks_mut(group * hd))
-            .enumerate()
-            .for_each(work);
+        attend_heads(cfg, rope, layer, tables, 0, heads, out);
     }
-
     if let Some(p) = probs_out {
-        p.clear();
-        for hs in heads.iter() {
-            p.extend_from_slice(&hs.probs[..group * n]);
-        }
+        copy_probs(heads, group * layer.len(), p);
+    }
+}
+
+/// Every query head's softmax weights, `(n_heads, stored)`, from the KV heads' scratch
+/// (`per_head`: `group × stored` values each).
+pub fn copy_probs(heads: &[HeadScratch], per_head: usize, p: &mut Vec<f32>) {
+    p.clear();
+    for hs in heads {
+        p.extend_from_slice(&hs.probs[..per_head]);
+    }
+}
+
+/// KV heads `h0..h0 + heads.len()` of a step [`prepare_step`] has prepared in `tables`:
+/// scores, softmax and the weighted sum of the values into `out` (those heads' query
+/// heads, `(heads × group, head_dim)`). Heads are independent: a decode team gives each
+/// member its own range.
+pub fn attend_heads<P: EvictionPolicy + Clone>(
+    cfg: &Config,
+    rope: &RopeTable,
+    layer: &LayerKv<P>,
+    tables: &StepTables,
+    h0: usize,
+    heads: &mut [HeadScratch],
+    out: &mut [f32],
+) {
+    let (hd, group) = (cfg.head_dim, cfg.group());
+    debug_assert_eq!(out.len(), heads.len() * group * hd);
+    let step = Step {
+        layer,
+        hd,
+        n: layer.len(),
+        half: rope.half(),
+        score_scale: 1.0 / (hd as f32).sqrt(),
+        visible: &tables.visible,
+        rot: match tables.rot {
+            Rotation::None => None,
+            Rotation::BySlot => Some((&tables.slot_cos[..], &tables.slot_sin[..], false)),
+            Rotation::ById => Some((&tables.id_cos[..], &tables.id_sin[..], true)),
+        },
+    };
+    for (i, (hs, oh)) in heads.iter_mut().zip(out.chunks_mut(group * hd)).enumerate() {
+        let h = h0 + i;
+        attend_head(
+            &step,
+            h,
+            &tables.q[h * group * hd..(h + 1) * group * hd],
+            hs,
+            oh,
+        );
     }
 }
 
 /// How stored keys are rotated at read time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Rotation {
+pub enum Rotation {
     /// Keys are stored after RoPE.
     None,
     /// `cache` positions mode: by logical slot.
@@ -579,15 +623,16 @@ enum Rotation {
 }
 
 /// Rotates the query (`scratch.q`), fills the per-row RoPE tables the keys need and the
-/// Mistral sliding-window visibility of every stored row.
-fn prepare_step<P: EvictionPolicy + Clone>(
+/// Mistral sliding-window visibility of every stored row (the first half of
+/// [`attend_stored`]; [`attend_heads`] is the second).
+pub fn prepare_step<P: EvictionPolicy + Clone>(
     cfg: &Config,
     rope: &RopeTable,
     layer: &LayerKv<P>,
     q: &[f32],
     pos: usize,
-    scratch: &mut AttnScratch,
-) -> Rotation {
+    scratch: &mut StepTables,
+) {
     let mode = layer.config().positions;
     let n = layer.len();
     scratch.q.copy_from_slice(q);
@@ -596,7 +641,7 @@ fn prepare_step<P: EvictionPolicy + Clone>(
         PositionsMode::Cache => n - 1,
     };
     rope.rotate_heads(&mut scratch.q, q_pos);
-    let rot = if mode == PositionsMode::Cache {
+    scratch.rot = if mode == PositionsMode::Cache {
         scratch.ensure_slots(rope, n);
         Rotation::BySlot
     } else if layer.config().keys_pre_rope() {
@@ -611,7 +656,6 @@ fn prepare_step<P: EvictionPolicy + Clone>(
             .visible
             .extend((0..n).map(|i| pos.saturating_sub(layer.position(i)) < w));
     }
-    rot
 }
 
 /// What every KV head of one step shares.
@@ -908,7 +952,7 @@ mod tests {
                 .map(|b| b + rng.gen_range(-1.0..1.0))
                 .collect();
             let v: Vec<f32> = (0..kv_dim).map(|_| rng.gen_range(-2.0..2.0)).collect();
-            append_kv(&cfg, &rope, &mut layer, &k, &v, pos, &mut scratch);
+            append_kv(&cfg, &rope, &mut layer, &k, &v, pos, scratch.split_mut().0);
             attend_stored(
                 &cfg,
                 &rope,

@@ -35,6 +35,7 @@ pub mod quant;
 pub mod rope;
 pub mod sampler;
 pub mod server;
+pub mod team;
 pub mod tokenizer;
 pub mod weights;
 

@@ -10,12 +10,18 @@
 //! [`attend_stored`] on the cache of [`Config::kv_source`], after that layer appended
 //! the current token, so it sees exactly the rows that layer stores.
 
-use crate::attention::{append_kv, attend, attend_stored, AttnScratch, RopeTable};
+use crate::attention::{
+    append_kv, attend, attend_heads, attend_stored, copy_probs, observe_step, prepare_step,
+    AttnScratch, HeadScratch, RopeTable, StepTables,
+};
 use crate::config::Config;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvConfig, LayerKv};
+use crate::ops::matvec::{needs_quantized_input, row_part, row_parts, rows_into};
+use crate::ops::qdot::QuantizedActs;
 use crate::ops::{self, matmul, matmul_many, matmul_rows, matvec, matvec_many, Matrix};
+use crate::team::{self, Member, SharedCell, SharedSlice};
 use crate::weights::{ModelFiles, Tensor};
 
 /// Weight dtype the engine computes with (`--weights-dtype`).
@@ -350,7 +356,19 @@ impl Model {
     }
 
     /// Runs token `token` at absolute position `pos`; the logits land in `s.logits`.
+    ///
+    /// With more than one thread in the current rayon pool the step runs as a decode team
+    /// ([`crate::team`]; same values bit for bit; `TINYGPT_TEAM=off` turns it off), so it
+    /// must not be called from inside a parallel region of that pool.
     pub fn forward(&self, s: &mut Session, token: u32, pos: usize) -> Result<()> {
+        if rayon::current_num_threads() > 1 && team::enabled() {
+            return self.forward_team(s, token, pos);
+        }
+        self.forward_serial(s, token, pos)
+    }
+
+    /// [`forward`](Self::forward) on the calling thread and its pool's fork/joins.
+    pub fn forward_serial(&self, s: &mut Session, token: u32, pos: usize) -> Result<()> {
         let c = &self.cfg;
         self.check_token(token)?;
         self.embed.row_f32(token as usize, &mut s.x);
@@ -369,6 +387,149 @@ impl Model {
         ops::rmsnorm(&s.x, &self.norm, c.rms_norm_eps, &mut s.h);
         check_finite_hidden(&s.h, pos)?;
         matvec(&self.lm_head, &s.h, &mut s.logits);
+        Ok(())
+    }
+
+    /// [`forward`](Self::forward) as a decode team: every thread of the pool runs the
+    /// whole step on its share of each product (and of the KV heads), meeting at a spin
+    /// barrier six times per layer, instead of a rayon fork/join per product.
+    fn forward_team(&self, s: &mut Session, token: u32, pos: usize) -> Result<()> {
+        self.check_token(token)?;
+        self.embed.row_f32(token as usize, &mut s.x);
+        let (tables, heads) = s.scratch.split_mut();
+        let bufs = TeamBufs {
+            x0: &s.x,
+            q: SharedSlice::new(&mut s.q),
+            k: SharedSlice::new(&mut s.k),
+            v: SharedSlice::new(&mut s.v),
+            att: SharedSlice::new(&mut s.att),
+            proj: SharedSlice::new(&mut s.proj),
+            gate: SharedSlice::new(&mut s.gate),
+            up: SharedSlice::new(&mut s.up),
+            logits: SharedSlice::new(&mut s.logits),
+            cache: SharedCell::new(&mut s.cache),
+            tables: SharedCell::new(tables),
+            heads: SharedSlice::new(heads),
+            probs: s.record_probs.then(|| SharedCell::new(&mut s.probs)),
+        };
+        // Every member takes the same branches, so all return the same error (or none).
+        team::run(|m| self.team_member(m, &bufs, pos))
+            .into_iter()
+            .collect::<Result<Vec<()>>>()?;
+        Ok(())
+    }
+
+    /// One member's run of a decode team step (see [`TeamBufs`] for who writes what
+    /// between which syncs). The residual stream is private: every member adds each
+    /// complete projection to its own copy and norms it itself, which saves a sync.
+    fn team_member(&self, m: &Member, b: &TeamBufs, pos: usize) -> Result<()> {
+        let c = &self.cfg;
+        let mut x = b.x0.to_vec();
+        let mut h = vec![0.0f32; c.hidden_size];
+        let mut acts = QuantizedActs::default();
+        for (l, lw) in self.layers.iter().enumerate() {
+            ops::rmsnorm(&x, &lw.attn_norm, c.rms_norm_eps, &mut h);
+            self.team_attention(m, b, l, &h, &mut acts, pos)?;
+            // SAFETY: `att` was completed before the attention's last sync and is next
+            // written in the next layer's attention, several syncs later.
+            let att = unsafe { b.att.all() };
+            team_product(m, &[&lw.wo], att, &mut acts, &[(&b.proj, &None)]);
+            m.sync();
+            // SAFETY: `proj` is complete; it is next written after the sync below.
+            ops::add_assign(&mut x, unsafe { b.proj.all() });
+            ops::rmsnorm(&x, &lw.ffn_norm, c.rms_norm_eps, &mut h);
+            // Gate and up on the same rows, so SwiGLU needs no sync.
+            let pair = [&lw.w_gate, &lw.w_up];
+            let q = quantize_for(&pair, &h, &mut acts);
+            let parts = row_parts(&pair[..1], m.n);
+            m.claim_each(parts, |k| {
+                row_part(&pair[..1], k, parts, |_, r| {
+                    // SAFETY: each part is claimed once; `gate`/`up` are read only after
+                    // the next sync.
+                    let (g, u) =
+                        unsafe { (b.gate.range_mut(r.clone()), b.up.range_mut(r.clone())) };
+                    rows_into(&lw.w_gate, &h, q, r.start, g);
+                    rows_into(&lw.w_up, &h, q, r.start, u);
+                    // Parts start on multiples of 8 rows: the same 8-lane chunks as a
+                    // whole vector's SwiGLU.
+                    ops::swiglu(g, u);
+                })
+            });
+            m.sync();
+            // SAFETY: `gate` is complete; it is next written in the next layer.
+            let gate = unsafe { b.gate.all() };
+            team_product(m, &[&lw.w_down], gate, &mut acts, &[(&b.proj, &None)]);
+            m.sync();
+            // SAFETY: `proj` is complete; it is next written after three more syncs.
+            ops::add_assign(&mut x, unsafe { b.proj.all() });
+        }
+        ops::rmsnorm(&x, &self.norm, c.rms_norm_eps, &mut h);
+        check_finite_hidden(&h, pos)?;
+        team_product(m, &[&self.lm_head], &h, &mut acts, &[(&b.logits, &None)]);
+        Ok(())
+    }
+
+    /// Layer `l`'s attention in a decode team: projections (shared out), then member 0
+    /// appends the K/V and prepares the step while the others wait, then each member
+    /// attends over its KV heads. Ends after a sync, with `att` complete.
+    fn team_attention(
+        &self,
+        m: &Member,
+        b: &TeamBufs,
+        l: usize,
+        h: &[f32],
+        acts: &mut QuantizedActs,
+        pos: usize,
+    ) -> Result<()> {
+        let (c, lw) = (&self.cfg, &self.layers[l]);
+        let has_kv = matches!((&lw.wk, &lw.wv), (Some(_), Some(_)));
+        if let (Some(wk), Some(wv)) = (&lw.wk, &lw.wv) {
+            let outs = [(&b.q, &lw.bq), (&b.k, &lw.bk), (&b.v, &lw.bv)];
+            team_product(m, &[&lw.wq, wk, wv], h, acts, &outs);
+        } else {
+            team_product(m, &[&lw.wq], h, acts, &[(&b.q, &lw.bq)]);
+        }
+        m.sync();
+        // SAFETY: q/k/v are complete and nobody writes them until the next layer.
+        let (q, k, v) = unsafe { (b.q.all(), b.k.all(), b.v.all()) };
+        if has_kv {
+            check_finite_kv(k, v, l, pos)?;
+        }
+        let src = self.kv_source[l];
+        if m.id == 0 {
+            // SAFETY: the other members wait at the sync below and hold no reference to
+            // the cache or the tables (their last ones ended before the previous sync).
+            let (cache, tables) = unsafe { (b.cache.get_mut(), b.tables.get_mut()) };
+            if has_kv {
+                append_kv(c, &self.rope, cache.layer_mut(l), k, v, pos, tables);
+            }
+            prepare_step(c, &self.rope, cache.layer(src), q, pos, tables);
+        }
+        m.sync();
+        let width = c.group() * c.head_dim;
+        m.claim_each(c.n_kv_heads, |h| {
+            // SAFETY: nobody changes the cache or the tables until the sync below; each
+            // KV head is claimed once, with its scratch and its rows of `att`.
+            let (cache, tables) = unsafe { (b.cache.get(), b.tables.get()) };
+            let hs: &mut [HeadScratch] = unsafe { b.heads.range_mut(h..h + 1) };
+            let out = unsafe { b.att.range_mut(h * width..(h + 1) * width) };
+            attend_heads(c, &self.rope, cache.layer(src), tables, h, hs, out);
+        });
+        m.sync();
+        if m.id == 0 {
+            // SAFETY: the heads' scratch is complete; the others now only run `o_proj`,
+            // which touches neither the cache nor the scratch, until later syncs.
+            let (cache, heads) = unsafe { (b.cache.get_mut(), b.heads.all()) };
+            if has_kv {
+                observe_step(cache.layer_mut(l), heads);
+            }
+            if let Some(p) = &b.probs {
+                // SAFETY: only member 0 ever touches the recorded weights.
+                let probs = unsafe { p.get_mut() };
+                let n = cache.layer(src).len();
+                copy_probs(heads, c.group() * n, &mut probs[l]);
+            }
+        }
         Ok(())
     }
 
@@ -541,7 +702,7 @@ impl Model {
                     &ks[row.clone()],
                     &vs[row],
                     start + i,
-                    &mut s.scratch,
+                    s.scratch.split_mut().0,
                 );
                 attend_stored(
                     c,
@@ -661,6 +822,70 @@ fn add_bias(x: &mut [f32], bias: &Option<Vec<f32>>) {
     if let Some(b) = bias {
         ops::add_assign(x, b);
     }
+}
+
+/// The buffers of one decode team step, shared by its members ([`crate::team`]). Who
+/// writes what, per layer (every other access is a read of a complete buffer):
+///
+/// 1. each member the rows it claims of `q`, `k`, `v` — sync;
+/// 2. member 0 the cache (append) and `tables` (prepare) — sync;
+/// 3. each member the KV heads it claims: their `heads` and rows of `att` — sync;
+/// 4. member 0 the cache again (an observing policy) and `probs`; each member its rows
+///    of `proj` — sync;
+/// 5. each member its rows of `gate`, `up` — sync;
+/// 6. each member its rows of `proj` — sync.
+///
+/// After the last layer each member writes its rows of `logits`.
+struct TeamBufs<'a> {
+    /// the token's embedding (each member copies it into its own residual stream)
+    x0: &'a [f32],
+    q: SharedSlice<'a, f32>,
+    k: SharedSlice<'a, f32>,
+    v: SharedSlice<'a, f32>,
+    att: SharedSlice<'a, f32>,
+    proj: SharedSlice<'a, f32>,
+    gate: SharedSlice<'a, f32>,
+    up: SharedSlice<'a, f32>,
+    logits: SharedSlice<'a, f32>,
+    cache: SharedCell<'a, KvCache>,
+    tables: SharedCell<'a, StepTables>,
+    heads: SharedSlice<'a, HeadScratch>,
+    probs: Option<SharedCell<'a, Vec<Vec<f32>>>>,
+}
+
+/// `x` quantised into `acts` if any of `mats` reads 8-bit activations.
+fn quantize_for<'a>(
+    mats: &[&Matrix],
+    x: &[f32],
+    acts: &'a mut QuantizedActs,
+) -> Option<&'a QuantizedActs> {
+    needs_quantized_input(mats).then(|| {
+        acts.quantize(x);
+        &*acts
+    })
+}
+
+/// This member's share of `outs[i] = mats[i] · x` (plus bias), on the calling thread.
+fn team_product(
+    m: &Member,
+    mats: &[&Matrix],
+    x: &[f32],
+    acts: &mut QuantizedActs,
+    outs: &[(&SharedSlice<f32>, &Option<Vec<f32>>)],
+) {
+    let q = quantize_for(mats, x, acts);
+    let parts = row_parts(mats, m.n);
+    m.claim_each(parts, |k| {
+        row_part(mats, k, parts, |i, r| {
+            // SAFETY: each part is claimed once and the outputs are read only after the
+            // caller's next sync.
+            let o = unsafe { outs[i].0.range_mut(r.clone()) };
+            rows_into(mats[i], x, q, r.start, o);
+            if let Some(bias) = outs[i].1 {
+                ops::add_assign(o, &bias[r]);
+            }
+        })
+    });
 }
 
 /// Per-step NaN/Inf checks (a few hundred compares per token). They matter on the native

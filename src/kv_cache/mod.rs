@@ -770,7 +770,7 @@ mod tests {
                         None,
                     );
                     if t < n {
-                        append_kv(&cfg, &rope, &mut dense, &k, &v, t, &mut scratch);
+                        append_kv(&cfg, &rope, &mut dense, &k, &v, t, scratch.split_mut().0);
                     }
                     attend_stored(&cfg, &rope, &dense, &q, t, &mut b, &mut scratch, None);
                     let ctx = format!("{precision:?} {positions:?} t={t}");

@@ -24,6 +24,7 @@ use crate::dtype::DType;
 use crate::ops::simd::reduce8;
 use crate::weights::{Tensor, TensorBytes};
 use rayon::prelude::*;
+use std::ops::Range;
 use std::sync::Arc;
 use wide::f32x8;
 
@@ -204,23 +205,62 @@ struct Input<'a> {
 
 impl<'a> Input<'a> {
     fn new(x: &'a [f32], mats: &[&Matrix]) -> Self {
-        let q = mats
-            .iter()
-            .any(|m| m.dtype.is_quantized())
-            .then(|| QuantizedActs::from_f32(x));
+        let q = needs_quantized_input(mats).then(|| QuantizedActs::from_f32(x));
         Input { x, q }
     }
 
     /// `out[j] = row (r0 + j) · x` for every `j < out.len()`.
     fn rows(&self, m: &Matrix, r0: usize, out: &mut [f32]) {
-        match (m.float_rows(), &self.q) {
-            (Some(w), _) => {
-                float_dot::rows_with(qdot::active(), w, m.cols, r0, self.x, out, m.streamed)
-            }
-            (None, Some(q)) => m.rows_q(r0, q, out),
-            (None, None) => unreachable!("quantised matrix without quantised input"),
-        }
+        rows_into(m, self.x, self.q.as_ref(), r0, out)
     }
+}
+
+/// `out[j] = row (r0 + j) · x` for every `j < out.len()`, on the calling thread; `q` is
+/// `x` quantised to 8-bit blocks, which GGML-block matrices read (`r0` a multiple of
+/// [`RB`] for them). A decode team member computes its share of a product with this.
+pub fn rows_into(m: &Matrix, x: &[f32], q: Option<&QuantizedActs>, r0: usize, out: &mut [f32]) {
+    debug_assert_eq!(x.len(), m.cols);
+    match (m.float_rows(), q) {
+        (Some(w), _) => float_dot::rows_with(qdot::active(), w, m.cols, r0, x, out, m.streamed),
+        (None, Some(q)) => m.rows_q(r0, q, out),
+        (None, None) => unreachable!("quantised matrix without quantised input"),
+    }
+}
+
+/// Row blocks per thread of a decode team product ([`row_parts`]): enough that a member
+/// whose core is slower for a moment takes fewer, few enough that claiming them (one
+/// atomic add each) stays negligible.
+const PARTS_PER_THREAD: usize = 4;
+
+/// How many parts [`row_part`] cuts a product of `mats` into for `threads` threads.
+pub fn row_parts(mats: &[&Matrix], threads: usize) -> usize {
+    let blocks: usize = mats.iter().map(|m| m.rows.div_ceil(RB)).sum();
+    (PARTS_PER_THREAD * threads).min(blocks).max(1)
+}
+
+/// Part `k` of `parts` of a product of `mats` (which take the same input, so have the
+/// same columns): their rows concatenated, each matrix's padded to a multiple of [`RB`],
+/// cut into `parts` nearly equal ranges on multiples of `RB`. Calls `f(i, rows)` for each
+/// piece of matrix `i` in the part; parts `0..parts` cover every row once, and every piece
+/// starts on a multiple of `RB`.
+pub fn row_part(mats: &[&Matrix], k: usize, parts: usize, mut f: impl FnMut(usize, Range<usize>)) {
+    let padded = |m: &Matrix| m.rows.next_multiple_of(RB);
+    let total: usize = mats.iter().map(|m| padded(m)).sum();
+    let cut = |k: usize| (total / RB * k / parts * RB).min(total);
+    let (lo, hi) = (cut(k), cut(k + 1));
+    let mut off = 0;
+    for (i, m) in mats.iter().enumerate() {
+        let (a, b) = (lo.max(off), hi.min(off + padded(m)));
+        if a < b && a - off < m.rows {
+            f(i, a - off..(b - off).min(m.rows));
+        }
+        off += padded(m);
+    }
+}
+
+/// Whether any of `mats` reads 8-bit quantised activations.
+pub fn needs_quantized_input(mats: &[&Matrix]) -> bool {
+    mats.iter().any(|m| m.dtype.is_quantized())
 }
 
 /// Weights above this many bytes are assumed to come from DRAM on every token (they do

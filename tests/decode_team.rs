@@ -1,0 +1,165 @@
+//! The decode team (`tinygpt_cpu::team`): a step run by 2 or 3 threads, each claiming
+//! parts of every product and KV heads of attention, gives the same logits, cache and
+//! attention weights bit for bit as the same step on one thread, for every model shape
+//! the fixtures have (head_dim 32 and 64, GQA, biases, a sliding window, f16/bf16 weights,
+//! YOCO shared layers, GGML-block weights) and every kind of cache.
+
+mod common;
+use common::*;
+use tinygpt_cpu::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
+use tinygpt_cpu::model::{Model, WeightsDType};
+use tinygpt_cpu::weights::ModelFiles;
+
+const STEPS: usize = 40;
+
+fn pool(n: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build()
+        .expect("thread pool")
+}
+
+fn caches() -> Vec<(&'static str, KvConfig)> {
+    vec![
+        ("fp32 dense", KvConfig::default()),
+        (
+            "int4 sink 4 + window 20",
+            KvConfig {
+                precision: Precision::Int4,
+                group_size: 8,
+                sink: 4,
+                window: Some(20),
+                ..KvConfig::default()
+            },
+        ),
+        (
+            "int2 residual 8, pre-RoPE keys",
+            KvConfig {
+                precision: Precision::Int2,
+                group_size: 8,
+                residual: 8,
+                key_rope: KeyRope::Pre,
+                ..KvConfig::default()
+            },
+        ),
+        (
+            "fp16 cache positions, sink 2 + window 16",
+            KvConfig {
+                precision: Precision::Fp16,
+                sink: 2,
+                window: Some(16),
+                positions: PositionsMode::Cache,
+                ..KvConfig::default()
+            },
+        ),
+        (
+            "int8 K, bf16 V",
+            KvConfig {
+                precision: Precision::Int8,
+                v_precision: Some(Precision::Bf16),
+                group_size: 8,
+                ..KvConfig::default()
+            },
+        ),
+    ]
+}
+
+/// Logits (and, with `probs`, every layer's attention weights) of each step of a greedy
+/// run of `STEPS` tokens on a pool of `threads` threads; the tokens fed are `feed` when
+/// given (so every run sees the same inputs), else the run's own greedy picks.
+fn run(
+    model: &Model,
+    kv: &KvConfig,
+    threads: usize,
+    probs: bool,
+    feed: Option<&[u32]>,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
+    pool(threads).install(|| {
+        let mut s = model.session(kv);
+        s.record_probs = probs;
+        let mut tokens = vec![1u32];
+        let mut out = Vec::new();
+        for pos in 0..STEPS {
+            let t = feed.map_or(tokens[pos], |f| f[pos]);
+            model.forward(&mut s, t, pos).expect("forward");
+            let mut rec = s.logits.clone();
+            if probs {
+                rec.extend(s.probs.iter().flatten());
+            }
+            out.push(rec);
+            tokens.push(argmax(&s.logits));
+        }
+        (tokens, out)
+    })
+}
+
+fn check(name: &str, model: &Model) {
+    for (cache, kv) in caches() {
+        for probs in [false, true] {
+            let (tokens, one) = run(model, &kv, 1, probs, None);
+            for threads in [2, 3] {
+                let (_, team) = run(model, &kv, threads, probs, Some(&tokens));
+                for (pos, (a, b)) in one.iter().zip(&team).enumerate() {
+                    let same = a.len() == b.len()
+                        && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(
+                        same,
+                        "{name}, {cache}, probs {probs}: {threads} threads differ from 1 at \
+                         step {pos} (max |diff| {})",
+                        max_abs_diff(a, b)
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn load(files: &ModelFiles) -> Model {
+    Model::load(files, WeightsDType::Native).expect("model loads")
+}
+
+#[test]
+fn team_equals_one_thread_on_the_bundled_model() {
+    check("bundled", &load(&ModelFiles::open(None).expect("bundled")));
+}
+
+#[test]
+fn team_equals_one_thread_with_yoco_shared_layers() {
+    let files = ModelFiles::open(Some(&fixtures().join("yoco"))).expect("yoco fixture");
+    check("yoco", &load(&files));
+}
+
+#[test]
+fn team_equals_one_thread_on_the_unseen_model_shapes() {
+    for dir in [
+        "qwen2-bias",
+        "mistral-sliding-f16",
+        "llama3-untied-bf16",
+        "llama-linear-sharded",
+    ] {
+        let files = ModelFiles::open(Some(&fixtures().join("unseen").join(dir)))
+            .unwrap_or_else(|e| panic!("{dir}: {e}"));
+        check(dir, &load(&files));
+    }
+}
+
+#[test]
+fn team_equals_one_thread_on_smollm2_q4_1() {
+    let Some(path) = smollm2_path() else {
+        eprintln!("SKIP: SmolLM2 GGUF not available (set TINYGPT_SMOLLM2)");
+        return;
+    };
+    let files = ModelFiles::open(Some(&path)).expect("SmolLM2");
+    let model = load(&files);
+    // One cache per kind of store is enough at this size.
+    for (cache, kv) in caches().into_iter().take(3) {
+        let (tokens, one) = run(&model, &kv, 1, false, None);
+        let (_, team) = run(&model, &kv, 2, false, Some(&tokens));
+        for (pos, (a, b)) in one.iter().zip(&team).enumerate() {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "SmolLM2, {cache}: 2 threads differ from 1 at step {pos}"
+            );
+        }
+    }
+}
