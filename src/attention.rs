@@ -371,6 +371,36 @@ pub struct StepTables {
     id_pos: Vec<usize>,
     /// how stored keys rotate in the prepared step
     rot: Rotation,
+    /// cos/sin of the last position rotated (every layer of a step rotates its query and
+    /// key at the same position)
+    angles: Angles,
+}
+
+/// cos/sin at one position, kept until another position is asked for.
+#[derive(Debug, Clone)]
+struct Angles {
+    /// the position held (`usize::MAX`: none yet)
+    pos: usize,
+    /// `half` cos values, then `half` sin values
+    cs: Vec<f32>,
+}
+
+impl Angles {
+    /// Rotates every head of `x` (`(heads, head_dim)`) to `pos`, as
+    /// [`RopeTable::rotate_heads`] does (the same cos/sin, the same [`rotate`]).
+    fn rotate_heads(&mut self, rope: &RopeTable, x: &mut [f32], pos: usize) {
+        let half = rope.half();
+        if self.pos != pos || self.cs.len() != 2 * half {
+            self.cs.resize(2 * half, 0.0);
+            let (cos, sin) = self.cs.split_at_mut(half);
+            rope.cos_sin(pos, cos, sin);
+            self.pos = pos;
+        }
+        let (cos, sin) = self.cs.split_at(half);
+        for head in x.chunks_exact_mut(2 * half) {
+            rotate(head, cos, sin);
+        }
+    }
 }
 
 impl AttnScratch {
@@ -387,6 +417,10 @@ impl AttnScratch {
                 id_sin: Vec::new(),
                 id_pos: Vec::new(),
                 rot: Rotation::None,
+                angles: Angles {
+                    pos: usize::MAX,
+                    cs: Vec::new(),
+                },
             },
             heads: vec![HeadScratch::default(); cfg.n_kv_heads],
         }
@@ -511,7 +545,7 @@ pub fn append_kv<P: EvictionPolicy + Clone>(
     debug_assert_eq!(layer.head_dim(), cfg.head_dim);
     scratch.k.copy_from_slice(k);
     if !layer.config().keys_pre_rope() {
-        rope.rotate_heads(&mut scratch.k, pos);
+        scratch.angles.rotate_heads(rope, &mut scratch.k, pos);
     }
     layer.append(&scratch.k, v, pos);
 }
@@ -640,7 +674,7 @@ pub fn prepare_step<P: EvictionPolicy + Clone>(
         PositionsMode::Original => pos,
         PositionsMode::Cache => n - 1,
     };
-    rope.rotate_heads(&mut scratch.q, q_pos);
+    scratch.angles.rotate_heads(rope, &mut scratch.q, q_pos);
     scratch.rot = if mode == PositionsMode::Cache {
         scratch.ensure_slots(rope, n);
         Rotation::BySlot
