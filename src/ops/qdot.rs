@@ -322,7 +322,15 @@ pub struct Group<'a> {
     pub d: &'a [u8],
     pub m: &'a [u8],
     pub nb: usize,
+    /// The matrix streams from DRAM every token ([`STREAM_PREFETCH_BYTES`] or more): the
+    /// one-token x86 kernels prefetch ahead in it.
+    pub stream: bool,
 }
+
+/// Packed matrices of at least this many bytes do not stay in a last-level cache between
+/// tokens, so their one-token kernels prefetch ahead (measured to help there and to hurt
+/// on SmolLM2's cache-sized matrices: benches/README.md, "Q4_1 out of DRAM").
+pub const STREAM_PREFETCH_BYTES: usize = 64 << 20;
 
 impl Packed {
     /// Repacks row-major GGML rows (`rows × cols`, validated lengths). Rows past the end
@@ -398,7 +406,13 @@ impl Packed {
         } else {
             &rest[..0]
         };
-        Group { qs, d, m, nb }
+        Group {
+            qs,
+            d,
+            m,
+            nb,
+            stream: all.len() >= STREAM_PREFETCH_BYTES,
+        }
     }
 
     /// Row `r` in the file's block layout (for embedding lookups).
