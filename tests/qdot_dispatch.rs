@@ -573,3 +573,50 @@ fn activation_quantiser_equals_the_reference_on_special_values() {
         );
     }
 }
+
+/// A matrix past `qdot::STREAM_PREFETCH_BYTES`, whose one-token kernels prefetch ahead
+/// (up to 16 blocks past a group's last, into the next group or past the buffer's end):
+/// every variant still equals the scalar twin on its first and last groups.
+#[test]
+fn prefetching_kernels_on_a_dram_sized_matrix_equal_the_scalar_twin() {
+    let dtype = DType::Q4_1;
+    let nb = 256; // 8192 columns
+    let rows = (qdot::STREAM_PREFETCH_BYTES / (nb * dtype.block_bytes())) + 3;
+    let mut bytes = vec![0u8; rows * nb * dtype.block_bytes()];
+    let mut seed = 0x9E37_79B9u32;
+    for b in bytes.iter_mut() {
+        seed ^= seed << 13;
+        seed ^= seed >> 17;
+        seed ^= seed << 5;
+        *b = seed as u8;
+    }
+    // Finite scales and minimums: every block's d and m as small f16 values.
+    let bb = dtype.block_bytes();
+    for blk in bytes.chunks_exact_mut(bb) {
+        blk[..2].copy_from_slice(&f16::from_f32(0.01).to_bits().to_le_bytes());
+        blk[2..4].copy_from_slice(&f16::from_f32(-0.05).to_bits().to_le_bytes());
+    }
+    let x: Vec<f32> = (0..nb * 32)
+        .map(|i| ((i * 37) % 101) as f32 - 50.0)
+        .collect();
+    let (ra, ea) = (ggml_dot::quantize_acts(&x), QuantizedActs::from_f32(&x));
+    let p = Packed::new(dtype, rows, nb * 32, &bytes);
+    assert!(p.byte_len() >= qdot::STREAM_PREFETCH_BYTES);
+    let rb = bb * nb;
+    for k in Kernel::supported() {
+        for g in [0, 1, p.groups() - 1] {
+            let mut out = [0.0f32; GROUP];
+            qdot::dot_group(k, &p, g, &ea, &mut out);
+            for (j, &got) in out.iter().enumerate().take(rows - g * GROUP) {
+                let r = g * GROUP + j;
+                let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], &ra);
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "{} group {g} row {j}",
+                    k.name()
+                );
+            }
+        }
+    }
+}
