@@ -87,6 +87,32 @@ fn reference_row(dtype: DType, row: &[u8], a: &ggml_dot::QuantizedActs) -> f32 {
     }
 }
 
+/// Group `g` of `p` through kernel `k` against the reference twin row by row (`bytes`: the
+/// file's `rows` rows): the first row whose bits differ, as a message.
+#[allow(clippy::too_many_arguments)]
+fn check_group(
+    k: Kernel,
+    p: &Packed,
+    g: usize,
+    ea: &QuantizedActs,
+    ra: &ggml_dot::QuantizedActs,
+    dtype: DType,
+    bytes: &[u8],
+    rows: usize,
+) -> Result<(), String> {
+    let rb = bytes.len() / rows;
+    let mut out = [0.0f32; GROUP];
+    qdot::dot_group(k, p, g, ea, &mut out);
+    for (j, &got) in out.iter().enumerate().take(rows - g * GROUP) {
+        let r = g * GROUP + j;
+        let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], ra);
+        if got.to_bits() != want.to_bits() {
+            return Err(format!("{} {dtype} row {r}: {got} vs {want}", k.name()));
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn reports_supported_variants() {
     let s = Kernel::supported();
@@ -136,24 +162,8 @@ fn every_variant_equals_the_scalar_twin_bit_for_bit() {
                 }
                 for &k in &kernels {
                     for g in 0..p.groups() {
-                        let mut out = [0.0f32; GROUP];
-                        qdot::dot_group(k, &p, g, &ea, &mut out);
-                        for (j, &got) in out.iter().enumerate().take(rows - g * GROUP) {
-                            let r = g * GROUP + j;
-                            let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], &ra);
-                            prop_assert_eq!(
-                                got.to_bits(),
-                                want.to_bits(),
-                                "{} {} rows={} nb={} r={}: {} vs {}",
-                                k.name(),
-                                dtype,
-                                rows,
-                                nb,
-                                r,
-                                got,
-                                want
-                            );
-                        }
+                        let r = check_group(k, &p, g, &ea, &ra, dtype, &bytes, rows);
+                        prop_assert!(r.is_ok(), "rows={} nb={}: {:?}", rows, nb, r);
                     }
                 }
             }
@@ -178,22 +188,11 @@ fn saturating_extremes_stay_exact() {
                 let codes = vec![code; rows * nb * 32];
                 let scales = vec![f16::from_f32(0.5).to_bits(); rows * nb * 2];
                 let bytes = rows_bytes(dtype, rows, nb, &codes, &scales);
-                let rb = dtype.block_bytes() * nb;
                 let p = Packed::new(dtype, rows, nb * 32, &bytes);
                 for k in Kernel::supported() {
                     for g in 0..p.groups() {
-                        let mut out = [0.0f32; GROUP];
-                        qdot::dot_group(k, &p, g, &ea, &mut out);
-                        for (j, &got) in out.iter().enumerate().take(rows - g * GROUP) {
-                            let r = g * GROUP + j;
-                            let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], &ra);
-                            assert_eq!(
-                                got.to_bits(),
-                                want.to_bits(),
-                                "{} {dtype} code {code:#x}: {got} vs {want}",
-                                k.name()
-                            );
-                        }
+                        let r = check_group(k, &p, g, &ea, &ra, dtype, &bytes, rows);
+                        assert!(r.is_ok(), "code {code:#x}: {r:?}");
                     }
                 }
             }
@@ -602,21 +601,10 @@ fn prefetching_kernels_on_a_dram_sized_matrix_equal_the_scalar_twin() {
     let (ra, ea) = (ggml_dot::quantize_acts(&x), QuantizedActs::from_f32(&x));
     let p = Packed::new(dtype, rows, nb * 32, &bytes);
     assert!(p.byte_len() >= qdot::STREAM_PREFETCH_BYTES);
-    let rb = bb * nb;
     for k in Kernel::supported() {
         for g in [0, 1, p.groups() - 1] {
-            let mut out = [0.0f32; GROUP];
-            qdot::dot_group(k, &p, g, &ea, &mut out);
-            for (j, &got) in out.iter().enumerate().take(rows - g * GROUP) {
-                let r = g * GROUP + j;
-                let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], &ra);
-                assert_eq!(
-                    got.to_bits(),
-                    want.to_bits(),
-                    "{} group {g} row {j}",
-                    k.name()
-                );
-            }
+            let r = check_group(k, &p, g, &ea, &ra, dtype, &bytes, rows);
+            assert!(r.is_ok(), "group {g}: {r:?}");
         }
     }
 }
