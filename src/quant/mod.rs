@@ -855,7 +855,10 @@ pub const MULTI_MAX: usize = 8;
 /// Whether `kernel` has a multi-query form here (an unsupported variant runs the
 /// portable kernel, as in the single-query dispatch).
 fn multi_takes(kernel: KvKernel) -> bool {
-    matches!(kernel, KvKernel::Portable | KvKernel::Avx512) || !kernel.is_supported()
+    matches!(
+        kernel,
+        KvKernel::Portable | KvKernel::Avx512 | KvKernel::Avx2
+    ) || !kernel.is_supported()
 }
 
 /// Calls `$f::<W, HD, G>(args)` with `G` the run-time group size `$g` (2 ..= 8).
@@ -958,6 +961,18 @@ pub fn dot_codes_groups_multi_with(
             };
             continue;
         }
+        #[cfg(target_arch = "x86_64")]
+        if kernel == KvKernel::Avx2 && avx2_takes(hd) {
+            // SAFETY: AVX2, FMA and F16C are available (checked by `avx2_takes`).
+            unsafe {
+                by_blocks!(
+                    bits,
+                    hd,
+                    dot_multi_avx2(g, codes, q, scale, zero, group, offset, out, stride)
+                )
+            };
+            continue;
+        }
         // Portable: per group, every head's fold (as `dot_codes_groups_with`), then the
         // group's rows against all of them.
         let mut bias = [0.0f32; MULTI_MAX];
@@ -1001,6 +1016,33 @@ unsafe fn dot_multi_avx512<const W: u8, const HD: usize>(
         by_group!(
             g,
             x86::dot_codes_groups_multi < W,
+            HD > (codes, q, scale, zero, group, offset, out, stride)
+        )
+    }
+}
+
+/// [`x86::avx2::dot_codes_groups_multi`] for `g` (2 ..= 8) heads.
+///
+/// # Safety
+/// As [`x86::avx2::dot_codes_groups_multi`].
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn dot_multi_avx2<const W: u8, const HD: usize>(
+    g: usize,
+    codes: &[u8],
+    q: &[f32],
+    scale: &[f16],
+    zero: &[f16],
+    group: usize,
+    offset: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    // SAFETY: the caller checked the CPU features; lengths are asserted inside.
+    unsafe {
+        by_group!(
+            g,
+            x86::avx2::dot_codes_groups_multi < W,
             HD > (codes, q, scale, zero, group, offset, out, stride)
         )
     }
@@ -1173,6 +1215,18 @@ pub fn axpy_codes_rows_multi_with(
             };
             continue;
         }
+        #[cfg(target_arch = "x86_64")]
+        if kernel == KvKernel::Avx2 && avx2_takes(hd) {
+            // SAFETY: AVX2, FMA and F16C are available (checked by `avx2_takes`).
+            unsafe {
+                by_blocks!(
+                    bits,
+                    hd,
+                    axpy_multi_avx2(g, codes, scale, zero, p, stride, acc, bias)
+                )
+            };
+            continue;
+        }
         by_shape!(
             bits,
             hd,
@@ -1202,6 +1256,32 @@ unsafe fn axpy_multi_avx512<const W: u8, const HD: usize>(
         by_group!(
             g,
             x86::axpy_codes_rows_multi < W,
+            HD > (codes, scale, zero, p, stride, acc, bias)
+        )
+    }
+}
+
+/// [`x86::avx2::axpy_codes_rows_multi`] for `g` (2 ..= 8) heads.
+///
+/// # Safety
+/// As [`x86::avx2::axpy_codes_rows_multi`].
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn axpy_multi_avx2<const W: u8, const HD: usize>(
+    g: usize,
+    codes: &[u8],
+    scale: &[f16],
+    zero: &[f16],
+    p: &[f32],
+    stride: usize,
+    acc: &mut [f32],
+    bias: &mut [f32],
+) {
+    // SAFETY: the caller checked the CPU features; lengths are asserted inside.
+    unsafe {
+        by_group!(
+            g,
+            x86::avx2::axpy_codes_rows_multi < W,
             HD > (codes, scale, zero, p, stride, acc, bias)
         )
     }
