@@ -1152,8 +1152,9 @@ pub(super) mod avx2 {
     }
 
     /// Rows per super-block of [`axpy_codes_rows_multi`]: the weights `p_jr s_r` of this
-    /// many rows of every head are computed once into a stack buffer (`G` KiB).
-    const SUPER: usize = 256;
+    /// many rows of every head, already spread over the lanes of each vector of rows, are
+    /// computed once into a stack buffer (`2G` KiB).
+    const SUPER: usize = 64;
 
     /// Extracts per pass of [`axpy_codes_rows_multi`] for `G` heads: its `G × chunk`
     /// accumulators stay in registers (at most 12 of the 16).
@@ -1240,7 +1241,8 @@ pub(super) mod avx2 {
         let spread = spread::<W, HD>();
         let mut sums = [[_mm256_setzero_ps(); 32]; G];
         let mut zsum = [_mm256_setzero_ps(); G];
-        let mut wbuf = [[_mm256_setzero_ps(); SUPER / 8]; G];
+        // wbuf[8·blk + v][g]: head g's weights of vector v of block blk, spread.
+        let mut wbuf = [[_mm256_setzero_ps(); G]; SUPER];
         let mut s0 = 0;
         while s0 < rows {
             let blocks = (rows - s0).min(SUPER).div_ceil(8);
@@ -1250,11 +1252,14 @@ pub(super) mod avx2 {
                 // SAFETY: rows r0..r0 + m of `scale`, `zero`, and of every head's `p`
                 // (assert above), are in bounds.
                 let (sv, zv) = unsafe { load_params(&scale[r0..r0 + m], &zero[r0..r0 + m]) };
-                for (j, (wj, zj)) in wbuf.iter_mut().zip(zsum.iter_mut()).enumerate() {
+                for (j, zj) in zsum.iter_mut().enumerate() {
                     // SAFETY: as above.
                     let pv = unsafe { load_f32(&p[j * stride + r0..j * stride + r0 + m]) };
                     *zj = _mm256_fmadd_ps(pv, zv, *zj);
-                    wj[blk] = _mm256_mul_ps(pv, sv);
+                    let w = _mm256_mul_ps(pv, sv);
+                    for (v, idx) in spread.iter().enumerate().take(nv) {
+                        wbuf[8 * blk + v][j] = _mm256_permutevar8x32_ps(w, *idx);
+                    }
                 }
             }
             for t0 in (0..nt).step_by(c) {
@@ -1265,26 +1270,17 @@ pub(super) mod avx2 {
                 for blk in 0..blocks {
                     let r0 = s0 + 8 * blk;
                     let m = (rows - r0).min(8);
-                    for (v, idx) in spread.iter().enumerate().take(nv) {
+                    for v in 0..nv {
                         let r = r0 + v * rpl;
                         if r >= r0 + m {
                             break;
                         }
                         let n = ((r0 + m - r) * bpr).min(rpl * bpr);
-                        let mut wv = [_mm256_setzero_ps(); G];
-                        for (x, wj) in wv.iter_mut().zip(&wbuf) {
-                            *x = _mm256_permutevar8x32_ps(wj[blk], *idx);
-                        }
+                        let wv = &wbuf[8 * blk + v];
                         // SAFETY: bytes [r·bpr, r·bpr + n) lie inside `codes`
                         // (r0 + m ≤ rows); t0 + c ≤ nt, c ≤ 8.
                         unsafe {
-                            vec_axpy_chunk::<W, HD, G>(
-                                base.add(r * bpr),
-                                n,
-                                (t0, c),
-                                &wv,
-                                &mut regs,
-                            )
+                            vec_axpy_chunk::<W, HD, G>(base.add(r * bpr), n, (t0, c), wv, &mut regs)
                         };
                     }
                 }
