@@ -844,22 +844,15 @@ fn dequantize_channels_k<const W: u8>(codes: &[u8], scale: &[f32], zero: &[f32],
 // accumulator per head with that head's probability). Per head the arithmetic and its
 // order are exactly those of the single-query kernel of the same variant, so every head's
 // result equals `dot_codes_groups_with` / `axpy_codes_rows_with` bit for bit
-// (`tests/kv_gqa.rs`). Heads are taken `MULTI_MAX` at a time; a variant without a
-// multi-query form runs its single-query kernel (which loops over the heads).
+// (`tests/kv_gqa.rs`). Heads are taken `MULTI_MAX` at a time. Every variant has a
+// multi-query form (AVX-512, AVX2 and NEON for the head dims their single-query kernels
+// take, the portable one for the rest; an unsupported variant runs the portable one, as
+// in the single-query dispatch).
 // ---------------------------------------------------------------------------------------
 
 /// The most query heads one multi-query kernel call serves (more are split into calls of
 /// at most this many; group sizes of common GQA models are 1 to 8).
 pub const MULTI_MAX: usize = 8;
-
-/// Whether `kernel` has a multi-query form here (an unsupported variant runs the
-/// portable kernel, as in the single-query dispatch).
-fn multi_takes(kernel: KvKernel) -> bool {
-    matches!(
-        kernel,
-        KvKernel::Portable | KvKernel::Avx512 | KvKernel::Avx2
-    ) || !kernel.is_supported()
-}
 
 /// Calls `$f::<W, HD, G>(args)` with `G` the run-time group size `$g` (2 ..= 8).
 macro_rules! by_group {
@@ -926,15 +919,11 @@ pub fn dot_codes_groups_multi_with(
     let n = codes.len() / p;
     let mut j0 = 0;
     while j0 < nq {
-        let g = if multi_takes(kernel) {
-            (nq - j0).min(MULTI_MAX)
-        } else {
-            nq
-        };
+        let g = (nq - j0).min(MULTI_MAX);
         let q = &q[j0 * hd..(j0 + g) * hd];
         let out = &mut out[j0 * stride..];
         j0 += g;
-        if g == 1 || !multi_takes(kernel) {
+        if g == 1 {
             dot_codes_groups_with(
                 kernel,
                 codes,
@@ -969,6 +958,18 @@ pub fn dot_codes_groups_multi_with(
                     bits,
                     hd,
                     dot_multi_avx2(g, codes, q, scale, zero, group, offset, out, stride)
+                )
+            };
+            continue;
+        }
+        #[cfg(target_arch = "aarch64")]
+        if kernel == KvKernel::Neon && neon_takes(hd) {
+            // SAFETY: NEON is available (checked by `neon_takes`).
+            unsafe {
+                by_blocks!(
+                    bits,
+                    hd,
+                    dot_multi_neon(g, codes, q, scale, zero, group, offset, out, stride)
                 )
             };
             continue;
@@ -1043,6 +1044,33 @@ unsafe fn dot_multi_avx2<const W: u8, const HD: usize>(
         by_group!(
             g,
             x86::avx2::dot_codes_groups_multi < W,
+            HD > (codes, q, scale, zero, group, offset, out, stride)
+        )
+    }
+}
+
+/// [`aarch64::dot_codes_groups_multi`] for `g` (2 ..= 8) heads.
+///
+/// # Safety
+/// As [`aarch64::dot_codes_groups_multi`].
+#[cfg(target_arch = "aarch64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn dot_multi_neon<const W: u8, const HD: usize>(
+    g: usize,
+    codes: &[u8],
+    q: &[f32],
+    scale: &[f16],
+    zero: &[f16],
+    group: usize,
+    offset: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    // SAFETY: the caller checked the CPU features; lengths are asserted inside.
+    unsafe {
+        by_group!(
+            g,
+            aarch64::dot_codes_groups_multi < W,
             HD > (codes, q, scale, zero, group, offset, out, stride)
         )
     }
@@ -1190,16 +1218,12 @@ pub fn axpy_codes_rows_multi_with(
     let hd = acc.len() / nq;
     let mut j0 = 0;
     while j0 < nq {
-        let g = if multi_takes(kernel) {
-            (nq - j0).min(MULTI_MAX)
-        } else {
-            nq
-        };
+        let g = (nq - j0).min(MULTI_MAX);
         let p = &p[j0 * stride..];
         let acc = &mut acc[j0 * hd..(j0 + g) * hd];
         let bias = &mut bias[j0..j0 + g];
         j0 += g;
-        if g == 1 || !multi_takes(kernel) {
+        if g == 1 {
             axpy_codes_rows_with(kernel, codes, scale, zero, p, stride, acc, bias, bits);
             continue;
         }
@@ -1223,6 +1247,18 @@ pub fn axpy_codes_rows_multi_with(
                     bits,
                     hd,
                     axpy_multi_avx2(g, codes, scale, zero, p, stride, acc, bias)
+                )
+            };
+            continue;
+        }
+        #[cfg(target_arch = "aarch64")]
+        if kernel == KvKernel::Neon && neon_takes(hd) {
+            // SAFETY: NEON is available (checked by `neon_takes`).
+            unsafe {
+                by_blocks!(
+                    bits,
+                    hd,
+                    axpy_multi_neon(g, codes, scale, zero, p, stride, acc, bias)
                 )
             };
             continue;
@@ -1282,6 +1318,32 @@ unsafe fn axpy_multi_avx2<const W: u8, const HD: usize>(
         by_group!(
             g,
             x86::avx2::axpy_codes_rows_multi < W,
+            HD > (codes, scale, zero, p, stride, acc, bias)
+        )
+    }
+}
+
+/// [`aarch64::axpy_codes_rows_multi`] for `g` (2 ..= 8) heads.
+///
+/// # Safety
+/// As [`aarch64::axpy_codes_rows_multi`].
+#[cfg(target_arch = "aarch64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn axpy_multi_neon<const W: u8, const HD: usize>(
+    g: usize,
+    codes: &[u8],
+    scale: &[f16],
+    zero: &[f16],
+    p: &[f32],
+    stride: usize,
+    acc: &mut [f32],
+    bias: &mut [f32],
+) {
+    // SAFETY: the caller checked the CPU features; lengths are asserted inside.
+    unsafe {
+        by_group!(
+            g,
+            aarch64::axpy_codes_rows_multi < W,
             HD > (codes, scale, zero, p, stride, acc, bias)
         )
     }
