@@ -28,6 +28,7 @@
 //! NEON is part of the aarch64 baseline (the dispatch still checks it); the softmax stays
 //! the portable one (`wide` is NEON on aarch64 already).
 
+use super::{KRun, VRun};
 use half::{f16, slice::HalfFloatSliceExt};
 use std::arch::aarch64::*;
 
@@ -297,18 +298,21 @@ fn fold_group<const W: u8, const HD: usize>(
 /// # Safety
 /// NEON must be available (run-time detection, [`crate::ops::simd::KvKernel`]).
 /// Lengths are checked by assertions.
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "neon")]
 pub(super) unsafe fn dot_codes_groups<const W: u8, const HD: usize>(
-    codes: &[u8],
+    run: &KRun<'_>,
     q: &[f32],
-    scale: &[f16],
-    zero: &[f16],
-    group: usize,
-    offset: usize,
     out: &mut [f32],
     stride: usize,
 ) {
+    let KRun {
+        codes,
+        scale,
+        zero,
+        group,
+        offset,
+        ..
+    } = *run;
     let nq = q.len() / HD;
     let bpr = bpr::<W, HD>();
     assert!(takes(HD) && q.len() == nq * HD && nt::<W, HD>() <= 64);
@@ -365,17 +369,17 @@ unsafe fn vec_axpy<const W: u8, const HD: usize>(
 /// # Safety
 /// NEON must be available (run-time detection, [`crate::ops::simd::KvKernel`]).
 /// Lengths are checked by assertions.
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "neon")]
 pub(super) unsafe fn axpy_codes_rows<const W: u8, const HD: usize>(
-    codes: &[u8],
-    scale: &[f16],
-    zero: &[f16],
+    run: &VRun<'_>,
     p: &[f32],
     stride: usize,
     acc: &mut [f32],
     bias: &mut [f32],
 ) {
+    let VRun {
+        codes, scale, zero, ..
+    } = *run;
     let nq = bias.len();
     let (bpr, rpl) = (bpr::<W, HD>(), rpl::<W, HD>());
     assert!(takes(HD) && acc.len() == nq * HD && nt::<W, HD>() <= 64);
@@ -623,18 +627,21 @@ unsafe fn score_rows_multi<const W: u8, const HD: usize, const G: usize>(
 ///
 /// # Safety
 /// As [`dot_codes_groups`].
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "neon")]
 pub(super) unsafe fn dot_codes_groups_multi<const W: u8, const HD: usize, const G: usize>(
-    codes: &[u8],
+    run: &KRun<'_>,
     q: &[f32],
-    scale: &[f16],
-    zero: &[f16],
-    group: usize,
-    offset: usize,
     out: &mut [f32],
     stride: usize,
 ) {
+    let KRun {
+        codes,
+        scale,
+        zero,
+        group,
+        offset,
+        ..
+    } = *run;
     let bpr = bpr::<W, HD>();
     assert!(takes(HD) && G > 0 && q.len() == G * HD && nt::<W, HD>() <= 64);
     assert!(group > 0 && offset < group);
@@ -712,17 +719,17 @@ unsafe fn vec_axpy_chunk<const W: u8, const HD: usize, const G: usize>(
 ///
 /// # Safety
 /// As [`axpy_codes_rows`].
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "neon")]
 pub(super) unsafe fn axpy_codes_rows_multi<const W: u8, const HD: usize, const G: usize>(
-    codes: &[u8],
-    scale: &[f16],
-    zero: &[f16],
+    run: &VRun<'_>,
     p: &[f32],
     stride: usize,
     acc: &mut [f32],
     bias: &mut [f32],
 ) {
+    let VRun {
+        codes, scale, zero, ..
+    } = *run;
     let (bpr, rpl) = (bpr::<W, HD>(), rpl::<W, HD>());
     let nt = nt::<W, HD>();
     assert!(takes(HD) && G > 0 && bias.len() == G && acc.len() == G * HD && nt <= 64);

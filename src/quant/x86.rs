@@ -27,7 +27,7 @@
 //! `super::axpy_codes_scalar`; `tests/kv_cache.rs` runs every variant the CPU supports
 //! against them.
 
-use half::f16;
+use super::{KRun, VRun};
 use std::arch::x86_64::*;
 
 /// Whether the kernels here take `W`-bit rows of `hd` codes.
@@ -286,18 +286,21 @@ unsafe fn score_rows<const W: u8, const HD: usize>(
 /// # Safety
 /// AVX-512 F/BW/VL and F16C must be available (run-time detection,
 /// [`crate::ops::simd::KvKernel`]). Lengths are checked by assertions.
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
 pub(super) unsafe fn dot_codes_groups<const W: u8, const HD: usize>(
-    codes: &[u8],
+    run: &KRun<'_>,
     q: &[f32],
-    scale: &[f16],
-    zero: &[f16],
-    group: usize,
-    offset: usize,
     out: &mut [f32],
     stride: usize,
 ) {
+    let KRun {
+        codes,
+        scale,
+        zero,
+        group,
+        offset,
+        ..
+    } = *run;
     let nq = q.len() / HD;
     let (bpr, e) = (bpr::<W, HD>(), per_dword::<W>());
     let nt = loads::<W, HD>() * e;
@@ -387,17 +390,17 @@ unsafe fn vec_axpy<const W: u8, const HD: usize>(
 /// # Safety
 /// AVX-512 F/BW/VL and F16C must be available (run-time detection,
 /// [`crate::ops::simd::KvKernel`]). Lengths are checked by assertions.
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
 pub(super) unsafe fn axpy_codes_rows<const W: u8, const HD: usize>(
-    codes: &[u8],
-    scale: &[f16],
-    zero: &[f16],
+    run: &VRun<'_>,
     p: &[f32],
     stride: usize,
     acc: &mut [f32],
     bias: &mut [f32],
 ) {
+    let VRun {
+        codes, scale, zero, ..
+    } = *run;
     let nq = bias.len();
     let (bpr, rpl, e) = (bpr::<W, HD>(), rpl::<W, HD>(), per_dword::<W>());
     assert!(takes(HD) && acc.len() == nq * HD && loads::<W, HD>() * e <= 16);
@@ -490,6 +493,7 @@ pub(super) unsafe fn axpy_codes_rows<const W: u8, const HD: usize>(
 ///
 /// Same products as the portable kernels; only the order of the sums differs.
 pub(super) mod avx2 {
+    use crate::quant::{KRun, VRun};
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -771,18 +775,21 @@ pub(super) mod avx2 {
     /// # Safety
     /// AVX2, FMA and F16C must be available (run-time detection,
     /// [`crate::ops::simd::KvKernel`]). Lengths are checked by assertions.
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(in crate::quant) unsafe fn dot_codes_groups<const W: u8, const HD: usize>(
-        codes: &[u8],
+        run: &KRun<'_>,
         q: &[f32],
-        scale: &[f16],
-        zero: &[f16],
-        group: usize,
-        offset: usize,
         out: &mut [f32],
         stride: usize,
     ) {
+        let KRun {
+            codes,
+            scale,
+            zero,
+            group,
+            offset,
+            ..
+        } = *run;
         let nq = q.len() / HD;
         let bpr = bpr::<W, HD>();
         assert!(takes(HD) && q.len() == nq * HD && nt::<W, HD>() <= 32);
@@ -841,17 +848,17 @@ pub(super) mod avx2 {
     /// # Safety
     /// AVX2, FMA and F16C must be available (run-time detection,
     /// [`crate::ops::simd::KvKernel`]). Lengths are checked by assertions.
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(in crate::quant) unsafe fn axpy_codes_rows<const W: u8, const HD: usize>(
-        codes: &[u8],
-        scale: &[f16],
-        zero: &[f16],
+        run: &VRun<'_>,
         p: &[f32],
         stride: usize,
         acc: &mut [f32],
         bias: &mut [f32],
     ) {
+        let VRun {
+            codes, scale, zero, ..
+        } = *run;
         let nq = bias.len();
         let (bpr, rpl) = (bpr::<W, HD>(), rpl::<W, HD>());
         assert!(takes(HD) && acc.len() == nq * HD && nt::<W, HD>() <= 32);
@@ -1105,22 +1112,25 @@ pub(super) mod avx2 {
     ///
     /// # Safety
     /// As [`dot_codes_groups`].
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(in crate::quant) unsafe fn dot_codes_groups_multi<
         const W: u8,
         const HD: usize,
         const G: usize,
     >(
-        codes: &[u8],
+        run: &KRun<'_>,
         q: &[f32],
-        scale: &[f16],
-        zero: &[f16],
-        group: usize,
-        offset: usize,
         out: &mut [f32],
         stride: usize,
     ) {
+        let KRun {
+            codes,
+            scale,
+            zero,
+            group,
+            offset,
+            ..
+        } = *run;
         let bpr = bpr::<W, HD>();
         assert!(takes(HD) && G > 0 && q.len() == G * HD && nt::<W, HD>() <= 32);
         assert!(group > 0 && offset < group);
@@ -1210,21 +1220,21 @@ pub(super) mod avx2 {
     ///
     /// # Safety
     /// As [`axpy_codes_rows`].
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(in crate::quant) unsafe fn axpy_codes_rows_multi<
         const W: u8,
         const HD: usize,
         const G: usize,
     >(
-        codes: &[u8],
-        scale: &[f16],
-        zero: &[f16],
+        run: &VRun<'_>,
         p: &[f32],
         stride: usize,
         acc: &mut [f32],
         bias: &mut [f32],
     ) {
+        let VRun {
+            codes, scale, zero, ..
+        } = *run;
         let (bpr, rpl) = (bpr::<W, HD>(), rpl::<W, HD>());
         let nt = nt::<W, HD>();
         assert!(takes(HD) && G > 0 && bias.len() == G && acc.len() == G * HD && nt <= 32);
@@ -1424,18 +1434,21 @@ unsafe fn score_rows_multi<const W: u8, const HD: usize, const G: usize>(
 ///
 /// # Safety
 /// As [`dot_codes_groups`].
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
 pub(super) unsafe fn dot_codes_groups_multi<const W: u8, const HD: usize, const G: usize>(
-    codes: &[u8],
+    run: &KRun<'_>,
     q: &[f32],
-    scale: &[f16],
-    zero: &[f16],
-    group: usize,
-    offset: usize,
     out: &mut [f32],
     stride: usize,
 ) {
+    let KRun {
+        codes,
+        scale,
+        zero,
+        group,
+        offset,
+        ..
+    } = *run;
     let (bpr, e) = (bpr::<W, HD>(), per_dword::<W>());
     let nt = loads::<W, HD>() * e;
     assert!(takes(HD) && G > 0 && q.len() == G * HD && nt <= 16 && group > 0 && offset < group);
@@ -1551,17 +1564,17 @@ unsafe fn vec_axpy_chunk<const W: u8, const HD: usize, const G: usize>(
 ///
 /// # Safety
 /// As [`axpy_codes_rows`].
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
 pub(super) unsafe fn axpy_codes_rows_multi<const W: u8, const HD: usize, const G: usize>(
-    codes: &[u8],
-    scale: &[f16],
-    zero: &[f16],
+    run: &VRun<'_>,
     p: &[f32],
     stride: usize,
     acc: &mut [f32],
     bias: &mut [f32],
 ) {
+    let VRun {
+        codes, scale, zero, ..
+    } = *run;
     let (bpr, rpl, e) = (bpr::<W, HD>(), rpl::<W, HD>(), per_dword::<W>());
     let nt = loads::<W, HD>() * e;
     assert!(takes(HD) && G > 0 && bias.len() == G && acc.len() == G * HD && nt <= 16);
