@@ -943,71 +943,28 @@ pub fn dot_codes_groups_multi_with(
     }
 }
 
-/// [`x86::dot_codes_groups_multi`] for `g` (2 ..= 8) heads.
-///
-/// # Safety
-/// As [`x86::dot_codes_groups_multi`].
-#[cfg(target_arch = "x86_64")]
-unsafe fn dot_multi_avx512<const W: u8, const HD: usize>(
-    g: usize,
-    run: &KRun<'_>,
-    q: &[f32],
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: the caller checked the CPU features; lengths are asserted inside.
-    unsafe {
-        by_group!(
-            g,
-            x86::dot_codes_groups_multi < W,
-            HD > (run, q, out, stride)
-        )
-    }
+/// Defines `$name::<W, HD>(g, args)`: the multi-query kernel `$f::<W, HD, G>(args)` for
+/// `G = g` (2 ..= 8) heads.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! multi_by_group {
+    ($arch:literal, $name:ident, $($f:ident)::+, ($($a:ident: $t:ty),*)) => {
+        #[doc = concat!("`", stringify!($($f)::+), "` for `g` (2 ..= 8) heads.")]
+        ///
+        /// # Safety
+        /// As the kernel's: the CPU features it needs are available.
+        #[cfg(target_arch = $arch)]
+        unsafe fn $name<const W: u8, const HD: usize>(g: usize, $($a: $t),*) {
+            // SAFETY: the caller checked the CPU features; lengths are asserted inside.
+            unsafe { by_group!(g, $($f)::+ <W, HD> ($($a),*)) }
+        }
+    };
 }
-
-/// [`x86::avx2::dot_codes_groups_multi`] for `g` (2 ..= 8) heads.
-///
-/// # Safety
-/// As [`x86::avx2::dot_codes_groups_multi`].
-#[cfg(target_arch = "x86_64")]
-unsafe fn dot_multi_avx2<const W: u8, const HD: usize>(
-    g: usize,
-    run: &KRun<'_>,
-    q: &[f32],
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: the caller checked the CPU features; lengths are asserted inside.
-    unsafe {
-        by_group!(
-            g,
-            x86::avx2::dot_codes_groups_multi < W,
-            HD > (run, q, out, stride)
-        )
-    }
-}
-
-/// [`aarch64::dot_codes_groups_multi`] for `g` (2 ..= 8) heads.
-///
-/// # Safety
-/// As [`aarch64::dot_codes_groups_multi`].
-#[cfg(target_arch = "aarch64")]
-unsafe fn dot_multi_neon<const W: u8, const HD: usize>(
-    g: usize,
-    run: &KRun<'_>,
-    q: &[f32],
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: the caller checked the CPU features; lengths are asserted inside.
-    unsafe {
-        by_group!(
-            g,
-            aarch64::dot_codes_groups_multi < W,
-            HD > (run, q, out, stride)
-        )
-    }
-}
+multi_by_group!("x86_64", dot_multi_avx512, x86::dot_codes_groups_multi, (run: &KRun<'_>, q: &[f32], out: &mut [f32], stride: usize));
+multi_by_group!("x86_64", dot_multi_avx2, x86::avx2::dot_codes_groups_multi, (run: &KRun<'_>, q: &[f32], out: &mut [f32], stride: usize));
+multi_by_group!("aarch64", dot_multi_neon, aarch64::dot_codes_groups_multi, (run: &KRun<'_>, q: &[f32], out: &mut [f32], stride: usize));
+multi_by_group!("x86_64", axpy_multi_avx512, x86::axpy_codes_rows_multi, (run: &VRun<'_>, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]));
+multi_by_group!("x86_64", axpy_multi_avx2, x86::avx2::axpy_codes_rows_multi, (run: &VRun<'_>, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]));
+multi_by_group!("aarch64", axpy_multi_neon, aarch64::axpy_codes_rows_multi, (run: &VRun<'_>, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]));
 
 /// [`dot_codes_rows_multi_k`] for `g` (2 ..= 8) heads.
 fn dot_rows_multi<const W: u8, const HD: usize>(
@@ -1172,75 +1129,6 @@ pub fn axpy_codes_rows_multi_with(
             continue;
         }
         by_shape!(bits, hd, axpy_rows_multi(g, run, p, stride, acc, bias));
-    }
-}
-
-/// [`x86::axpy_codes_rows_multi`] for `g` (2 ..= 8) heads.
-///
-/// # Safety
-/// As [`x86::axpy_codes_rows_multi`].
-#[cfg(target_arch = "x86_64")]
-unsafe fn axpy_multi_avx512<const W: u8, const HD: usize>(
-    g: usize,
-    run: &VRun<'_>,
-    p: &[f32],
-    stride: usize,
-    acc: &mut [f32],
-    bias: &mut [f32],
-) {
-    // SAFETY: the caller checked the CPU features; lengths are asserted inside.
-    unsafe {
-        by_group!(
-            g,
-            x86::axpy_codes_rows_multi < W,
-            HD > (run, p, stride, acc, bias)
-        )
-    }
-}
-
-/// [`x86::avx2::axpy_codes_rows_multi`] for `g` (2 ..= 8) heads.
-///
-/// # Safety
-/// As [`x86::avx2::axpy_codes_rows_multi`].
-#[cfg(target_arch = "x86_64")]
-unsafe fn axpy_multi_avx2<const W: u8, const HD: usize>(
-    g: usize,
-    run: &VRun<'_>,
-    p: &[f32],
-    stride: usize,
-    acc: &mut [f32],
-    bias: &mut [f32],
-) {
-    // SAFETY: the caller checked the CPU features; lengths are asserted inside.
-    unsafe {
-        by_group!(
-            g,
-            x86::avx2::axpy_codes_rows_multi < W,
-            HD > (run, p, stride, acc, bias)
-        )
-    }
-}
-
-/// [`aarch64::axpy_codes_rows_multi`] for `g` (2 ..= 8) heads.
-///
-/// # Safety
-/// As [`aarch64::axpy_codes_rows_multi`].
-#[cfg(target_arch = "aarch64")]
-unsafe fn axpy_multi_neon<const W: u8, const HD: usize>(
-    g: usize,
-    run: &VRun<'_>,
-    p: &[f32],
-    stride: usize,
-    acc: &mut [f32],
-    bias: &mut [f32],
-) {
-    // SAFETY: the caller checked the CPU features; lengths are asserted inside.
-    unsafe {
-        by_group!(
-            g,
-            aarch64::axpy_codes_rows_multi < W,
-            HD > (run, p, stride, acc, bias)
-        )
     }
 }
 
