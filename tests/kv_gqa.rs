@@ -359,32 +359,14 @@ fn long_run_gqa_shape_bit_for_bit() {
                 .collect();
             let (mut a, mut b) = (vec![0.0f32; nq * hd], vec![0.0f32; nq * hd]);
             let (mut ba, mut bb) = (vec![0.0f32; nq], vec![0.0f32; nq]);
-            axpy_codes_rows_multi_with(
-                kernel,
-                &VRun {
-                    codes: &codes,
-                    scale: &vs,
-                    zero: &vz,
-                    bits,
-                },
-                &p,
-                rows,
-                &mut a,
-                &mut ba,
-            );
-            axpy_codes_rows_with(
-                kernel,
-                &VRun {
-                    codes: &codes,
-                    scale: &vs,
-                    zero: &vz,
-                    bits,
-                },
-                &p,
-                rows,
-                &mut b,
-                &mut bb,
-            );
+            let run = VRun {
+                codes: &codes,
+                scale: &vs,
+                zero: &vz,
+                bits,
+            };
+            axpy_codes_rows_multi_with(kernel, &run, &p, rows, &mut a, &mut ba);
+            axpy_codes_rows_with(kernel, &run, &p, rows, &mut b, &mut bb);
             assert!(
                 bits_eq(&a, &b) && bits_eq(&ba, &bb),
                 "{} {bits:?} long axpy",

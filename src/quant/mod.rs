@@ -661,11 +661,11 @@ fn dot_codes_rows_k<const W: u8, const HD: usize>(
     }
 }
 
-/// The probability-weighted sum of a run of V rows, each with its own `(scale, zero)`,
-/// for `nq = bias.len()` queries: with `p_jr = p[j * stride + r]`,
+/// The probability-weighted sum of a run of V rows ([`VRun`]: each row with its own
+/// `(scale, zero)`) for `nq = bias.len()` queries: with `p_jr = p[j * stride + r]`,
 /// `acc_j += Σ_r (p_jr s_r) u_r` and `bias[j] += Σ_r p_jr z_r`, so that
 /// `acc_j + bias[j]` (added by the caller at the end) is `Σ_r p_jr (u_r s_r + z_r)`.
-/// `codes`: `(rows, packed)`; `acc`: `(nq, head_dim)`.
+/// `acc`: `(nq, head_dim)`.
 pub fn axpy_codes_rows(
     run: &VRun<'_>,
     p: &[f32],
