@@ -390,7 +390,9 @@ fn bench_attention(c: &mut Criterion) {
 /// query each) over 16K rows, with fixed weights (no softmax, no append). Throughput =
 /// bytes of codes and parameters read.
 fn bench_kv_kernels(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
-    use tinygpt_cpu::quant::{axpy_codes_rows_with, dot_codes_groups_with, Bits, KvKernel};
+    use tinygpt_cpu::quant::{
+        axpy_codes_rows_with, dot_codes_groups_with, Bits, KRun, KvKernel, VRun,
+    };
     const GROUP: usize = 32;
     let (heads, hd, rows) = (FLAGSHIP_KV_HEADS, FLAGSHIP_HEAD_DIM, ATTN_ROWS);
     let mut rng = ChaCha8Rng::seed_from_u64(11);
@@ -439,26 +441,32 @@ fn bench_kv_kernels(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement
                         for h in 0..heads {
                             dot_codes_groups_with(
                                 kernel,
-                                &codes[h],
+                                &KRun {
+                                    codes: &codes[h],
+                                    hd,
+                                    scale: &kp[h].0,
+                                    zero: &kp[h].1,
+                                    group: GROUP,
+                                    offset: 0,
+                                    bits,
+                                },
                                 &q[h * hd..(h + 1) * hd],
-                                hd,
-                                (&kp[h].0, &kp[h].1),
-                                (GROUP, 0),
-                                bits,
                                 &mut fold,
                                 &mut scores,
                                 rows,
                             );
                             axpy_codes_rows_with(
                                 kernel,
-                                &codes[heads + h],
-                                &vp[h].0,
-                                &vp[h].1,
+                                &VRun {
+                                    codes: &codes[heads + h],
+                                    scale: &vp[h].0,
+                                    zero: &vp[h].1,
+                                    bits,
+                                },
                                 &probs,
                                 rows,
                                 &mut acc,
                                 &mut vb,
-                                bits,
                             );
                         }
                         black_box((&scores, &acc, &vb));
@@ -563,6 +571,21 @@ fn bench_attention_gqa(c: &mut Criterion) {
             .collect();
         let qh = uniform(&mut rng, nq * hd, 2.0);
         let probs: Vec<f32> = (0..nq * n).map(|i| 1e-4 + (i % 13) as f32 * 1e-5).collect();
+        let krun = quant::KRun {
+            codes: &codes,
+            hd,
+            scale: &ks,
+            zero: &kz,
+            group,
+            offset: 0,
+            bits,
+        };
+        let vrun = quant::VRun {
+            codes: &codes,
+            scale: &vs,
+            zero: &vz,
+            bits,
+        };
         for (side, multi) in [("k", false), ("k", true), ("v", false), ("v", true)] {
             let form = if multi { "multi" } else { "per-head" };
             let id = format!("{name}-{side}-{form}-1t-cpu");
@@ -574,37 +597,28 @@ fn bench_attention_gqa(c: &mut Criterion) {
                 b.iter_custom(|iters| {
                     let t = Clock::ThreadCpu.now();
                     for _ in 0..iters {
-                        let kp = (&ks[..], &kz[..]);
                         match (side, multi) {
                             ("k", true) => quant::dot_codes_groups_multi_with(
                                 kernel,
-                                &codes,
+                                &krun,
                                 &qh,
-                                hd,
-                                kp,
-                                (group, 0),
-                                bits,
                                 &mut fold,
                                 &mut scores,
                                 n,
                             ),
                             ("k", _) => quant::dot_codes_groups_with(
                                 kernel,
-                                &codes,
+                                &krun,
                                 &qh,
-                                hd,
-                                kp,
-                                (group, 0),
-                                bits,
                                 &mut fold,
                                 &mut scores,
                                 n,
                             ),
                             (_, true) => quant::axpy_codes_rows_multi_with(
-                                kernel, &codes, &vs, &vz, &probs, n, &mut acc, &mut bias, bits,
+                                kernel, &vrun, &probs, n, &mut acc, &mut bias,
                             ),
                             _ => quant::axpy_codes_rows_with(
-                                kernel, &codes, &vs, &vz, &probs, n, &mut acc, &mut bias, bits,
+                                kernel, &vrun, &probs, n, &mut acc, &mut bias,
                             ),
                         }
                         black_box((&scores, &acc));

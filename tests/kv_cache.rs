@@ -863,7 +863,9 @@ fn validate_rejects_bad_flags() {
 #[test]
 fn kivi_kernels_every_variant_match_scalar_twins() {
     use half::f16;
-    use tinygpt_cpu::quant::{axpy_codes_rows_with, dot_codes_groups_with, get, Bits, KvKernel};
+    use tinygpt_cpu::quant::{
+        axpy_codes_rows_with, dot_codes_groups_with, get, Bits, KRun, KvKernel, VRun,
+    };
     let kernels = KvKernel::supported();
     eprintln!(
         "KIVI kernels tested: {:?}",
@@ -922,12 +924,16 @@ fn kivi_kernels_every_variant_match_scalar_twins() {
                             let mut fold = vec![0.0f32; nq * hd];
                             dot_codes_groups_with(
                                 kernel,
-                                &codes,
+                                &KRun {
+                                    codes: &codes,
+                                    hd,
+                                    scale: &ks,
+                                    zero: &kz,
+                                    group: g,
+                                    offset,
+                                    bits,
+                                },
                                 &q,
-                                hd,
-                                (&ks, &kz),
-                                (g, offset),
-                                bits,
                                 &mut fold,
                                 &mut out,
                                 stride,
@@ -983,7 +989,17 @@ fn kivi_kernels_every_variant_match_scalar_twins() {
                             let mut acc = acc0.clone();
                             let mut vb = vec![0.5f32; nq];
                             axpy_codes_rows_with(
-                                kernel, &codes, &vs, &vz, &probs, stride, &mut acc, &mut vb, bits,
+                                kernel,
+                                &VRun {
+                                    codes: &codes,
+                                    scale: &vs,
+                                    zero: &vz,
+                                    bits,
+                                },
+                                &probs,
+                                stride,
+                                &mut acc,
+                                &mut vb,
                             );
                             for j in 0..nq {
                                 // Σ_r p_r (u_r s_r + z_r), the twin's terms (p·s)·u and p·z.

@@ -21,7 +21,7 @@ use rand_chacha::ChaCha8Rng;
 use tinygpt_cpu::quant::{
     axpy_codes_rows_multi_with, axpy_codes_rows_with, axpy_codes_scalar,
     dot_codes_groups_multi_with, dot_codes_groups_with, dot_codes_scalar, fold_channels_scalar,
-    get, Bits, KvKernel, MULTI_MAX,
+    get, Bits, KRun, KvKernel, VRun, MULTI_MAX,
 };
 
 const U: f64 = f32::EPSILON as f64 / 2.0;
@@ -104,18 +104,16 @@ fn check_keys(c: &Case, rng: &mut ChaCha8Rng) {
         } else {
             dot_codes_groups_with
         };
-        f(
-            c.kernel,
-            &codes,
-            q,
+        let run = KRun {
+            codes: &codes,
             hd,
-            (&ks, &kz),
-            (g, offset),
+            scale: &ks,
+            zero: &kz,
+            group: g,
+            offset,
             bits,
-            &mut fold,
-            &mut out,
-            stride,
-        );
+        };
+        f(c.kernel, &run, q, &mut fold, &mut out, stride);
         out
     };
     let multi = run(true, &q);
@@ -203,9 +201,13 @@ fn check_values(c: &Case, rng: &mut ChaCha8Rng) {
         } else {
             axpy_codes_rows_with
         };
-        f(
-            c.kernel, &codes, &vs, &vz, p, stride, &mut acc, &mut bias, bits,
-        );
+        let run = VRun {
+            codes: &codes,
+            scale: &vs,
+            zero: &vz,
+            bits,
+        };
+        f(c.kernel, &run, p, stride, &mut acc, &mut bias);
         (acc, bias)
     };
     let (acc, bias) = run(true, &probs, &acc0, &bias0);
@@ -338,31 +340,17 @@ fn long_run_gqa_shape_bit_for_bit() {
             let q: Vec<f32> = (0..nq * hd).map(|_| rng.gen_range(-2.0..2.0f32)).collect();
             let mut fold = vec![0.0f32; nq * hd];
             let (mut a, mut b) = (vec![0.0f32; nq * rows], vec![0.0f32; nq * rows]);
-            let k = (&ks[..], &kz[..]);
-            dot_codes_groups_multi_with(
-                kernel,
-                &codes,
-                &q,
+            let run = KRun {
+                codes: &codes,
                 hd,
-                k,
-                (g, offset),
+                scale: &ks,
+                zero: &kz,
+                group: g,
+                offset,
                 bits,
-                &mut fold,
-                &mut a,
-                rows,
-            );
-            dot_codes_groups_with(
-                kernel,
-                &codes,
-                &q,
-                hd,
-                k,
-                (g, offset),
-                bits,
-                &mut fold,
-                &mut b,
-                rows,
-            );
+            };
+            dot_codes_groups_multi_with(kernel, &run, &q, &mut fold, &mut a, rows);
+            dot_codes_groups_with(kernel, &run, &q, &mut fold, &mut b, rows);
             let ctx = format!("{} {bits:?} hd={hd} rows={rows} nq={nq}", kernel.name());
             assert!(bits_eq(&a, &b), "{ctx} long dot");
             let (vs, vz) = params(&mut rng, rows, "random");
@@ -371,8 +359,14 @@ fn long_run_gqa_shape_bit_for_bit() {
                 .collect();
             let (mut a, mut b) = (vec![0.0f32; nq * hd], vec![0.0f32; nq * hd]);
             let (mut ba, mut bb) = (vec![0.0f32; nq], vec![0.0f32; nq]);
-            axpy_codes_rows_multi_with(kernel, &codes, &vs, &vz, &p, rows, &mut a, &mut ba, bits);
-            axpy_codes_rows_with(kernel, &codes, &vs, &vz, &p, rows, &mut b, &mut bb, bits);
+            let run = VRun {
+                codes: &codes,
+                scale: &vs,
+                zero: &vz,
+                bits,
+            };
+            axpy_codes_rows_multi_with(kernel, &run, &p, rows, &mut a, &mut ba);
+            axpy_codes_rows_with(kernel, &run, &p, rows, &mut b, &mut bb);
             assert!(
                 bits_eq(&a, &b) && bits_eq(&ba, &bb),
                 "{} {bits:?} long axpy",

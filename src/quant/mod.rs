@@ -465,90 +465,93 @@ pub fn dot_codes_rows(
     by_shape!(bits, hd, dot_codes_rows_k(codes, qs, bias, out, stride))
 }
 
-/// Scores `out[j * stride + r] = q_j · k_r` of a run of KIVI K rows (`codes`: `(rows,
-/// packed(hd))`) against the `q.len() / hd` queries `q`, where run row `r` belongs to
-/// group `(offset + r) / group` whose per-channel parameters are `scale`/`zero`
-/// `[k·hd..(k + 1)·hd]` (stored f16). Per group the scales are folded into the queries
-/// once: `q·k = Σ_c (q_c s_c) u_c + Σ_c q_c z_c`. `fold` is `(queries, hd)` scratch.
+/// A run of KIVI K rows of one KV head, as the attention kernels read it: consecutive
+/// rows whose per-channel parameters come in groups of `group` rows.
+#[derive(Debug, Clone, Copy)]
+pub struct KRun<'a> {
+    /// The rows' codes, `(rows, bits.packed_len(hd))`.
+    pub codes: &'a [u8],
+    /// Codes per row (the head dim).
+    pub hd: usize,
+    /// Per-channel scales (stored f16) of the groups the run touches, `hd` per group: run
+    /// row `r` belongs to group `(offset + r) / group`, whose scales are
+    /// `scale[k·hd..(k + 1)·hd]`.
+    pub scale: &'a [f16],
+    /// Per-channel zeros, laid out as `scale`.
+    pub zero: &'a [f16],
+    /// Rows per K group.
+    pub group: usize,
+    /// The run's first row's position in its group (`< group`).
+    pub offset: usize,
+    pub bits: Bits,
+}
+
+/// A run of KIVI V rows of one KV head: per-row parameters (one `(scale, zero)` per row,
+/// stored f16); the head dim is the caller's accumulator width.
+#[derive(Debug, Clone, Copy)]
+pub struct VRun<'a> {
+    /// The rows' codes, `(rows, bits.packed_len(hd))`.
+    pub codes: &'a [u8],
+    /// One scale per row.
+    pub scale: &'a [f16],
+    /// One zero per row.
+    pub zero: &'a [f16],
+    pub bits: Bits,
+}
+
+/// Scores `out[j * stride + r] = q_j · k_r` of a run of KIVI K rows ([`KRun`]: run row
+/// `r` belongs to group `(offset + r) / group`, whose per-channel parameters are
+/// `scale`/`zero` `[k·hd..(k + 1)·hd]`) against the `q.len() / hd` queries `q`. Per group
+/// the scales are folded into the queries once: `q·k = Σ_c (q_c s_c) u_c + Σ_c q_c z_c`. `fold` is `(queries, hd)` scratch.
 /// A row's score does not depend on how many groups the run spans or where it starts.
-#[allow(clippy::too_many_arguments)]
 pub fn dot_codes_groups(
-    codes: &[u8],
+    run: &KRun<'_>,
     q: &[f32],
-    hd: usize,
-    (scale, zero): (&[f16], &[f16]),
-    (group, offset): (usize, usize),
-    bits: Bits,
     fold: &mut [f32],
     out: &mut [f32],
     stride: usize,
 ) {
-    dot_codes_groups_with(
-        kv_kernel(),
-        codes,
-        q,
-        hd,
-        (scale, zero),
-        (group, offset),
-        bits,
-        fold,
-        out,
-        stride,
-    )
+    dot_codes_groups_with(kv_kernel(), run, q, fold, out, stride)
 }
 
 /// [`dot_codes_groups`] with a chosen variant (tests run every supported one; an
 /// unsupported variant, or a head dim it does not take, runs the portable kernel).
-#[allow(clippy::too_many_arguments)]
 pub fn dot_codes_groups_with(
     kernel: KvKernel,
-    codes: &[u8],
+    run: &KRun<'_>,
     q: &[f32],
-    hd: usize,
-    (scale, zero): (&[f16], &[f16]),
-    (group, offset): (usize, usize),
-    bits: Bits,
     fold: &mut [f32],
     out: &mut [f32],
     stride: usize,
 ) {
+    let KRun {
+        codes,
+        hd,
+        scale,
+        zero,
+        group,
+        offset,
+        bits,
+    } = *run;
     let p = bits.packed_len(hd);
     let (nq, n) = (q.len() / hd, codes.len() / p);
     debug_assert_eq!(codes.len(), n * p);
     #[cfg(target_arch = "x86_64")]
     if kernel == KvKernel::Avx512 && avx512_takes(hd) {
         // SAFETY: AVX-512 F/BW/VL and F16C are available (checked by `avx512_takes`).
-        unsafe {
-            by_blocks!(
-                bits,
-                hd,
-                x86::dot_codes_groups(codes, q, scale, zero, group, offset, out, stride)
-            )
-        };
+        unsafe { by_blocks!(bits, hd, x86::dot_codes_groups(run, q, out, stride)) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if kernel == KvKernel::Avx2 && avx2_takes(hd) {
         // SAFETY: AVX2, FMA and F16C are available (checked by `avx2_takes`).
-        unsafe {
-            by_blocks!(
-                bits,
-                hd,
-                x86::avx2::dot_codes_groups(codes, q, scale, zero, group, offset, out, stride)
-            )
-        };
+        unsafe { by_blocks!(bits, hd, x86::avx2::dot_codes_groups(run, q, out, stride)) };
         return;
     }
     #[cfg(target_arch = "aarch64")]
     if kernel == KvKernel::Neon && neon_takes(hd) {
         // SAFETY: NEON is available (checked by `neon_takes`).
-        unsafe {
-            by_blocks!(
-                bits,
-                hd,
-                aarch64::dot_codes_groups(codes, q, scale, zero, group, offset, out, stride)
-            )
-        };
+        unsafe { by_blocks!(bits, hd, aarch64::dot_codes_groups(run, q, out, stride)) };
         return;
     }
     let _ = kernel;
@@ -658,50 +661,39 @@ fn dot_codes_rows_k<const W: u8, const HD: usize>(
     }
 }
 
-/// The probability-weighted sum of a run of V rows, each with its own `(scale, zero)`,
-/// for `nq = bias.len()` queries: with `p_jr = p[j * stride + r]`,
+/// The probability-weighted sum of a run of V rows ([`VRun`]: each row with its own
+/// `(scale, zero)`) for `nq = bias.len()` queries: with `p_jr = p[j * stride + r]`,
 /// `acc_j += Σ_r (p_jr s_r) u_r` and `bias[j] += Σ_r p_jr z_r`, so that
 /// `acc_j + bias[j]` (added by the caller at the end) is `Σ_r p_jr (u_r s_r + z_r)`.
-/// `codes`: `(rows, packed)`; `acc`: `(nq, head_dim)`.
-#[allow(clippy::too_many_arguments)]
+/// `acc`: `(nq, head_dim)`.
 pub fn axpy_codes_rows(
-    codes: &[u8],
-    scale: &[f16],
-    zero: &[f16],
+    run: &VRun<'_>,
     p: &[f32],
     stride: usize,
     acc: &mut [f32],
     bias: &mut [f32],
-    bits: Bits,
 ) {
-    axpy_codes_rows_with(kv_kernel(), codes, scale, zero, p, stride, acc, bias, bits)
+    axpy_codes_rows_with(kv_kernel(), run, p, stride, acc, bias)
 }
 
 /// [`axpy_codes_rows`] with a chosen variant (as [`dot_codes_rows_with`]).
-#[allow(clippy::too_many_arguments)]
 pub fn axpy_codes_rows_with(
     kernel: KvKernel,
-    codes: &[u8],
-    scale: &[f16],
-    zero: &[f16],
+    run: &VRun<'_>,
     p: &[f32],
     stride: usize,
     acc: &mut [f32],
     bias: &mut [f32],
-    bits: Bits,
 ) {
+    let VRun {
+        codes, scale, bits, ..
+    } = *run;
     let hd = acc.len() / bias.len();
     debug_assert_eq!(codes.len(), scale.len() * bits.packed_len(hd));
     #[cfg(target_arch = "x86_64")]
     if kernel == KvKernel::Avx512 && avx512_takes(hd) {
         // SAFETY: AVX-512 F/BW/VL and F16C are available (checked by `avx512_takes`).
-        unsafe {
-            by_blocks!(
-                bits,
-                hd,
-                x86::axpy_codes_rows(codes, scale, zero, p, stride, acc, bias)
-            )
-        };
+        unsafe { by_blocks!(bits, hd, x86::axpy_codes_rows(run, p, stride, acc, bias)) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -711,7 +703,7 @@ pub fn axpy_codes_rows_with(
             by_blocks!(
                 bits,
                 hd,
-                x86::avx2::axpy_codes_rows(codes, scale, zero, p, stride, acc, bias)
+                x86::avx2::axpy_codes_rows(run, p, stride, acc, bias)
             )
         };
         return;
@@ -723,28 +715,25 @@ pub fn axpy_codes_rows_with(
             by_blocks!(
                 bits,
                 hd,
-                aarch64::axpy_codes_rows(codes, scale, zero, p, stride, acc, bias)
+                aarch64::axpy_codes_rows(run, p, stride, acc, bias)
             )
         };
         return;
     }
     let _ = kernel;
-    by_shape!(
-        bits,
-        hd,
-        axpy_codes_rows_k(codes, scale, zero, p, stride, acc, bias)
-    )
+    by_shape!(bits, hd, axpy_codes_rows_k(run, p, stride, acc, bias))
 }
 
 fn axpy_codes_rows_k<const W: u8, const HD: usize>(
-    codes: &[u8],
-    scale: &[f16],
-    zero: &[f16],
+    run: &VRun<'_>,
     p: &[f32],
     stride: usize,
     acc: &mut [f32],
     bias: &mut [f32],
 ) {
+    let VRun {
+        codes, scale, zero, ..
+    } = *run;
     const CHUNK: usize = 64;
     const MAX_LANES: usize = 16;
     let hd = if HD != 0 { HD } else { acc.len() / bias.len() };
@@ -844,19 +833,15 @@ fn dequantize_channels_k<const W: u8>(codes: &[u8], scale: &[f32], zero: &[f32],
 // accumulator per head with that head's probability). Per head the arithmetic and its
 // order are exactly those of the single-query kernel of the same variant, so every head's
 // result equals `dot_codes_groups_with` / `axpy_codes_rows_with` bit for bit
-// (`tests/kv_gqa.rs`). Heads are taken `MULTI_MAX` at a time; a variant without a
-// multi-query form runs its single-query kernel (which loops over the heads).
+// (`tests/kv_gqa.rs`). Heads are taken `MULTI_MAX` at a time. Every variant has a
+// multi-query form (AVX-512, AVX2 and NEON for the head dims their single-query kernels
+// take, the portable one for the rest; an unsupported variant runs the portable one, as
+// in the single-query dispatch).
 // ---------------------------------------------------------------------------------------
 
 /// The most query heads one multi-query kernel call serves (more are split into calls of
 /// at most this many; group sizes of common GQA models are 1 to 8).
 pub const MULTI_MAX: usize = 8;
-
-/// Whether `kernel` has a multi-query form here (an unsupported variant runs the
-/// portable kernel, as in the single-query dispatch).
-fn multi_takes(kernel: KvKernel) -> bool {
-    matches!(kernel, KvKernel::Portable | KvKernel::Avx512) || !kernel.is_supported()
-}
 
 /// Calls `$f::<W, HD, G>(args)` with `G` the run-time group size `$g` (2 ..= 8).
 macro_rules! by_group {
@@ -877,85 +862,64 @@ macro_rules! by_group {
 /// [`dot_codes_groups`] with every code unpacked once for all `q.len() / hd` queries
 /// (the heads of one KV head under grouped-query attention). Each query's scores equal
 /// [`dot_codes_groups`]'s bit for bit.
-#[allow(clippy::too_many_arguments)]
 pub fn dot_codes_groups_multi(
-    codes: &[u8],
+    run: &KRun<'_>,
     q: &[f32],
-    hd: usize,
-    (scale, zero): (&[f16], &[f16]),
-    (group, offset): (usize, usize),
-    bits: Bits,
     fold: &mut [f32],
     out: &mut [f32],
     stride: usize,
 ) {
-    dot_codes_groups_multi_with(
-        kv_kernel(),
-        codes,
-        q,
-        hd,
-        (scale, zero),
-        (group, offset),
-        bits,
-        fold,
-        out,
-        stride,
-    )
+    dot_codes_groups_multi_with(kv_kernel(), run, q, fold, out, stride)
 }
 
 /// [`dot_codes_groups_multi`] with a chosen variant; each query's scores equal
 /// [`dot_codes_groups_with`]'s for the same variant bit for bit.
-#[allow(clippy::too_many_arguments)]
 pub fn dot_codes_groups_multi_with(
     kernel: KvKernel,
-    codes: &[u8],
+    run: &KRun<'_>,
     q: &[f32],
-    hd: usize,
-    (scale, zero): (&[f16], &[f16]),
-    (group, offset): (usize, usize),
-    bits: Bits,
     fold: &mut [f32],
     out: &mut [f32],
     stride: usize,
 ) {
+    let KRun {
+        codes,
+        hd,
+        scale,
+        zero,
+        group,
+        offset,
+        bits,
+    } = *run;
     let nq = q.len() / hd;
     let p = bits.packed_len(hd);
     let n = codes.len() / p;
     let mut j0 = 0;
     while j0 < nq {
-        let g = if multi_takes(kernel) {
-            (nq - j0).min(MULTI_MAX)
-        } else {
-            nq
-        };
+        let g = (nq - j0).min(MULTI_MAX);
         let q = &q[j0 * hd..(j0 + g) * hd];
         let out = &mut out[j0 * stride..];
         j0 += g;
-        if g == 1 || !multi_takes(kernel) {
-            dot_codes_groups_with(
-                kernel,
-                codes,
-                q,
-                hd,
-                (scale, zero),
-                (group, offset),
-                bits,
-                fold,
-                out,
-                stride,
-            );
+        if g == 1 {
+            dot_codes_groups_with(kernel, run, q, fold, out, stride);
             continue;
         }
         #[cfg(target_arch = "x86_64")]
         if kernel == KvKernel::Avx512 && avx512_takes(hd) {
             // SAFETY: AVX-512 F/BW/VL and F16C are available (checked by `avx512_takes`).
-            unsafe {
-                by_blocks!(
-                    bits,
-                    hd,
-                    dot_multi_avx512(g, codes, q, scale, zero, group, offset, out, stride)
-                )
-            };
+            unsafe { by_blocks!(bits, hd, dot_multi_avx512(g, run, q, out, stride)) };
+            continue;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if kernel == KvKernel::Avx2 && avx2_takes(hd) {
+            // SAFETY: AVX2, FMA and F16C are available (checked by `avx2_takes`).
+            unsafe { by_blocks!(bits, hd, dot_multi_avx2(g, run, q, out, stride)) };
+            continue;
+        }
+        #[cfg(target_arch = "aarch64")]
+        if kernel == KvKernel::Neon && neon_takes(hd) {
+            // SAFETY: NEON is available (checked by `neon_takes`).
+            unsafe { by_blocks!(bits, hd, dot_multi_neon(g, run, q, out, stride)) };
             continue;
         }
         // Portable: per group, every head's fold (as `dot_codes_groups_with`), then the
@@ -979,32 +943,28 @@ pub fn dot_codes_groups_multi_with(
     }
 }
 
-/// [`x86::dot_codes_groups_multi`] for `g` (2 ..= 8) heads.
-///
-/// # Safety
-/// As [`x86::dot_codes_groups_multi`].
-#[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn dot_multi_avx512<const W: u8, const HD: usize>(
-    g: usize,
-    codes: &[u8],
-    q: &[f32],
-    scale: &[f16],
-    zero: &[f16],
-    group: usize,
-    offset: usize,
-    out: &mut [f32],
-    stride: usize,
-) {
-    // SAFETY: the caller checked the CPU features; lengths are asserted inside.
-    unsafe {
-        by_group!(
-            g,
-            x86::dot_codes_groups_multi < W,
-            HD > (codes, q, scale, zero, group, offset, out, stride)
-        )
-    }
+/// Defines `$name::<W, HD>(g, args)`: the multi-query kernel `$f::<W, HD, G>(args)` for
+/// `G = g` (2 ..= 8) heads.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! multi_by_group {
+    ($arch:literal, $name:ident, $($f:ident)::+, ($($a:ident: $t:ty),*)) => {
+        #[doc = concat!("`", stringify!($($f)::+), "` for `g` (2 ..= 8) heads.")]
+        ///
+        /// # Safety
+        /// As the kernel's: the CPU features it needs are available.
+        #[cfg(target_arch = $arch)]
+        unsafe fn $name<const W: u8, const HD: usize>(g: usize, $($a: $t),*) {
+            // SAFETY: the caller checked the CPU features; lengths are asserted inside.
+            unsafe { by_group!(g, $($f)::+ <W, HD> ($($a),*)) }
+        }
+    };
 }
+multi_by_group!("x86_64", dot_multi_avx512, x86::dot_codes_groups_multi, (run: &KRun<'_>, q: &[f32], out: &mut [f32], stride: usize));
+multi_by_group!("x86_64", dot_multi_avx2, x86::avx2::dot_codes_groups_multi, (run: &KRun<'_>, q: &[f32], out: &mut [f32], stride: usize));
+multi_by_group!("aarch64", dot_multi_neon, aarch64::dot_codes_groups_multi, (run: &KRun<'_>, q: &[f32], out: &mut [f32], stride: usize));
+multi_by_group!("x86_64", axpy_multi_avx512, x86::axpy_codes_rows_multi, (run: &VRun<'_>, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]));
+multi_by_group!("x86_64", axpy_multi_avx2, x86::avx2::axpy_codes_rows_multi, (run: &VRun<'_>, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]));
+multi_by_group!("aarch64", axpy_multi_neon, aarch64::axpy_codes_rows_multi, (run: &VRun<'_>, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]));
 
 /// [`dot_codes_rows_multi_k`] for `g` (2 ..= 8) heads.
 fn dot_rows_multi<const W: u8, const HD: usize>(
@@ -1113,34 +1073,27 @@ fn dot_lanes_f<const HD: usize>(u: &[f32], w: &[f32]) -> (f32x8, f32) {
 
 /// [`axpy_codes_rows`] with every code unpacked once for all `bias.len()` queries. Each
 /// query's accumulator and bias equal [`axpy_codes_rows`]'s bit for bit.
-#[allow(clippy::too_many_arguments)]
 pub fn axpy_codes_rows_multi(
-    codes: &[u8],
-    scale: &[f16],
-    zero: &[f16],
+    run: &VRun<'_>,
     p: &[f32],
     stride: usize,
     acc: &mut [f32],
     bias: &mut [f32],
-    bits: Bits,
 ) {
-    axpy_codes_rows_multi_with(kv_kernel(), codes, scale, zero, p, stride, acc, bias, bits)
+    axpy_codes_rows_multi_with(kv_kernel(), run, p, stride, acc, bias)
 }
 
 /// [`axpy_codes_rows_multi`] with a chosen variant; each query's result equals
 /// [`axpy_codes_rows_with`]'s for the same variant bit for bit.
-#[allow(clippy::too_many_arguments)]
 pub fn axpy_codes_rows_multi_with(
     kernel: KvKernel,
-    codes: &[u8],
-    scale: &[f16],
-    zero: &[f16],
+    run: &VRun<'_>,
     p: &[f32],
     stride: usize,
     acc: &mut [f32],
     bias: &mut [f32],
-    bits: Bits,
 ) {
+    let bits = run.bits;
     let nq = bias.len();
     if nq == 0 {
         return;
@@ -1148,72 +1101,41 @@ pub fn axpy_codes_rows_multi_with(
     let hd = acc.len() / nq;
     let mut j0 = 0;
     while j0 < nq {
-        let g = if multi_takes(kernel) {
-            (nq - j0).min(MULTI_MAX)
-        } else {
-            nq
-        };
+        let g = (nq - j0).min(MULTI_MAX);
         let p = &p[j0 * stride..];
         let acc = &mut acc[j0 * hd..(j0 + g) * hd];
         let bias = &mut bias[j0..j0 + g];
         j0 += g;
-        if g == 1 || !multi_takes(kernel) {
-            axpy_codes_rows_with(kernel, codes, scale, zero, p, stride, acc, bias, bits);
+        if g == 1 {
+            axpy_codes_rows_with(kernel, run, p, stride, acc, bias);
             continue;
         }
         #[cfg(target_arch = "x86_64")]
         if kernel == KvKernel::Avx512 && avx512_takes(hd) {
             // SAFETY: AVX-512 F/BW/VL and F16C are available (checked by `avx512_takes`).
-            unsafe {
-                by_blocks!(
-                    bits,
-                    hd,
-                    axpy_multi_avx512(g, codes, scale, zero, p, stride, acc, bias)
-                )
-            };
+            unsafe { by_blocks!(bits, hd, axpy_multi_avx512(g, run, p, stride, acc, bias)) };
             continue;
         }
-        by_shape!(
-            bits,
-            hd,
-            axpy_rows_multi(g, codes, scale, zero, p, stride, acc, bias)
-        );
-    }
-}
-
-/// [`x86::axpy_codes_rows_multi`] for `g` (2 ..= 8) heads.
-///
-/// # Safety
-/// As [`x86::axpy_codes_rows_multi`].
-#[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn axpy_multi_avx512<const W: u8, const HD: usize>(
-    g: usize,
-    codes: &[u8],
-    scale: &[f16],
-    zero: &[f16],
-    p: &[f32],
-    stride: usize,
-    acc: &mut [f32],
-    bias: &mut [f32],
-) {
-    // SAFETY: the caller checked the CPU features; lengths are asserted inside.
-    unsafe {
-        by_group!(
-            g,
-            x86::axpy_codes_rows_multi < W,
-            HD > (codes, scale, zero, p, stride, acc, bias)
-        )
+        #[cfg(target_arch = "x86_64")]
+        if kernel == KvKernel::Avx2 && avx2_takes(hd) {
+            // SAFETY: AVX2, FMA and F16C are available (checked by `avx2_takes`).
+            unsafe { by_blocks!(bits, hd, axpy_multi_avx2(g, run, p, stride, acc, bias)) };
+            continue;
+        }
+        #[cfg(target_arch = "aarch64")]
+        if kernel == KvKernel::Neon && neon_takes(hd) {
+            // SAFETY: NEON is available (checked by `neon_takes`).
+            unsafe { by_blocks!(bits, hd, axpy_multi_neon(g, run, p, stride, acc, bias)) };
+            continue;
+        }
+        by_shape!(bits, hd, axpy_rows_multi(g, run, p, stride, acc, bias));
     }
 }
 
 /// [`axpy_codes_rows_multi_k`] for `g` (2 ..= 8) heads.
-#[allow(clippy::too_many_arguments)]
 fn axpy_rows_multi<const W: u8, const HD: usize>(
     g: usize,
-    codes: &[u8],
-    scale: &[f16],
-    zero: &[f16],
+    run: &VRun<'_>,
     p: &[f32],
     stride: usize,
     acc: &mut [f32],
@@ -1222,7 +1144,7 @@ fn axpy_rows_multi<const W: u8, const HD: usize>(
     by_group!(
         g,
         axpy_codes_rows_multi_k < W,
-        HD > (codes, scale, zero, p, stride, acc, bias)
+        HD > (run, p, stride, acc, bias)
     )
 }
 
@@ -1230,16 +1152,16 @@ fn axpy_rows_multi<const W: u8, const HD: usize>(
 /// of them (its register form; head dims without one run the single-query kernel head by
 /// head). Head `j` gets exactly `axpy_codes_rows_k`'s operations, including skipping rows
 /// whose weight is zero.
-#[allow(clippy::too_many_arguments)]
 fn axpy_codes_rows_multi_k<const W: u8, const HD: usize, const G: usize>(
-    codes: &[u8],
-    scale: &[f16],
-    zero: &[f16],
+    run: &VRun<'_>,
     p: &[f32],
     stride: usize,
     acc: &mut [f32],
     bias: &mut [f32],
 ) {
+    let VRun {
+        codes, scale, zero, ..
+    } = *run;
     const CHUNK: usize = 64;
     const MAX_LANES: usize = 16;
     let hd = if HD != 0 { HD } else { acc.len() / G };
@@ -1251,7 +1173,7 @@ fn axpy_codes_rows_multi_k<const W: u8, const HD: usize, const G: usize>(
             .zip(bias.chunks_exact_mut(1))
             .enumerate()
         {
-            axpy_codes_rows_k::<W, HD>(codes, scale, zero, &p[j * stride..], stride, a, b);
+            axpy_codes_rows_k::<W, HD>(run, &p[j * stride..], stride, a, b);
         }
         return;
     }
@@ -1616,7 +1538,18 @@ mod tests {
                             .collect();
                         let mut acc = vec![0.0f32; nq * hd];
                         let mut vb = vec![0.0f32; nq];
-                        axpy_codes_rows(&codes, &vs, &vz, &probs, stride, &mut acc, &mut vb, bits);
+                        axpy_codes_rows(
+                            &VRun {
+                                codes: &codes,
+                                scale: &vs,
+                                zero: &vz,
+                                bits,
+                            },
+                            &probs,
+                            stride,
+                            &mut acc,
+                            &mut vb,
+                        );
                         for j in 0..nq {
                             let mut want = vec![0.0f64; hd];
                             let mut mag = vec![0.0f64; hd];

@@ -355,12 +355,16 @@ impl KeyRun for ChannelRun<'_> {
     /// depend on how many groups the run spans, nor on how many queries share the call.
     fn dot_rows(&self, qs: &[f32], fold: &mut [f32], out: &mut [f32], stride: usize) {
         quant::dot_codes_groups_multi(
-            self.codes,
+            &quant::KRun {
+                codes: self.codes,
+                hd: self.hd,
+                scale: self.scale,
+                zero: self.zero,
+                group: self.group,
+                offset: self.offset,
+                bits: self.bits,
+            },
             qs,
-            self.hd,
-            (self.scale, self.zero),
-            (self.group, self.offset),
-            self.bits,
             fold,
             out,
             stride,

@@ -156,7 +156,16 @@ impl ValueRun for TokenRun<'_> {
         debug_assert_eq!(acc.len(), bias.len() * self.hd);
         debug_assert_eq!(self.codes.len(), self.len() * self.packed);
         quant::axpy_codes_rows_multi(
-            self.codes, self.scale, self.zero, p, stride, acc, bias, self.bits,
+            &quant::VRun {
+                codes: self.codes,
+                scale: self.scale,
+                zero: self.zero,
+                bits: self.bits,
+            },
+            p,
+            stride,
+            acc,
+            bias,
         );
     }
 }
