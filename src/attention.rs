@@ -96,9 +96,14 @@ impl RopeTable {
         };
         let (cos, sin) = cs.split_at_mut(half);
         self.cos_sin(pos, cos, sin);
-        for head in x.chunks_exact_mut(2 * half) {
-            rotate(head, cos, sin);
-        }
+        rotate_each_head(x, cos, sin);
+    }
+}
+
+/// Rotates every head of a concatenated `(heads, 2 · cos.len())` vector by `cos`/`sin`.
+fn rotate_each_head(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for head in x.chunks_exact_mut(2 * cos.len()) {
+        rotate(head, cos, sin);
     }
 }
 
@@ -397,9 +402,7 @@ impl Angles {
             self.pos = pos;
         }
         let (cos, sin) = self.cs.split_at(half);
-        for head in x.chunks_exact_mut(2 * half) {
-            rotate(head, cos, sin);
-        }
+        rotate_each_head(x, cos, sin);
     }
 }
 
@@ -647,7 +650,7 @@ pub fn attend_heads<P: EvictionPolicy + Clone>(
 
 /// How stored keys are rotated at read time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rotation {
+enum Rotation {
     /// Keys are stored after RoPE.
     None,
     /// `cache` positions mode: by logical slot.

@@ -368,7 +368,7 @@ impl Model {
     }
 
     /// [`forward`](Self::forward) on the calling thread and its pool's fork/joins.
-    pub fn forward_serial(&self, s: &mut Session, token: u32, pos: usize) -> Result<()> {
+    fn forward_serial(&self, s: &mut Session, token: u32, pos: usize) -> Result<()> {
         let c = &self.cfg;
         self.check_token(token)?;
         self.embed.row_f32(token as usize, &mut s.x);
