@@ -20,17 +20,23 @@ tinygpt-cpu fp16/int8/int4. A separate row per thread count times the prefill of
     token (the first comes from the prefill logits, as for llama.cpp).
 
 Before each row the script waits (up to --idle-timeout seconds) for the 1-minute load
-average to fall to --idle-load, and prints the load it saw. Each row is run `--repeats`
-times, alternating the two engines, and the best run of each is kept. `match` is how many
-of the greedy tokens agree (a sanity check that both run the same model on the same
-prompt; quantised caches may legitimately diverge after a while).
+average to fall to --idle-load, and prints the load it saw. Each row runs `--repeats`
+(default 3) alternating rounds: llama.cpp, then ours, then llama.cpp again, ... so host
+drift hits both engines alike. A row reports each engine's median with its spread
+(min–max over the rounds) and the ratio of the medians. For the f16 cache llama.cpp runs
+with flash attention off and on in every round and its faster median counts (its best
+setting); a quantised V cache needs flash attention on. `--background-load N` keeps N
+CPU-bound processes (a busy loop each) running during every row, for both engines alike,
+as a browser tab or a build would. `match` is how many of the greedy tokens agree (a
+sanity check that both run the same model on the same prompt; quantised caches may
+legitimately diverge after a while).
 
 Usage:
     python3 -m venv /root/benchenv
     CMAKE_ARGS="-DGGML_NATIVE=ON" /root/benchenv/bin/pip install -r benches/requirements-llamacpp.txt
     cargo build --release
     /root/benchenv/bin/python benches/llamacpp_compare.py [--threads 1,2] \
-        [--contexts 128,1024,4096] [--repeats 2] [--json rows.json]
+        [--contexts 128,1024,4096] [--repeats 3] [--background-load 1] [--json rows.json]
 
 On Intel hosts with AMX, a `-DGGML_NATIVE=ON` build can fault in ggml's AMX path inside a
 VM; build with GGML_NATIVE=OFF and the AVX/AVX2/AVX-512 flags listed in
@@ -43,8 +49,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import multiprocessing
 import os
+import statistics
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -119,12 +128,15 @@ class Tokens:
         return text[: text.rfind(" ", 0, lo)]
 
 
-def run_ours(binary: str, model: str, prompt: str, tokens: int, threads: int, kv: str) -> dict:
+def run_ours(binary: str, model: str, prompt: str, tokens: int, threads: int, kv: str,
+             extra: list | None = None) -> dict:
     cmd = [
         binary, "sample", model, "--prompt", prompt, "--tokens", str(tokens),
-        "--temperature", "0", "--ignore-eos", "--json", "--threads", str(threads),
-        "--kv-quantize", kv,
+        "--temperature", "0", "--ignore-eos", "--json", "--kv-quantize", kv,
     ]
+    if threads > 0:  # 0: let tinygpt-cpu choose (its default)
+        cmd += ["--threads", str(threads)]
+    cmd += extra or []
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:3])} ... failed:\n{out.stderr.strip()}")
@@ -168,7 +180,7 @@ class LlamaC:
         return list(arr[:n])
 
     def run(self, path: str, toks: list, ctx: int, decode: int, threads: int,
-            kv_type: int) -> dict:
+            kv_type: int, flash: bool = True) -> dict:
         L = self.L
         cp = L.llama_context_default_params()
         cp.n_ctx = ctx
@@ -178,7 +190,8 @@ class LlamaC:
         cp.n_threads_batch = threads
         cp.type_k = kv_type
         cp.type_v = kv_type
-        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED  # needed for a quantised V cache
+        cp.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash
+                              else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         lctx = L.llama_init_from_model(self.model(path), cp)
         if not lctx:
             raise RuntimeError("llama_init_from_model failed")
@@ -232,8 +245,46 @@ def prefix_match(a: list, b: list) -> int:
     return n
 
 
-def best_of(runs: list, key) -> dict:
-    return max(runs, key=key)
+def _spin(parent: int) -> None:
+    # Busy until the parent goes away (even if it is killed before it can stop us).
+    while os.getppid() == parent:
+        for _ in range(200_000):
+            pass
+
+
+class BackgroundLoad:
+    """`n` CPU-bound processes for the duration of a `with` block (none when n is 0)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.procs = []
+
+    def __enter__(self):
+        ctx = multiprocessing.get_context("fork")
+        for _ in range(self.n):
+            p = ctx.Process(target=_spin, args=(os.getpid(),), daemon=True)
+            p.start()
+            self.procs.append(p)
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.join()
+        self.procs = []
+
+
+def summary(values: list) -> dict:
+    """Median and spread of one engine's tok/s over the rounds of a row."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": values}
+
+
+def fmt(s: dict | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s['median']:.1f} ({s['min']:.0f}-{s['max']:.0f})"
 
 
 def main() -> int:
@@ -247,7 +298,12 @@ def main() -> int:
     ap.add_argument("--kv", default="f16,q8_0,q4_0", help="llama.cpp KV types")
     ap.add_argument("--prefill", type=int, default=256,
                     help="prompt tokens of the prefill rows (0: no prefill rows)")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="alternating rounds per row (medians of at least 3 are quoted)")
+    ap.add_argument("--background-load", type=int, default=0, metavar="N",
+                    help="run N CPU-bound busy-loop processes during every row")
+    ap.add_argument("--ours-args", default="",
+                    help="extra arguments for tinygpt-cpu sample, e.g. '--kv-rotation none'")
     ap.add_argument("--idle-load", type=float, default=0.5,
                     help="wait for the 1-minute load average to fall to this before a row")
     ap.add_argument("--idle-timeout", type=float, default=120.0,
@@ -255,6 +311,8 @@ def main() -> int:
     ap.add_argument("--ours-only", action="store_true")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
+    # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the background load is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     llama, llama_version, llama_error = None, None, None
     if not args.ours_only:
@@ -283,7 +341,8 @@ def main() -> int:
         llama_state = llama_version or f"not available ({llama_error})"
     omp = os.environ.get("OMP_WAIT_POLICY")
     print(f"# llama-cpp-python: {llama_state} (C API: llama_decode + greedy llama_sampler)"
-          f"  decode: {args.decode} tokens  best of {args.repeats}"
+          f"  decode: {args.decode} tokens  median of {args.repeats} alternating rounds"
+          f"  background load: {args.background_load} busy process(es)"
           f"  OMP_WAIT_POLICY={omp or '(unset: OpenMP default)'}", flush=True)
     if omp:
         print("# warning: OMP_WAIT_POLICY is set; llama.cpp's default is to leave it unset",
@@ -293,8 +352,8 @@ def main() -> int:
     text = source_text()
     rows = []
     header = (f"{'threads':>7} {'context':>7} {'prompt':>6} {'kv (llama.cpp/ours)':>20} "
-              f"{'llama.cpp tok/s':>15} {'ours tok/s':>10} {'ratio':>6} {'match':>6} "
-              f"{'prefill l/o tok/s':>19} {'load':>5}")
+              f"{'llama.cpp tok/s (spread)':>25} {'ours tok/s (spread)':>22} {'ratio':>6} "
+              f"{'match':>6} {'fa':>3} {'load':>5}")
     print(header, flush=True)
     prompts = {ctx: tok.prompt_of(ctx - args.decode, text) for ctx in contexts}
     if args.prefill:
@@ -302,55 +361,70 @@ def main() -> int:
     jobs = [(t, c, k) for t in threads_list for c in contexts for k in kvs]
     if args.prefill:
         jobs += [(t, "prefill", "f16") for t in threads_list]
+    extra = args.ours_args.split()
     for threads, ctx, k in jobs:
         prompt = prompts[ctx]
         is_prefill = ctx == "prefill"
         decode = 1 if is_prefill else args.decode
         n_ctx = args.prefill + 64 if is_prefill else ctx
         kv_type, ours_kv = KV_TYPES[k]
-        load = wait_idle(args.idle_load, args.idle_timeout)
-        runs_l, runs_o = [], []
-        toks = llama.tokenize(model, prompt) if llama is not None else None
-        for _ in range(args.repeats):
-            if llama is not None:
-                runs_l.append(llama.run(model, toks, n_ctx, decode, threads, kv_type))
-            runs_o.append(run_ours(args.binary, model, prompt, decode + 1, threads, ours_kv))
         metric = "prefill_tok_s" if is_prefill else "decode_tok_s"
-        best_o = best_of(runs_o, lambda r: r["timing"][metric])
-        best_l = best_of(runs_l, lambda r: r[metric]) if runs_l else None
-        ours = best_o["timing"][metric]
+        # llama.cpp's best flash-attention setting: both for f16, on for a quantised V.
+        fa_settings = [False, True] if k == "f16" else [True]
+        load = wait_idle(args.idle_load, args.idle_timeout)
+        runs_l = {fa: [] for fa in fa_settings}
+        runs_o = []
+        toks = llama.tokenize(model, prompt) if llama is not None else None
+        # llama.cpp threads: the count asked for (0 means all cores, as ours).
+        l_threads = threads or (os.cpu_count() or 1)
+        with BackgroundLoad(args.background_load):
+            for _ in range(args.repeats):
+                if llama is not None:
+                    for fa in fa_settings:
+                        runs_l[fa].append(
+                            llama.run(model, toks, n_ctx, decode, l_threads, kv_type, fa))
+                runs_o.append(run_ours(args.binary, model, prompt, decode + 1, threads,
+                                       ours_kv, extra))
+        s_o = summary([r["timing"][metric] for r in runs_o])
+        s_l, best_fa, l_runs = None, None, None
+        if llama is not None:
+            by_fa = {fa: summary([r[metric] for r in rs]) for fa, rs in runs_l.items()}
+            best_fa = max(by_fa, key=lambda fa: by_fa[fa]["median"])
+            s_l, l_runs = by_fa[best_fa], runs_l[best_fa]
         row = {
             "kind": "prefill" if is_prefill else "decode",
             "context": n_ctx,
-            "prompt_tokens_ours": len(best_o["prompt_ids"]),
+            "prompt_tokens_ours": len(runs_o[0]["prompt_ids"]),
             "kv_llama": k,
             "kv_ours": ours_kv,
-            "ours_decode_tok_s": best_o["timing"]["decode_tok_s"],
-            "ours_prefill_tok_s": best_o["timing"]["prefill_tok_s"],
+            "ours": s_o,
             "threads": threads,
+            "background_load": args.background_load,
             "load_avg_1min_before": load,
             "load_avg_1min_after": os.getloadavg()[0],
         }
-        if best_l is not None:
+        if s_l is not None:
             row.update({
-                "prompt_tokens_llama": best_l["prompt_tokens"],
-                "llama_decode_tok_s": best_l["decode_tok_s"],
-                "llama_prefill_tok_s": best_l["prefill_tok_s"],
-                "ratio": ours / best_l[metric],
-                "match": prefix_match(best_l["generated_ids"], best_o["generated_ids"]),
+                "prompt_tokens_llama": l_runs[0]["prompt_tokens"],
+                "llama": s_l,
+                "llama_flash_attn": best_fa,
+                "ratio": s_o["median"] / s_l["median"],
+                "match": prefix_match(l_runs[0]["generated_ids"], runs_o[0]["generated_ids"]),
             })
         rows.append(row)
-        lt = f"{best_l[metric]:.1f}" if best_l else "-"
-        ratio = f"{row['ratio']:.2f}" if best_l else "-"
-        match = f"{row['match']}/{decode + 1}" if best_l else "-"
-        lp = f"{row['llama_prefill_tok_s']:.0f}" if best_l else "-"
+        ratio = f"{row['ratio']:.2f}" if s_l else "-"
+        match = f"{row['match']}/{decode + 1}" if s_l else "-"
+        fa = "-" if s_l is None else ("on" if best_fa else "off")
         label = "prefill" if is_prefill else str(ctx)
         print(f"{threads:>7} {label:>7} {row['prompt_tokens_ours']:>6} {k + '/' + ours_kv:>20} "
-              f"{lt:>15} {ours:>10.1f} {ratio:>6} {match:>6} "
-              f"{lp + '/' + format(row['ours_prefill_tok_s'], '.0f'):>19} "
+              f"{fmt(s_l):>25} {fmt(s_o):>22} {ratio:>6} {match:>6} {fa:>3} "
               f"{load:>5.1f}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
+            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+            "repeats": args.repeats, "background_load": args.background_load,
+            "rows": rows}, indent=1))
     return 0
 
 
