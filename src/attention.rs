@@ -45,7 +45,8 @@
 //! keys are bit-identical to the reference's.
 
 use crate::config::Config;
-use crate::kv_cache::{EvictionPolicy, KvConfig, LayerKv, PositionsMode};
+use crate::kv_cache::{EvictionPolicy, KvConfig, KvRotation, LayerKv, PositionsMode};
+use crate::ops::hadamard;
 use crate::ops::simd::{load8, reduce8, store8};
 use rayon::prelude::*;
 use wide::f32x8;
@@ -363,6 +364,8 @@ pub struct StepTables {
     q: Vec<f32>,
     /// (n_kv_heads, head_dim) key as appended
     k: Vec<f32>,
+    /// (n_kv_heads, head_dim) value as appended, when the cache rotates it
+    v: Vec<f32>,
     /// (stored) Mistral sliding-window visibility; empty without a sliding window
     visible: Vec<bool>,
     /// (slots, head_dim / 2) cos/sin per cache slot, for `cache` positions mode
@@ -413,6 +416,7 @@ impl AttnScratch {
             tables: StepTables {
                 q: vec![0.0; cfg.q_dim()],
                 k: vec![0.0; cfg.kv_dim()],
+                v: vec![0.0; cfg.kv_dim()],
                 visible: Vec::new(),
                 slot_cos: Vec::new(),
                 slot_sin: Vec::new(),
@@ -550,6 +554,14 @@ pub fn append_kv<P: EvictionPolicy + Clone>(
     if !layer.config().keys_pre_rope() {
         scratch.angles.rotate_heads(rope, &mut scratch.k, pos);
     }
+    if layer.config().rotation == KvRotation::Hadamard {
+        // Stored as H·k (after RoPE unless keys are kept before it) and H·v.
+        hadamard::rotate_heads(&mut scratch.k, cfg.head_dim);
+        scratch.v.copy_from_slice(v);
+        hadamard::rotate_heads(&mut scratch.v, cfg.head_dim);
+        layer.append(&scratch.k, &scratch.v, pos);
+        return;
+    }
     layer.append(&scratch.k, v, pos);
 }
 
@@ -636,6 +648,7 @@ pub fn attend_heads<P: EvictionPolicy + Clone>(
             Rotation::ById => Some((&tables.id_cos[..], &tables.id_sin[..], true)),
         },
     };
+    let rotated = layer.config().rotation == KvRotation::Hadamard;
     for (i, (hs, oh)) in heads.iter_mut().zip(out.chunks_mut(group * hd)).enumerate() {
         let h = h0 + i;
         attend_head(
@@ -645,6 +658,10 @@ pub fn attend_heads<P: EvictionPolicy + Clone>(
             hs,
             oh,
         );
+        if rotated {
+            // Values were stored as H·v: Σ p_i H·v_i = H·o, and H·H = I.
+            hadamard::rotate_heads(oh, hd);
+        }
     }
 }
 
@@ -678,6 +695,10 @@ pub fn prepare_step<P: EvictionPolicy + Clone>(
         PositionsMode::Cache => n - 1,
     };
     scratch.angles.rotate_heads(rope, &mut scratch.q, q_pos);
+    if layer.config().rotation == KvRotation::Hadamard && !layer.config().keys_pre_rope() {
+        // (H·q)·(H·k) = q·k: the query meets the stored keys in the rotated basis.
+        hadamard::rotate_heads(&mut scratch.q, cfg.head_dim);
+    }
     scratch.rot = if mode == PositionsMode::Cache {
         scratch.ensure_slots(rope, n);
         Rotation::BySlot
@@ -752,6 +773,7 @@ fn score_head<P: EvictionPolicy + Clone>(
     hs: &mut HeadScratch,
 ) {
     let (hd, n, half) = (step.hd, step.n, step.half);
+    let unrotate = step.layer.config().rotation == KvRotation::Hadamard;
     let HeadScratch {
         probs,
         fold,
@@ -769,6 +791,10 @@ fn score_head<P: EvictionPolicy + Clone>(
         let base = if by_id { run.id } else { run.first };
         let fused = half.is_multiple_of(8);
         run.rows.for_each_block(block, params, &mut |r0, rows| {
+            if unrotate {
+                // Pre-RoPE keys stored as H·k: back to k (H·H = I) before RoPE.
+                hadamard::rotate_heads(rows, hd);
+            }
             let (c, s) = (&c[(base + r0) * half..], &s[(base + r0) * half..]);
             if fused {
                 rotate_dot_block(qh, rows, hd, (c, s), &mut out[r0..], n);

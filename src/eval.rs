@@ -268,14 +268,14 @@ pub fn read_text_for(path: &std::path::Path, flag: &str) -> Result<String> {
 
 /// Applies a quantisation mode name to `kv`: a precision (`fp32`, `fp16`, `bf16`, `int8`,
 /// `int4`, `int2`) or `kXvY` with K bits then V bits (`X`, `Y` ∈ {8, 4, 2}, e.g. `k8v4`,
-/// `k4v2`), then optional suffixes `+rN` (residual N) and `+pre` / `+post` (key RoPE),
-/// e.g. `int2+r128`, `k4v2+r32+pre`. The error says what was expected.
+/// `k4v2`), then optional suffixes `+rN` (residual N), `+pre` / `+post` (key RoPE) and
+/// `+rot` (Hadamard rotation), e.g. `int2+r128`, `k4v2+r32+pre`, `int4+rot`. The error says what was expected.
 pub fn apply_quant_mode(
     name: &str,
     kv: &mut crate::kv_cache::KvConfig,
 ) -> std::result::Result<(), String> {
     use crate::kv_cache::{KeyRope, Precision};
-    let expected = "expected fp32, fp16, bf16, int8, int4, int2 or kXvY (X, Y in 8/4/2, e.g. k8v4), optionally followed by +rN and +pre/+post";
+    let expected = "expected fp32, fp16, bf16, int8, int4, int2 or kXvY (X, Y in 8/4/2, e.g. k8v4), optionally followed by +rN, +pre/+post and +rot";
     let mut parts = name.split('+');
     let head = parts.next().unwrap_or("");
     // `X`/`Y` name a KIVI width by its bits per code.
@@ -303,7 +303,9 @@ pub fn apply_quant_mode(
         }
     }
     for suffix in parts {
-        if let Some(r) = suffix.strip_prefix('r') {
+        if suffix == "rot" {
+            kv.rotation = crate::kv_cache::KvRotation::Hadamard;
+        } else if let Some(r) = suffix.strip_prefix('r') {
             kv.residual = r.parse().map_err(|_| {
                 format!("'{name}': +{suffix} is not +r followed by a residual in tokens")
             })?;
@@ -318,7 +320,7 @@ pub fn apply_quant_mode(
 
 /// Parses `--compare-modes`: `;`-separated modes, each `dense` or `key=value` pairs
 /// separated by `,` with keys `sink`, `window`, `kv`, `group`, `positions`, `residual`,
-/// `kv_k`, `kv_v`, `key_rope`. `kv` takes a precision or a mode name as in
+/// `kv_k`, `kv_v`, `key_rope`, `rotation`. `kv` takes a precision or a mode name as in
 /// [`apply_quant_mode`] (`kv=k8v4`, `kv=int2+r128`); `kv_k`/`kv_v` override one side's
 /// precision. Every mode starts from `base` (the cache flags); `dense` and a mode without
 /// `window` keep no window.
@@ -376,6 +378,11 @@ pub fn parse_modes(
                             bad(format!("key_rope={v}: expected pre or post"))
                         })?
                     }
+                    "rotation" => {
+                        kv.rotation = crate::kv_cache::KvRotation::parse(v).ok_or_else(|| {
+                            bad(format!("rotation={v}: expected none or hadamard"))
+                        })?
+                    }
                     "positions" => {
                         kv.positions = match v {
                             "original" => PositionsMode::Original,
@@ -389,7 +396,7 @@ pub fn parse_modes(
                     }
                     _ => {
                         return Err(bad(format!(
-                        "unknown key '{k}' in mode '{mode}' (sink, window, kv, group, positions, residual, kv_k, kv_v, key_rope)"
+                        "unknown key '{k}' in mode '{mode}' (sink, window, kv, group, positions, residual, kv_k, kv_v, key_rope, rotation)"
                     )))
                     }
                 }

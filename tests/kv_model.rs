@@ -5,7 +5,7 @@
 mod common;
 use common::*;
 use tinygpt_cpu::generate::{Engine, EngineRun, ReferenceRun};
-use tinygpt_cpu::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
+use tinygpt_cpu::kv_cache::{KeyRope, KvConfig, KvRotation, PositionsMode, Precision};
 use tinygpt_cpu::model::{reference_model, Model, WeightsDType};
 use tinygpt_cpu::weights::ModelFiles;
 
@@ -63,6 +63,74 @@ fn combos() -> Vec<KvConfig> {
                 v_precision,
                 residual,
                 key_rope,
+                group_size: 32,
+                sink: if streaming { SINK } else { 0 },
+                window: streaming.then_some(WINDOW),
+                ..KvConfig::default()
+            });
+        }
+    }
+    // Hadamard-rotated K/V (head_dim 32): post- and pre-RoPE keys, both positions modes,
+    // a residual, asymmetric bits, and an fp32 cache (where rotation changes rounding only).
+    for streaming in [false, true] {
+        for (precision, v_precision, residual, key_rope, positions) in [
+            (
+                Precision::Fp32,
+                None,
+                0,
+                KeyRope::Post,
+                PositionsMode::Original,
+            ),
+            (
+                Precision::Int8,
+                None,
+                0,
+                KeyRope::Post,
+                PositionsMode::Original,
+            ),
+            (
+                Precision::Int4,
+                None,
+                0,
+                KeyRope::Post,
+                PositionsMode::Original,
+            ),
+            (
+                Precision::Int4,
+                None,
+                0,
+                KeyRope::Pre,
+                PositionsMode::Original,
+            ),
+            (
+                Precision::Int4,
+                None,
+                0,
+                KeyRope::Post,
+                PositionsMode::Cache,
+            ),
+            (
+                Precision::Int2,
+                None,
+                32,
+                KeyRope::Post,
+                PositionsMode::Original,
+            ),
+            (
+                Precision::Int8,
+                Some(Precision::Int4),
+                0,
+                KeyRope::Post,
+                PositionsMode::Original,
+            ),
+        ] {
+            v.push(KvConfig {
+                precision,
+                v_precision,
+                residual,
+                key_rope,
+                positions,
+                rotation: KvRotation::Hadamard,
                 group_size: 32,
                 sink: if streaming { SINK } else { 0 },
                 window: streaming.then_some(WINDOW),

@@ -5,7 +5,8 @@
 //! `h` reads key/value head `h / group` (GQA).
 
 use crate::config::Config;
-use crate::kv_cache::{LayerCache, PositionsMode};
+use crate::hadamard;
+use crate::kv_cache::{KvRotation, LayerCache, PositionsMode};
 use crate::rope::Rope;
 use ndarray::{Array1, Array3, ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Axis};
 
@@ -37,7 +38,13 @@ pub fn attend_heads(
         rope.rotate_rows(k.view_mut(), pos);
     }
     // The cache stores rows flat, `n_kv_heads · head_dim` values in row-major order.
-    cache.append(&k.flatten().to_vec(), &v.flatten().to_vec(), pos);
+    let (mut k, mut v) = (k.flatten().to_vec(), v.flatten().to_vec());
+    if cache.config().rotation == KvRotation::Hadamard {
+        // Stored as H·k (after RoPE) and H·v, head by head.
+        hadamard::rotate_heads(&mut k, cfg.head_dim);
+        hadamard::rotate_heads(&mut v, cfg.head_dim);
+    }
+    cache.append(&k, &v, pos);
     attend_cached(cfg, rope, cache, q, pos, out, probs_out);
 }
 
@@ -89,6 +96,14 @@ pub fn attend_cached(
         PositionsMode::Cache => n - 1,
     };
     rope.rotate_rows(q.view_mut(), q_pos);
+    let rotated = cache.config().rotation == KvRotation::Hadamard;
+    if rotated && !pre_rope {
+        // (H·q)·(H·k) = q·k: rotate each query head as the stored keys are.
+        for mut qh in q.rows_mut() {
+            let r = hadamard::rotate(&qh.to_vec());
+            qh.assign(&ArrayView1::from(&r));
+        }
+    }
 
     // Keys as attention sees them, `(stored, n_kv_heads, head_dim)`: rotated by slot in
     // cache mode, by their stored position for pre-RoPE keys in original mode.
@@ -96,7 +111,12 @@ pub fn attend_cached(
     let mut values = Array3::<f32>::zeros((n, cfg.n_kv_heads, hd));
     for i in 0..n {
         let mut key = keys.index_axis_mut(Axis(0), i);
-        copy_row(&cache.key(i), key.view_mut());
+        let mut stored = cache.key(i);
+        if rotated && pre_rope {
+            // Pre-RoPE keys were stored as H·k: undo the rotation (H·H = I), then RoPE.
+            hadamard::rotate_heads(&mut stored, hd);
+        }
+        copy_row(&stored, key.view_mut());
         match mode {
             PositionsMode::Cache => rope.rotate_rows(key, i),
             PositionsMode::Original if pre_rope => rope.rotate_rows(key, cache.position(i)),
@@ -139,6 +159,11 @@ pub fn attend_cached(
             for d in 0..hd {
                 oh[d] += scores[i] * vh[d];
             }
+        }
+        if rotated {
+            // The values were stored as H·v: Σ p_i H·v_i = H·o, and H·H = I.
+            let r = hadamard::rotate(&oh.to_vec());
+            oh.assign(&ArrayView1::from(&r));
         }
         if let Some(p) = probs_out.as_deref_mut() {
             p.extend(scores.iter());

@@ -139,6 +139,34 @@ impl KeyRope {
     }
 }
 
+/// An orthogonal rotation applied to each head's keys and values before they are stored
+/// (docs/design.md §2.5): `Hadamard` stores `H·k` and `H·v` with `H` the normalised
+/// Walsh–Hadamard matrix of the head dimension, rotates each query head by `H` (so
+/// `(H·q)·(H·k) = q·k`), and multiplies each head's attention output by `H` (`H·H = I`).
+/// It spreads outlier channels across the head before KIVI quantises them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KvRotation {
+    #[default]
+    None,
+    Hadamard,
+}
+
+impl KvRotation {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvRotation::None => "none",
+            KvRotation::Hadamard => "hadamard",
+        }
+    }
+    pub fn parse(s: &str) -> Option<KvRotation> {
+        match s {
+            "none" => Some(KvRotation::None),
+            "hadamard" => Some(KvRotation::Hadamard),
+            _ => None,
+        }
+    }
+}
+
 /// Cache policy × storage settings, shared by the reference and the engine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvConfig {
@@ -158,6 +186,8 @@ pub struct KvConfig {
     pub residual: usize,
     /// Keys stored before or after RoPE in `original` positions mode.
     pub key_rope: KeyRope,
+    /// Rotation of K and V before they are stored.
+    pub rotation: KvRotation,
 }
 
 impl Default for KvConfig {
@@ -172,6 +202,7 @@ impl Default for KvConfig {
             v_precision: None,
             residual: 0,
             key_rope: KeyRope::Post,
+            rotation: KvRotation::None,
         }
     }
 }
@@ -207,7 +238,8 @@ impl KvConfig {
         self.positions == PositionsMode::Cache || self.key_rope == KeyRope::Pre
     }
     /// Short name: the precision, or `kXvY` when the sides differ (e.g. `k8v4`,
-    /// `kfp16vint4`), with `+rR` for a residual and `+pre` for pre-RoPE keys.
+    /// `kfp16vint4`), with `+rR` for a residual, `+pre` for pre-RoPE keys and `+rot` for
+    /// a Hadamard rotation.
     pub fn quant_name(&self) -> String {
         let (k, v) = (self.key_precision(), self.value_precision());
         let bits = |p: Precision| match p.kivi_bits() {
@@ -224,6 +256,9 @@ impl KvConfig {
         }
         if self.key_rope == KeyRope::Pre {
             s += "+pre";
+        }
+        if self.rotation == KvRotation::Hadamard {
+            s += "+rot";
         }
         s
     }

@@ -24,11 +24,12 @@ pub mod attention;
 pub mod config;
 pub mod ggml;
 pub mod ggml_dot;
+pub mod hadamard;
 pub mod kv_cache;
 pub mod model;
 pub mod quant;
 pub mod rope;
 
 pub use config::{AttentionType, Config, RopeScaling};
-pub use kv_cache::{KvConfig, LayerCache, PositionsMode, Precision};
+pub use kv_cache::{KvConfig, KvRotation, LayerCache, PositionsMode, Precision};
 pub use model::{Model, State, Weights};

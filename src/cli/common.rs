@@ -3,7 +3,7 @@
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::generate::GenerateOptions;
-use crate::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
+use crate::kv_cache::{KeyRope, KvConfig, KvRotation, PositionsMode, Precision};
 use crate::model::WeightsDType;
 use crate::sampler::SamplerConfig;
 use crate::weights::{Format, ModelFiles};
@@ -29,6 +29,21 @@ impl From<KeyRopeArg> for KeyRope {
         match k {
             KeyRopeArg::Pre => KeyRope::Pre,
             KeyRopeArg::Post => KeyRope::Post,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum RotationArg {
+    None,
+    Hadamard,
+}
+
+impl From<RotationArg> for KvRotation {
+    fn from(r: RotationArg) -> KvRotation {
+        match r {
+            RotationArg::None => KvRotation::None,
+            RotationArg::Hadamard => KvRotation::Hadamard,
         }
     }
 }
@@ -104,6 +119,12 @@ pub struct CacheArgs {
     /// `cache` positions mode keys are always stored before RoPE, so this has no effect.
     #[arg(long = "kv-key-rope", value_enum, default_value = "post")]
     pub key_rope: KeyRopeArg,
+    /// Rotate each head's keys and values by the normalised Walsh-Hadamard matrix before
+    /// storing them (queries and outputs rotated to match; attention is unchanged up to
+    /// rounding): spreads outlier channels before KIVI quantises them. Needs a
+    /// power-of-two head_dim.
+    #[arg(long = "kv-rotation", value_enum, default_value = "none")]
+    pub rotation: RotationArg,
     /// Allow generating past the model's context length with an unbounded cache.
     #[arg(long = "allow-past-context")]
     pub allow_past_context: bool,
@@ -179,6 +200,7 @@ impl CacheArgs {
             v_precision: self.kv_quantize_v,
             residual: self.residual,
             key_rope: self.key_rope.into(),
+            rotation: self.rotation.into(),
         })
     }
 }

@@ -106,6 +106,7 @@ fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
     baseline.v_precision = None;
     baseline.residual = 0;
     baseline.key_rope = crate::kv_cache::KeyRope::Post;
+    baseline.rotation = crate::kv_cache::KvRotation::None;
     let files = open_model(&a.model)?;
     for (_, kv) in modes
         .iter()

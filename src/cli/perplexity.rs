@@ -30,7 +30,7 @@ pub struct PerplexityArgs {
     pub chunk: usize,
     /// Several cache configurations on the same text, e.g.
     /// "dense;sink=0,window=256;sink=4,window=252;sink=4,window=252,kv=int4"
-    /// (keys: sink, window, kv, group, positions, residual, kv_k, kv_v, key_rope; kv takes
+    /// (keys: sink, window, kv, group, positions, residual, kv_k, kv_v, key_rope, rotation; kv takes
     /// a precision or a name like k8v4, k4v2, int2+r128, int4+pre; each mode starts from
     /// the cache flags).
     #[arg(long = "compare-modes", value_name = "SPEC")]

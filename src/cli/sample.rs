@@ -187,6 +187,7 @@ pub fn json_report(
             "quantize_v": kv.value_precision().name(),
             "residual": kv.residual,
             "key_rope": kv.key_rope.name(),
+            "rotation": kv.rotation.name(),
             "stored_tokens": res.stored_tokens,
             "current_length": res.current_length,
             "bytes": res.kv_bytes,

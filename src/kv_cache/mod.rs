@@ -42,7 +42,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 pub use policy::{EvictionPolicy, StreamingLlm};
 use storage::{stores_for, KeyRun, KeyStore, Region, Shape, ValueRun, ValueStore};
-pub use tinygpt_reference::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
+pub use tinygpt_reference::kv_cache::{KeyRope, KvConfig, KvRotation, PositionsMode, Precision};
 
 /// Rows kept at full precision at the start of a KIVI cache (docs/design.md §2).
 pub const FULL_PRECISION_ROWS: usize = 4;
@@ -101,6 +101,15 @@ pub fn validate(kv: &KvConfig, cfg: &Config) -> Result<()> {
     }
     if cfg.head_dim == 0 || cfg.n_kv_heads == 0 {
         return Err(Error::flag("--kv-quantize", "model has no KV heads"));
+    }
+    if kv.rotation == KvRotation::Hadamard && !crate::ops::hadamard::supported(cfg.head_dim) {
+        return Err(Error::flag(
+            "--kv-rotation",
+            format!(
+                "hadamard needs a power-of-two head_dim; this model's is {}",
+                cfg.head_dim
+            ),
+        ));
     }
     for (p, over, flag) in [
         (kv.key_precision(), kv.k_precision, "--kv-quantize-k"),

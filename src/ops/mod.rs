@@ -7,6 +7,7 @@ mod aarch64;
 pub mod float_dot;
 #[cfg(target_arch = "x86_64")]
 mod float_x86;
+pub mod hadamard;
 pub mod matvec;
 mod portable;
 pub mod qdot;

@@ -6,12 +6,12 @@
 //! OpenAI-compatible servers do. Extension fields: `top_k`, `ignore_eos`, and the cache
 //! settings `streaming_llm_sink`, `streaming_llm_window`, `streaming_llm_positions`,
 //! `kv_quantize`, `kv_quantize_k`, `kv_quantize_v`, `kv_group_size`, `kv_residual`,
-//! `kv_key_rope` (the `sample` flags' names with underscores; they override the server's
+//! `kv_key_rope`, `kv_rotation` (the `sample` flags' names with underscores; they override the server's
 //! defaults for this request).
 
 use super::scheduler::{Event, FinishReason, Job};
 use super::{Refusal, Shared};
-use crate::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
+use crate::kv_cache::{KeyRope, KvConfig, KvRotation, PositionsMode, Precision};
 use crate::sampler::SamplerConfig;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -352,6 +352,11 @@ fn request_kv(s: &Shared, o: &Map<String, Value>) -> ApiResult<KvConfig> {
     if let Some(k) = get_str(o, "kv_key_rope")? {
         kv.key_rope = KeyRope::parse(k).ok_or_else(|| {
             ApiError::bad("kv_key_rope", format!("'{k}' is not one of pre, post"))
+        })?;
+    }
+    if let Some(r) = get_str(o, "kv_rotation")? {
+        kv.rotation = KvRotation::parse(r).ok_or_else(|| {
+            ApiError::bad("kv_rotation", format!("'{r}' is not one of none, hadamard"))
         })?;
     }
     if let Some(g) = get_uint(o, "kv_group_size", crate::kv_cache::MAX_GROUP_SIZE as u64)? {
