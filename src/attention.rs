@@ -45,7 +45,7 @@
 //! keys are bit-identical to the reference's.
 
 use crate::config::Config;
-use crate::kv_cache::{EvictionPolicy, KvConfig, KvRotation, LayerKv, PositionsMode};
+use crate::kv_cache::{EvictionPolicy, KvConfig, LayerKv, PositionsMode};
 use crate::ops::hadamard;
 use crate::ops::simd::{load8, reduce8, store8};
 use rayon::prelude::*;
@@ -554,7 +554,7 @@ pub fn append_kv<P: EvictionPolicy + Clone>(
     if !layer.config().keys_pre_rope() {
         scratch.angles.rotate_heads(rope, &mut scratch.k, pos);
     }
-    if layer.config().rotation == KvRotation::Hadamard {
+    if layer.config().rotates(cfg.head_dim) {
         // Stored as H·k (after RoPE unless keys are kept before it) and H·v.
         hadamard::rotate_heads(&mut scratch.k, cfg.head_dim);
         scratch.v.copy_from_slice(v);
@@ -648,7 +648,7 @@ pub fn attend_heads<P: EvictionPolicy + Clone>(
             Rotation::ById => Some((&tables.id_cos[..], &tables.id_sin[..], true)),
         },
     };
-    let rotated = layer.config().rotation == KvRotation::Hadamard;
+    let rotated = layer.config().rotates(hd);
     for (i, (hs, oh)) in heads.iter_mut().zip(out.chunks_mut(group * hd)).enumerate() {
         let h = h0 + i;
         attend_head(
@@ -695,7 +695,7 @@ pub fn prepare_step<P: EvictionPolicy + Clone>(
         PositionsMode::Cache => n - 1,
     };
     scratch.angles.rotate_heads(rope, &mut scratch.q, q_pos);
-    if layer.config().rotation == KvRotation::Hadamard && !layer.config().keys_pre_rope() {
+    if layer.config().rotates(cfg.head_dim) && !layer.config().keys_pre_rope() {
         // (H·q)·(H·k) = q·k: the query meets the stored keys in the rotated basis.
         hadamard::rotate_heads(&mut scratch.q, cfg.head_dim);
     }
@@ -773,7 +773,7 @@ fn score_head<P: EvictionPolicy + Clone>(
     hs: &mut HeadScratch,
 ) {
     let (hd, n, half) = (step.hd, step.n, step.half);
-    let unrotate = step.layer.config().rotation == KvRotation::Hadamard;
+    let unrotate = step.layer.config().rotates(hd);
     let HeadScratch {
         probs,
         fold,
@@ -861,6 +861,10 @@ pub(crate) fn attend_stored_dequant(
         PositionsMode::Cache => n - 1,
     };
     rope.rotate_heads(&mut qr, q_pos);
+    let rotated = layer.config().rotates(hd);
+    if rotated && !layer.config().keys_pre_rope() {
+        hadamard::rotate_heads(&mut qr, hd);
+    }
     let half = rope.half();
     let (mut cos, mut sin) = (vec![0.0; half], vec![0.0; half]);
     let score_scale = 1.0 / (hd as f32).sqrt();
@@ -870,6 +874,9 @@ pub(crate) fn attend_stored_dequant(
         layer.gather_head(h, &mut keys, &mut values);
         if layer.config().keys_pre_rope() {
             for (i, key) in keys.chunks_exact_mut(hd).enumerate() {
+                if rotated {
+                    hadamard::rotate(key);
+                }
                 let at = match mode {
                     PositionsMode::Cache => i,
                     PositionsMode::Original => layer.position(i),
@@ -894,6 +901,9 @@ pub(crate) fn attend_stored_dequant(
                     crate::ops::simd::axpy(p, row, o);
                 }
             }
+            if rotated {
+                hadamard::rotate(o);
+            }
             all_probs.extend_from_slice(&scores);
         }
     }
@@ -905,7 +915,7 @@ pub(crate) fn attend_stored_dequant(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv_cache::{KeyRope, KvConfig, Precision};
+    use crate::kv_cache::{KeyRope, KvConfig, KvRotation, Precision};
     use proptest::prelude::*;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
@@ -970,6 +980,7 @@ mod tests {
         sliding_window: Option<usize>,
         steps: usize,
         seed: u64,
+        rotation: KvRotation,
     }
 
     /// Runs fused, unfused and reference side by side, comparing after every step (so
@@ -988,6 +999,7 @@ mod tests {
             sink: c.sink,
             window: c.window,
             positions: c.positions,
+            rotation: c.rotation,
             ..KvConfig::default()
         };
         crate::kv_cache::validate(&kv, &cfg).unwrap_or_else(|e| panic!("{c:?}: {e}"));
@@ -1114,6 +1126,12 @@ mod tests {
                                 sliding_window,
                                 steps,
                                 seed,
+                                // every other power-of-two case rotated (§2.5)
+                                rotation: if head_dim.is_power_of_two() && seed % 2 == 0 {
+                                    KvRotation::Hadamard
+                                } else {
+                                    KvRotation::None
+                                },
                             });
                             worst_u = worst_u.max(u);
                             worst_r = worst_r.max(r);
@@ -1148,13 +1166,14 @@ mod tests {
                 prop::option::weighted(0.3, prop::sample::select(Precision::ALL.to_vec())),
                 prop::sample::select(vec![0usize, 0, 1, 2, 5, 9, 20]),
                 any::<bool>(),
+                any::<bool>(),
             ),
         )
             .prop_map(
                 |(
                     (precision, cache, head_dim, n_kv_heads, group),
                     (g, sink, window, sliding, steps, seed),
-                    (v_precision, residual, pre),
+                    (v_precision, residual, pre, rot),
                 )| Case {
                     precision,
                     v_precision,
@@ -1179,6 +1198,11 @@ mod tests {
                     sliding_window: sliding,
                     steps,
                     seed,
+                    rotation: if rot && head_dim.is_power_of_two() {
+                        KvRotation::Hadamard
+                    } else {
+                        KvRotation::None
+                    },
                 },
             )
     }

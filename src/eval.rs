@@ -269,13 +269,13 @@ pub fn read_text_for(path: &std::path::Path, flag: &str) -> Result<String> {
 /// Applies a quantisation mode name to `kv`: a precision (`fp32`, `fp16`, `bf16`, `int8`,
 /// `int4`, `int2`) or `kXvY` with K bits then V bits (`X`, `Y` ∈ {8, 4, 2}, e.g. `k8v4`,
 /// `k4v2`), then optional suffixes `+rN` (residual N), `+pre` / `+post` (key RoPE) and
-/// `+rot` (Hadamard rotation), e.g. `int2+r128`, `k4v2+r32+pre`, `int4+rot`. The error says what was expected.
+/// `+rot` / `+norot` (Hadamard rotation forced on / off), e.g. `int2+r128`, `k4v2+r32+pre`, `int4+rot`. The error says what was expected.
 pub fn apply_quant_mode(
     name: &str,
     kv: &mut crate::kv_cache::KvConfig,
 ) -> std::result::Result<(), String> {
     use crate::kv_cache::{KeyRope, Precision};
-    let expected = "expected fp32, fp16, bf16, int8, int4, int2 or kXvY (X, Y in 8/4/2, e.g. k8v4), optionally followed by +rN, +pre/+post and +rot";
+    let expected = "expected fp32, fp16, bf16, int8, int4, int2 or kXvY (X, Y in 8/4/2, e.g. k8v4), optionally followed by +rN, +pre/+post and +rot/+norot";
     let mut parts = name.split('+');
     let head = parts.next().unwrap_or("");
     // `X`/`Y` name a KIVI width by its bits per code.
@@ -305,6 +305,8 @@ pub fn apply_quant_mode(
     for suffix in parts {
         if suffix == "rot" {
             kv.rotation = crate::kv_cache::KvRotation::Hadamard;
+        } else if suffix == "norot" {
+            kv.rotation = crate::kv_cache::KvRotation::None;
         } else if let Some(r) = suffix.strip_prefix('r') {
             kv.residual = r.parse().map_err(|_| {
                 format!("'{name}': +{suffix} is not +r followed by a residual in tokens")
@@ -380,7 +382,7 @@ pub fn parse_modes(
                     }
                     "rotation" => {
                         kv.rotation = crate::kv_cache::KvRotation::parse(v).ok_or_else(|| {
-                            bad(format!("rotation={v}: expected none or hadamard"))
+                            bad(format!("rotation={v}: expected auto, none or hadamard"))
                         })?
                     }
                     "positions" => {

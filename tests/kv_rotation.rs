@@ -99,7 +99,10 @@ fn rotation_leaves_an_fp32_cache_unchanged_to_rounding() {
         .iter()
         .map(|v| v.as_u64().unwrap() as u32)
         .collect();
-    let plain = KvConfig::default();
+    let plain = KvConfig {
+        rotation: KvRotation::None,
+        ..KvConfig::default()
+    };
     let rotated = KvConfig {
         rotation: KvRotation::Hadamard,
         ..KvConfig::default()
@@ -174,7 +177,11 @@ fn rotation_is_named_parsed_and_refused_where_it_cannot_apply() {
         tinygpt_cpu::eval::parse_modes("kv=int4,rotation=hadamard;kv=int4", &KvConfig::default())
             .unwrap();
     assert_eq!(modes[0].1.rotation, KvRotation::Hadamard);
-    assert_eq!(modes[1].1.rotation, KvRotation::None);
+    assert_eq!(modes[1].1.rotation, KvRotation::Auto);
+    let mut kv = KvConfig::default();
+    tinygpt_cpu::eval::apply_quant_mode("int4+norot", &mut kv).unwrap();
+    assert_eq!(kv.rotation, KvRotation::None);
+    assert_eq!(kv.quant_name(), "int4+norot");
     assert!(
         tinygpt_cpu::eval::parse_modes("kv=int4,rotation=givens", &KvConfig::default()).is_err()
     );
@@ -191,6 +198,50 @@ fn rotation_is_named_parsed_and_refused_where_it_cannot_apply() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("--kv-rotation") && err.contains("48"), "{err}");
+}
+
+/// `auto` (the default) rotates exactly when a side is KIVI-quantised, keys are stored
+/// after RoPE and head_dim is a power of two.
+#[test]
+fn auto_rotates_quantised_post_rope_caches_only() {
+    let kv = |precision, v_precision, key_rope| KvConfig {
+        precision,
+        v_precision,
+        key_rope,
+        ..KvConfig::default()
+    };
+    use tinygpt_cpu::kv_cache::{KeyRope, PositionsMode};
+    assert_eq!(KvConfig::default().rotation, KvRotation::Auto);
+    for p in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+        assert!(!kv(p, None, KeyRope::Post).rotates(64), "{p:?}");
+    }
+    for p in [Precision::Int8, Precision::Int4, Precision::Int2] {
+        assert!(kv(p, None, KeyRope::Post).rotates(64), "{p:?}");
+        assert!(kv(p, None, KeyRope::Post).rotates(256), "{p:?}");
+        assert!(
+            !kv(p, None, KeyRope::Post).rotates(48),
+            "{p:?} at head_dim 48"
+        );
+        assert!(!kv(p, None, KeyRope::Pre).rotates(64), "{p:?} pre-RoPE");
+    }
+    assert!(kv(Precision::Fp16, Some(Precision::Int4), KeyRope::Post).rotates(32));
+    let cache_mode = KvConfig {
+        precision: Precision::Int4,
+        positions: PositionsMode::Cache,
+        ..KvConfig::default()
+    };
+    assert!(!cache_mode.rotates(64));
+    let forced = KvConfig {
+        rotation: KvRotation::Hadamard,
+        ..cache_mode
+    };
+    assert!(forced.rotates(64));
+    let off = KvConfig {
+        precision: Precision::Int4,
+        rotation: KvRotation::None,
+        ..KvConfig::default()
+    };
+    assert!(!off.rotates(64));
 }
 
 /// The CLI: the flag reaches the cache (the JSON names it) and a bad value is one error.
@@ -213,6 +264,23 @@ fn cli_flag_and_json() {
         .unwrap();
     let j = json_of(&out);
     assert_eq!(j["kv"]["rotation"], "hadamard");
+    // auto: rotated at int4, not at fp32
+    for (p, want) in [("int4", "hadamard"), ("fp32", "none")] {
+        let out = cli()
+            .args([
+                "sample",
+                "--prompt",
+                "Once",
+                "--tokens",
+                "2",
+                "--kv-quantize",
+                p,
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(json_of(&out)["kv"]["rotation"], want, "{p}");
+    }
     let out = cli()
         .args(["sample", "--prompt", "x", "--kv-rotation", "givens"])
         .output()

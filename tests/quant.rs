@@ -14,7 +14,7 @@ use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeSet;
 use tinygpt_cpu::attention::{attend, AttnScratch, RopeTable};
 use tinygpt_cpu::config::{Config, RopeScaling};
-use tinygpt_cpu::kv_cache::{KvConfig, LayerKv, PositionsMode, Precision};
+use tinygpt_cpu::kv_cache::{KvConfig, KvRotation, LayerKv, PositionsMode, Precision};
 use tinygpt_cpu::quant::{self as q, Bits};
 use tinygpt_reference::kv_cache::LayerCache;
 use tinygpt_reference::quant::{self as r, Affine};
@@ -376,6 +376,8 @@ fn failure_classes_stay_finite_and_close() {
                             sink: if window.is_some() { 2 } else { 0 },
                             window,
                             positions,
+                            // stored rows are compared with the raw K/V, so unrotated
+                            rotation: KvRotation::None,
                             ..KvConfig::default()
                         };
                         let dense = KvConfig {

@@ -353,7 +353,7 @@ fn sample_text(
 #[test]
 fn greedy_completions_equal_sample_while_other_requests_run() {
     let srv = Server::start(&[]);
-    let cases: [(&str, usize, serde_json::Value, &[&str]); 4] = [
+    let cases: [(&str, usize, serde_json::Value, &[&str]); 5] = [
         ("The", 40, serde_json::json!({}), &[]),
         (
             "import os\n",
@@ -401,6 +401,19 @@ fn greedy_completions_equal_sample_while_other_requests_run() {
                 "4",
                 "--streaming-llm-window",
                 "28",
+                "--kv-group-size",
+                "8",
+            ],
+        ),
+        (
+            "class Foo:\n",
+            40,
+            serde_json::json!({"kv_quantize": "int4", "kv_rotation": "none", "kv_group_size": 8}),
+            &[
+                "--kv-quantize",
+                "int4",
+                "--kv-rotation",
+                "none",
                 "--kv-group-size",
                 "8",
             ],
@@ -542,6 +555,10 @@ fn bad_requests_get_400_naming_the_field() {
         (
             serde_json::json!({"prompt": "x", "kv_key_rope": "both"}),
             "kv_key_rope",
+        ),
+        (
+            serde_json::json!({"prompt": "x", "kv_rotation": "givens"}),
+            "kv_rotation",
         ),
         (
             serde_json::json!({"prompt": "x", "kv_group_size": 0}),

@@ -6,7 +6,7 @@
 
 use crate::config::Config;
 use crate::hadamard;
-use crate::kv_cache::{KvRotation, LayerCache, PositionsMode};
+use crate::kv_cache::{LayerCache, PositionsMode};
 use crate::rope::Rope;
 use ndarray::{Array1, Array3, ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Axis};
 
@@ -39,7 +39,7 @@ pub fn attend_heads(
     }
     // The cache stores rows flat, `n_kv_heads · head_dim` values in row-major order.
     let (mut k, mut v) = (k.flatten().to_vec(), v.flatten().to_vec());
-    if cache.config().rotation == KvRotation::Hadamard {
+    if cache.config().rotates(cfg.head_dim) {
         // Stored as H·k (after RoPE) and H·v, head by head.
         hadamard::rotate_heads(&mut k, cfg.head_dim);
         hadamard::rotate_heads(&mut v, cfg.head_dim);
@@ -96,7 +96,7 @@ pub fn attend_cached(
         PositionsMode::Cache => n - 1,
     };
     rope.rotate_rows(q.view_mut(), q_pos);
-    let rotated = cache.config().rotation == KvRotation::Hadamard;
+    let rotated = cache.config().rotates(hd);
     if rotated && !pre_rope {
         // (H·q)·(H·k) = q·k: rotate each query head as the stored keys are.
         for mut qh in q.rows_mut() {

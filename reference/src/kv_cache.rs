@@ -144,9 +144,14 @@ impl KeyRope {
 /// Walsh–Hadamard matrix of the head dimension, rotates each query head by `H` (so
 /// `(H·q)·(H·k) = q·k`), and multiplies each head's attention output by `H` (`H·H = I`).
 /// It spreads outlier channels across the head before KIVI quantises them.
+///
+/// `Auto` (the default) rotates when it pays: K or V is KIVI-quantised, keys are stored
+/// after RoPE (with pre-RoPE keys every stored key would be un-rotated at each read) and
+/// the head dimension is a power of two; [`KvConfig::rotates`] decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum KvRotation {
     #[default]
+    Auto,
     None,
     Hadamard,
 }
@@ -154,12 +159,14 @@ pub enum KvRotation {
 impl KvRotation {
     pub fn name(self) -> &'static str {
         match self {
+            KvRotation::Auto => "auto",
             KvRotation::None => "none",
             KvRotation::Hadamard => "hadamard",
         }
     }
     pub fn parse(s: &str) -> Option<KvRotation> {
         match s {
+            "auto" => Some(KvRotation::Auto),
             "none" => Some(KvRotation::None),
             "hadamard" => Some(KvRotation::Hadamard),
             _ => None,
@@ -202,7 +209,7 @@ impl Default for KvConfig {
             v_precision: None,
             residual: 0,
             key_rope: KeyRope::Post,
-            rotation: KvRotation::None,
+            rotation: KvRotation::Auto,
         }
     }
 }
@@ -233,13 +240,25 @@ impl KvConfig {
             0
         }
     }
+    /// Whether K and V are stored Hadamard-rotated in a model with this head dimension
+    /// (docs/design.md §2.5): always for `Hadamard`, never for `None`, and for `Auto` when
+    /// a side is KIVI-quantised, keys are stored after RoPE and `head_dim` is a power of two.
+    pub fn rotates(&self, head_dim: usize) -> bool {
+        match self.rotation {
+            KvRotation::None => false,
+            KvRotation::Hadamard => true,
+            KvRotation::Auto => {
+                self.is_kivi() && !self.keys_pre_rope() && crate::hadamard::supported(head_dim)
+            }
+        }
+    }
     /// Whether stored keys are before RoPE (rotated at read time).
     pub fn keys_pre_rope(&self) -> bool {
         self.positions == PositionsMode::Cache || self.key_rope == KeyRope::Pre
     }
     /// Short name: the precision, or `kXvY` when the sides differ (e.g. `k8v4`,
-    /// `kfp16vint4`), with `+rR` for a residual, `+pre` for pre-RoPE keys and `+rot` for
-    /// a Hadamard rotation.
+    /// `kfp16vint4`), with `+rR` for a residual, `+pre` for pre-RoPE keys, and `+rot` /
+    /// `+norot` when the rotation is forced on / off (nothing for `auto`).
     pub fn quant_name(&self) -> String {
         let (k, v) = (self.key_precision(), self.value_precision());
         let bits = |p: Precision| match p.kivi_bits() {
@@ -257,8 +276,10 @@ impl KvConfig {
         if self.key_rope == KeyRope::Pre {
             s += "+pre";
         }
-        if self.rotation == KvRotation::Hadamard {
-            s += "+rot";
+        match self.rotation {
+            KvRotation::Hadamard => s += "+rot",
+            KvRotation::None if self.is_kivi() => s += "+norot",
+            _ => {}
         }
         s
     }

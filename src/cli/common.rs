@@ -35,6 +35,7 @@ impl From<KeyRopeArg> for KeyRope {
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
 pub enum RotationArg {
+    Auto,
     None,
     Hadamard,
 }
@@ -42,6 +43,7 @@ pub enum RotationArg {
 impl From<RotationArg> for KvRotation {
     fn from(r: RotationArg) -> KvRotation {
         match r {
+            RotationArg::Auto => KvRotation::Auto,
             RotationArg::None => KvRotation::None,
             RotationArg::Hadamard => KvRotation::Hadamard,
         }
@@ -121,9 +123,10 @@ pub struct CacheArgs {
     pub key_rope: KeyRopeArg,
     /// Rotate each head's keys and values by the normalised Walsh-Hadamard matrix before
     /// storing them (queries and outputs rotated to match; attention is unchanged up to
-    /// rounding): spreads outlier channels before KIVI quantises them. Needs a
-    /// power-of-two head_dim.
-    #[arg(long = "kv-rotation", value_enum, default_value = "none")]
+    /// rounding): spreads outlier channels before KIVI quantises them. auto: rotate when K
+    /// or V is int8/int4/int2, keys are stored after RoPE and head_dim is a power of two;
+    /// none: KIVI as published; hadamard: always (needs a power-of-two head_dim).
+    #[arg(long = "kv-rotation", value_enum, default_value = "auto")]
     pub rotation: RotationArg,
     /// Allow generating past the model's context length with an unbounded cache.
     #[arg(long = "allow-past-context")]

@@ -161,18 +161,25 @@ fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
         outln!("{}", serde_json::to_string(&report)?)?;
         return Ok(());
     }
-    outln!("{:<10} {:>6} {:>8}  prompt", "mode", "match", "tokens")?;
+    // the mode column as wide as the longest name (`int2+r128+rot` is 13)
+    let w = modes
+        .iter()
+        .map(|(n, _)| n.len())
+        .max()
+        .unwrap_or(0)
+        .max(10);
+    outln!("{:<w$} {:>6} {:>8}  prompt", "mode", "match", "tokens")?;
     for r in &report.rows {
         let short: String = r.prompt.chars().take(50).collect();
         outln!(
-            "{:<10} {:>6} {:>8}  {short}",
+            "{:<w$} {:>6} {:>8}  {short}",
             r.mode,
             r.prefix_match,
             r.tokens
         )?;
     }
     outln!()?;
-    outln!("{:<10} {:>18}", "mode", "mean prefix match")?;
+    outln!("{:<w$} {:>18}", "mode", "mean prefix match")?;
     for (name, _) in &modes {
         let ms: Vec<f64> = report
             .rows
@@ -181,7 +188,7 @@ fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
             .map(CompareRow::agreement)
             .collect();
         let mean = ms.iter().sum::<f64>() / ms.len().max(1) as f64;
-        outln!("{:<10} {:>17.1}%", name, mean * 100.0)?;
+        outln!("{:<w$} {:>17.1}%", name, mean * 100.0)?;
     }
     Ok(())
 }

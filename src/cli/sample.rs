@@ -143,7 +143,7 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
         &mut on_text,
     )?;
     if json {
-        let v = json_report(&res, &kv, layers_with_kv);
+        let v = json_report(&res, &kv, layers_with_kv, files.config.head_dim);
         outln!("{}", serde_json::to_string(&v)?)?;
     } else {
         outln!()?;
@@ -172,6 +172,7 @@ pub fn json_report(
     res: &GenerateResult,
     kv: &KvConfig,
     layers_with_kv: usize,
+    head_dim: usize,
 ) -> serde_json::Value {
     serde_json::json!({
         "prompt_ids": res.prompt_ids,
@@ -187,7 +188,8 @@ pub fn json_report(
             "quantize_v": kv.value_precision().name(),
             "residual": kv.residual,
             "key_rope": kv.key_rope.name(),
-            "rotation": kv.rotation.name(),
+            // what `auto` resolved to
+            "rotation": if kv.rotates(head_dim) { "hadamard" } else { "none" },
             "stored_tokens": res.stored_tokens,
             "current_length": res.current_length,
             "bytes": res.kv_bytes,

@@ -356,7 +356,10 @@ fn request_kv(s: &Shared, o: &Map<String, Value>) -> ApiResult<KvConfig> {
     }
     if let Some(r) = get_str(o, "kv_rotation")? {
         kv.rotation = KvRotation::parse(r).ok_or_else(|| {
-            ApiError::bad("kv_rotation", format!("'{r}' is not one of none, hadamard"))
+            ApiError::bad(
+                "kv_rotation",
+                format!("'{r}' is not one of auto, none, hadamard"),
+            )
         })?;
     }
     if let Some(g) = get_uint(o, "kv_group_size", crate::kv_cache::MAX_GROUP_SIZE as u64)? {
