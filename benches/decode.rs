@@ -19,7 +19,9 @@
 //!   `TINYGPT_SMOLLM2` or the fetch script's cache path names it; skipped with a message
 //!   otherwise), one decode step with 4,096 tokens seen, 1 thread, CPU-time clock, for every
 //!   KIVI mode of README's 4,096-token table (`+rN` residual, `+pre` pre-RoPE keys, `kXvY`
-//!   asymmetric, `+rot` Hadamard-rotated K/V). This is the table's decode-speed column.
+//!   asymmetric; post-RoPE quantised modes are Hadamard-rotated by the default
+//!   `--kv-rotation auto`, `+norot` is KIVI as published, `+pre+rot` forces rotation with
+//!   pre-RoPE keys). This is the table's decode-speed column.
 //! * `prefill/{tiny,flagship}/{batched,token-by-token}/256`: a 256-token prompt into an
 //!   empty fp32 cache, through `forward_batch` or 256 calls of `forward`.
 //!
@@ -269,11 +271,11 @@ const KIVI_MODES: [&str; 16] = [
     "int2+r128",
     "int2+r128+pre",
     "k4v2+r128",
-    "int8+rot",
-    "int4+rot",
+    "int8+norot",
+    "int4+norot",
     "int4+pre+rot",
-    "k8v4+rot",
-    "int2+r128+rot",
+    "k8v4+norot",
+    "int2+r128+norot",
 ];
 
 fn decode_kivi(c: &mut Criterion) {
