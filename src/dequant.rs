@@ -9,11 +9,16 @@
 //! `j + 16`.
 //!
 //! The scalar reference crate has its own dequantisers (`tinygpt_reference::ggml`); the
-//! engine does not call them, and `tests/dequant.rs` checks that the two agree bit for bit.
+//! engine does not call them for the types it multiplies natively (F32, F16, BF16, Q8_0,
+//! Q4_0, Q4_1), and `tests/dequant.rs` checks that the two agree bit for bit. The other
+//! GGML types (Q5_0, Q5_1, IQ4_NL, the K-quants, IQ4_XS) are dequantised once at load with
+//! the reference's loops (`tinygpt_reference::ggml_more`), checked against gguf-py in
+//! `tests/dequant_types.rs`.
 
 use crate::dtype::DType;
 use half::{bf16, f16};
 pub use tinygpt_reference::ggml::DequantError;
+use tinygpt_reference::ggml_more as more;
 
 /// Values per block of the block-quantised types.
 const BLOCK: usize = 32;
@@ -50,6 +55,17 @@ pub fn dequantize_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
         DType::Q8_0 => blocks(dtype, bytes, out, q8_0_block),
         DType::Q4_0 => blocks(dtype, bytes, out, q4_0_block),
         DType::Q4_1 => blocks(dtype, bytes, out, q4_1_block),
+        // Types without native kernels are dequantised once, when the model is loaded: no
+        // hot path, so the engine runs the reference's plain loops (docs/design.md §2.2).
+        DType::Q5_0 => more::dequantize_q5_0(bytes, out),
+        DType::Q5_1 => more::dequantize_q5_1(bytes, out),
+        DType::IQ4_NL => more::dequantize_iq4_nl(bytes, out),
+        DType::Q2_K => more::dequantize_q2_k(bytes, out),
+        DType::Q3_K => more::dequantize_q3_k(bytes, out),
+        DType::Q4_K => more::dequantize_q4_k(bytes, out),
+        DType::Q5_K => more::dequantize_q5_k(bytes, out),
+        DType::Q6_K => more::dequantize_q6_k(bytes, out),
+        DType::IQ4_XS => more::dequantize_iq4_xs(bytes, out),
     }
 }
 

@@ -188,6 +188,9 @@ pub struct ModelFiles {
     pub chat_template: Option<String>,
     /// Bytes of the model file(s) on disk.
     pub file_bytes: u64,
+    /// Tensors per storage type in the file, where that differs from what was loaded (a
+    /// GGUF whose types without native kernels were dequantised to f32); empty otherwise.
+    pub file_dtypes: BTreeMap<String, usize>,
 }
 
 impl std::fmt::Debug for ModelFiles {
@@ -362,6 +365,7 @@ impl ModelFiles {
             tokenizer_json: Some(tok_json.clone()),
             chat_template: md.get(META_CHAT_TEMPLATE).cloned(),
             file_bytes,
+            file_dtypes: BTreeMap::new(),
         })
     }
 
@@ -438,6 +442,7 @@ impl ModelFiles {
             tokenizer_json: Some(tok_json),
             chat_template,
             file_bytes,
+            file_dtypes: BTreeMap::new(),
         })
     }
 
@@ -453,6 +458,12 @@ impl ModelFiles {
         let file_len = gguf.bytes().len();
         let mut tensors = BTreeMap::new();
         let shared = Arc::new(Backing::Gguf(gguf.clone()));
+        let mut file_dtypes = BTreeMap::new();
+        if gguf.tensors().iter().any(|t| !t.dtype.has_native_kernels()) {
+            for t in gguf.tensors() {
+                *file_dtypes.entry(t.dtype.name().to_string()).or_insert(0) += 1;
+            }
+        }
         for t in gguf.hf_tensors()? {
             let data = match &t.data {
                 std::borrow::Cow::Borrowed(b) => {
@@ -482,6 +493,7 @@ impl ModelFiles {
             tokenizer_json: None,
             chat_template,
             file_bytes,
+            file_dtypes,
         })
     }
 
@@ -490,8 +502,11 @@ impl ModelFiles {
         self.tensors.values().map(|t| t.numel()).sum()
     }
 
-    /// Dtypes present, with the number of tensors of each.
+    /// Dtypes present in the file, with the number of tensors of each.
     pub fn dtype_summary(&self) -> BTreeMap<String, usize> {
+        if !self.file_dtypes.is_empty() {
+            return self.file_dtypes.clone();
+        }
         let mut m = BTreeMap::new();
         for t in self.tensors.values() {
             *m.entry(t.dtype.name().to_string()).or_insert(0) += 1;
@@ -703,6 +718,15 @@ pub fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<usize> {
                 .chunks_exact(dtype.block_bytes())
                 .position(|b| scan16(&b[..halves], 0x7c00).is_some())
                 .map(|blk| blk * dtype.block_len())
+        }
+        // Dequantised at load (see `crate::dequant`): scan the values, a block at a time.
+        _ => {
+            let (bb, bl) = (dtype.block_bytes(), dtype.block_len());
+            let mut vals = vec![0.0f32; bl];
+            bytes.chunks_exact(bb).enumerate().find_map(|(i, b)| {
+                crate::dequant::dequantize_into(dtype, b, &mut vals);
+                vals.iter().position(|v| !v.is_finite()).map(|j| i * bl + j)
+            })
         }
     }
 }

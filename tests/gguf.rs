@@ -781,10 +781,10 @@ fn every_truncation_is_an_error_not_a_panic() {
 #[test]
 fn unsupported_tensor_type_names_tensor_and_type() {
     let mut g = tiny_model(3);
-    g.tensor_mut("blk.0.attn_q.weight").ggml_type = 13; // Q5_K
+    g.tensor_mut("blk.0.attn_q.weight").ggml_type = 17; // IQ2_XS
     let e = open_err(&g);
     assert!(
-        e.contains("tensor 'blk.0.attn_q.weight' has type Q5_K, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"),
+        e.contains("tensor 'blk.0.attn_q.weight' has type IQ2_XS, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)"),
         "{e}"
     );
     g.tensor_mut("blk.0.attn_q.weight").ggml_type = 999;

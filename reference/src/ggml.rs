@@ -34,12 +34,16 @@
 //! `dequantize_row_q4_0`/`_q4_1` order (and the order transformers' GGUF loader uses).
 //! The scales `d`, `m` are converted to f32 first; the products are computed in f32.
 
+use crate::ggml_more;
 use half::{bf16, f16};
 
 /// Elements per quantisation block of Q8_0, Q4_0 and Q4_1.
 pub const QK: usize = 32;
 
 /// The GGML element types this crate can dequantise (the ggml type ids are in comments).
+/// The layouts of the types after Q4_1 are in [`crate::ggml_more`].
+/// Variants carry ggml's own names (`Q4_K`, `IQ4_XS`), as every tool prints them.
+#[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GgmlType {
     /// ggml type 0
@@ -54,14 +58,62 @@ pub enum GgmlType {
     Q4_0,
     /// ggml type 3
     Q4_1,
+    /// ggml type 6
+    Q5_0,
+    /// ggml type 7
+    Q5_1,
+    /// ggml type 10
+    Q2_K,
+    /// ggml type 11
+    Q3_K,
+    /// ggml type 12
+    Q4_K,
+    /// ggml type 13
+    Q5_K,
+    /// ggml type 14
+    Q6_K,
+    /// ggml type 20
+    IQ4_NL,
+    /// ggml type 23
+    IQ4_XS,
 }
 
 impl GgmlType {
+    /// Every type, in ggml id order within the plain and block groups.
+    pub const ALL: [GgmlType; 15] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
+    ];
+
     /// Elements per block (1 for plain types).
     pub fn block_len(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => QK,
+            GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::IQ4_NL => QK,
+            GgmlType::Q2_K
+            | GgmlType::Q3_K
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
+            | GgmlType::IQ4_XS => crate::ggml_more::QK_K,
         }
     }
 
@@ -73,7 +125,30 @@ impl GgmlType {
             GgmlType::Q8_0 => 2 + QK,
             GgmlType::Q4_0 => 2 + QK / 2,
             GgmlType::Q4_1 => 4 + QK / 2,
+            GgmlType::Q5_0 => 22,
+            GgmlType::Q5_1 => 24,
+            GgmlType::IQ4_NL => 18,
+            GgmlType::Q2_K => 84,
+            GgmlType::Q3_K => 110,
+            GgmlType::Q4_K => 144,
+            GgmlType::Q5_K => 176,
+            GgmlType::Q6_K => 210,
+            GgmlType::IQ4_XS => 136,
         }
+    }
+
+    /// Whether the engine multiplies this type's blocks directly (`--weights-dtype
+    /// native`); the other block types are dequantised to f32 when the model is loaded.
+    pub fn has_native_kernels(self) -> bool {
+        matches!(
+            self,
+            GgmlType::F32
+                | GgmlType::F16
+                | GgmlType::BF16
+                | GgmlType::Q8_0
+                | GgmlType::Q4_0
+                | GgmlType::Q4_1
+        )
     }
 
     /// Bytes needed for `n` values (`None` unless `n` is a whole number of blocks).
@@ -98,6 +173,15 @@ impl GgmlType {
             GgmlType::Q8_0 => "Q8_0",
             GgmlType::Q4_0 => "Q4_0",
             GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q5_0 => "Q5_0",
+            GgmlType::Q5_1 => "Q5_1",
+            GgmlType::Q2_K => "Q2_K",
+            GgmlType::Q3_K => "Q3_K",
+            GgmlType::Q4_K => "Q4_K",
+            GgmlType::Q5_K => "Q5_K",
+            GgmlType::Q6_K => "Q6_K",
+            GgmlType::IQ4_NL => "IQ4_NL",
+            GgmlType::IQ4_XS => "IQ4_XS",
         }
     }
 }
@@ -152,6 +236,15 @@ pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(),
         GgmlType::Q8_0 => dequantize_q8_0(bytes, out),
         GgmlType::Q4_0 => dequantize_q4_0(bytes, out),
         GgmlType::Q4_1 => dequantize_q4_1(bytes, out),
+        GgmlType::Q5_0 => ggml_more::dequantize_q5_0(bytes, out),
+        GgmlType::Q5_1 => ggml_more::dequantize_q5_1(bytes, out),
+        GgmlType::IQ4_NL => ggml_more::dequantize_iq4_nl(bytes, out),
+        GgmlType::Q2_K => ggml_more::dequantize_q2_k(bytes, out),
+        GgmlType::Q3_K => ggml_more::dequantize_q3_k(bytes, out),
+        GgmlType::Q4_K => ggml_more::dequantize_q4_k(bytes, out),
+        GgmlType::Q5_K => ggml_more::dequantize_q5_k(bytes, out),
+        GgmlType::Q6_K => ggml_more::dequantize_q6_k(bytes, out),
+        GgmlType::IQ4_XS => ggml_more::dequantize_iq4_xs(bytes, out),
     }
     Ok(())
 }

@@ -33,6 +33,23 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
         .map(|(k, v)| format!("{k} x{v}"))
         .collect();
     outln!("dtypes:      {}", dt.join(", "))?;
+    if !f.file_dtypes.is_empty() {
+        let mut later: Vec<&str> = f
+            .file_dtypes
+            .keys()
+            .map(String::as_str)
+            .filter(|n| {
+                !tinygpt_reference::ggml::GgmlType::ALL
+                    .iter()
+                    .any(|t| t.name() == *n && t.has_native_kernels())
+            })
+            .collect();
+        later.dedup();
+        outln!(
+            "             ({} dequantised to f32 at load: no native kernels yet)",
+            later.join(", ")
+        )?;
+    }
     outln!(
         "vocab:       {} (tokenizer: {})",
         c.vocab_size,

@@ -638,9 +638,19 @@ impl GgufFile {
                         .map_err(|msg| Error::tensor(&self.path, &t.name, msg))?
                 }
             };
+            // A type without native kernels becomes f32 here, once (docs/design.md §2.2).
+            let (dtype, data) = if t.dtype.has_native_kernels() {
+                (t.dtype, data)
+            } else {
+                let mut vals = vec![0.0f32; t.n_elements()];
+                crate::dequant::dequantize_row(t.dtype, &data, &mut vals)
+                    .map_err(|e| Error::tensor(&self.path, &t.name, e.to_string()))?;
+                let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+                (DType::F32, Cow::Owned(bytes))
+            };
             out.push(GgufTensor {
                 name,
-                dtype: t.dtype,
+                dtype,
                 shape,
                 data,
             });

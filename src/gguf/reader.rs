@@ -300,12 +300,21 @@ pub fn ggml_type_name(id: u32) -> Option<&'static str> {
 
 /// The ggml type id of each supported [`DType`]: the one mapping between the two, read both
 /// ways by [`dtype_from_ggml`] and [`ggml_id`].
-const GGML_IDS: [(u32, DType); 6] = [
+const GGML_IDS: [(u32, DType); 15] = [
     (0, DType::F32),
     (1, DType::F16),
     (2, DType::Q4_0),
     (3, DType::Q4_1),
+    (6, DType::Q5_0),
+    (7, DType::Q5_1),
     (8, DType::Q8_0),
+    (10, DType::Q2_K),
+    (11, DType::Q3_K),
+    (12, DType::Q4_K),
+    (13, DType::Q5_K),
+    (14, DType::Q6_K),
+    (20, DType::IQ4_NL),
+    (23, DType::IQ4_XS),
     (30, DType::BF16),
 ];
 
@@ -323,7 +332,8 @@ pub fn ggml_id(dtype: DType) -> u32 {
         .expect("every DType has a ggml id")
 }
 
-const SUPPORTED_TYPES: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1";
+const SUPPORTED_TYPES: &str =
+    "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS";
 
 /// Value type ids (the `value_type` field).
 mod vt {
@@ -691,18 +701,12 @@ mod tests {
 
     #[test]
     fn ggml_ids_round_trip_and_match_the_names() {
-        for dtype in [
-            DType::F32,
-            DType::F16,
-            DType::BF16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-        ] {
+        for dtype in DType::ALL {
             let id = ggml_id(dtype);
             assert_eq!(dtype_from_ggml(id), Some(dtype));
             assert_eq!(ggml_type_name(id), Some(dtype.name()));
         }
-        assert_eq!(dtype_from_ggml(6), None); // Q5_0: named, not supported
+        assert_eq!(dtype_from_ggml(16), None); // IQ2_XXS: named, not supported
+        assert_eq!(dtype_from_ggml(34), None); // TQ1_0
     }
 }
