@@ -281,6 +281,30 @@ fn cli_flag_and_json() {
             .unwrap();
         assert_eq!(json_of(&out)["kv"]["rotation"], want, "{p}");
     }
+    // cache-table: the rotation is named in the mode and costs no bytes
+    let bytes = |rot: &str| -> (String, u64) {
+        let out = cli()
+            .args([
+                "cache-table",
+                "--lengths",
+                "300",
+                "--modes",
+                "int4",
+                "--json",
+            ])
+            .args(["--kv-rotation", rot])
+            .output()
+            .unwrap();
+        let v = json_of(&out);
+        let row = &v["rows"][0];
+        (
+            row["mode"].as_str().unwrap().to_string(),
+            row["bytes"].as_u64().unwrap(),
+        )
+    };
+    let (on, off) = (bytes("hadamard"), bytes("none"));
+    assert_eq!((on.0.as_str(), off.0.as_str()), ("int4+rot", "int4+norot"));
+    assert_eq!(on.1, off.1);
     let out = cli()
         .args(["sample", "--prompt", "x", "--kv-rotation", "givens"])
         .output()

@@ -40,6 +40,10 @@ pub struct CacheTableArgs {
     /// symmetry with the other commands).
     #[arg(long = "kv-key-rope", value_enum, default_value = "post")]
     pub key_rope: super::common::KeyRopeArg,
+    /// Hadamard rotation of K/V (does not change the bytes; accepted for symmetry with the
+    /// other commands).
+    #[arg(long = "kv-rotation", value_enum, default_value = "auto")]
+    pub rotation: super::common::RotationArg,
     /// StreamingLLM sink for the bounded rows (with --streaming-llm-window).
     #[arg(long = "streaming-llm-sink", default_value_t = 4)]
     pub sink: usize,
@@ -141,6 +145,7 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
                 positions: PositionsMode::Original,
                 residual: a.residual,
                 key_rope: a.key_rope.into(),
+                rotation: a.rotation.into(),
                 ..KvConfig::default()
             };
             apply_quant_mode(name, &mut kv).map_err(|e| Error::flag("--modes", e))?;
