@@ -94,21 +94,7 @@ pub fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
 /// `qs[32i..32i + 32]`, low nibbles then high nibbles; `x = d·sc · q − dmin·m`.
 pub fn dequantize_q4_k(bytes: &[u8], out: &mut [f32]) {
     for (blk, o) in bytes.chunks_exact(144).zip(out.chunks_exact_mut(QK_K)) {
-        let d = f16_at(blk, 0);
-        let dmin = f16_at(blk, 2);
-        let scales = &blk[4..16];
-        let qs = &blk[16..144];
-        for i in 0..4 {
-            let (sc1, m1) = scale_min_k4(2 * i, scales);
-            let (sc2, m2) = scale_min_k4(2 * i + 1, scales);
-            let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
-            let (d2, min2) = (d * sc2 as f32, dmin * m2 as f32);
-            for l in 0..32 {
-                let q = qs[32 * i + l];
-                o[64 * i + l] = d1 * (q & 0x0F) as f32 - min1;
-                o[64 * i + 32 + l] = d2 * (q >> 4) as f32 - min2;
-            }
-        }
+        k4_super_block(blk, None, &blk[16..144], o);
     }
 }
 
@@ -116,23 +102,26 @@ pub fn dequantize_q4_k(bytes: &[u8], out: &mut [f32]) {
 /// `qh[l]` tops the low-nibble value `l` and bit `2i + 1` the high-nibble one.
 pub fn dequantize_q5_k(bytes: &[u8], out: &mut [f32]) {
     for (blk, o) in bytes.chunks_exact(176).zip(out.chunks_exact_mut(QK_K)) {
-        let d = f16_at(blk, 0);
-        let dmin = f16_at(blk, 2);
-        let scales = &blk[4..16];
-        let qh = &blk[16..48];
-        let qs = &blk[48..176];
-        for i in 0..4 {
-            let (sc1, m1) = scale_min_k4(2 * i, scales);
-            let (sc2, m2) = scale_min_k4(2 * i + 1, scales);
-            let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
-            let (d2, min2) = (d * sc2 as f32, dmin * m2 as f32);
-            for l in 0..32 {
-                let q = qs[32 * i + l];
-                let h1 = ((qh[l] >> (2 * i)) & 1) << 4;
-                let h2 = ((qh[l] >> (2 * i + 1)) & 1) << 4;
-                o[64 * i + l] = d1 * ((q & 0x0F) | h1) as f32 - min1;
-                o[64 * i + 32 + l] = d2 * ((q >> 4) | h2) as f32 - min2;
-            }
+        k4_super_block(blk, Some(&blk[16..48]), &blk[48..176], o);
+    }
+}
+
+/// One Q4_K / Q5_K super-block: `d`, `dmin` and the 12 scale bytes at the start of `blk`,
+/// nibbles `qs`, and for Q5_K the fifth bits `qh`.
+fn k4_super_block(blk: &[u8], qh: Option<&[u8]>, qs: &[u8], o: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    let dmin = f16_at(blk, 2);
+    let scales = &blk[4..16];
+    let high = |l: usize, bit: usize| qh.map_or(0, |h| ((h[l] >> bit) & 1) << 4);
+    for i in 0..4 {
+        let (sc1, m1) = scale_min_k4(2 * i, scales);
+        let (sc2, m2) = scale_min_k4(2 * i + 1, scales);
+        let (d1, min1) = (d * sc1 as f32, dmin * m1 as f32);
+        let (d2, min2) = (d * sc2 as f32, dmin * m2 as f32);
+        for l in 0..32 {
+            let q = qs[32 * i + l];
+            o[64 * i + l] = d1 * ((q & 0x0F) | high(l, 2 * i)) as f32 - min1;
+            o[64 * i + 32 + l] = d2 * ((q >> 4) | high(l, 2 * i + 1)) as f32 - min2;
         }
     }
 }

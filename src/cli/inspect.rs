@@ -34,7 +34,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
         .collect();
     outln!("dtypes:      {}", dt.join(", "))?;
     if !f.file_dtypes.is_empty() {
-        let mut later: Vec<&str> = f
+        let later: Vec<&str> = f
             .file_dtypes
             .keys()
             .map(String::as_str)
@@ -44,7 +44,6 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
                     .any(|t| t.name() == *n && t.has_native_kernels())
             })
             .collect();
-        later.dedup();
         outln!(
             "             ({} dequantised to f32 at load: no native kernels yet)",
             later.join(", ")
