@@ -949,12 +949,14 @@ fn chat_messages(o: &Map<String, Value>) -> ApiResult<Vec<BTreeMap<String, minij
                 "system" | "user" | "assistant" => role,
                 // OpenAI's newer name for system instructions.
                 "developer" => "system",
-                "tool" | "function" => return Err(ApiError::bad(
-                    &format!("messages[{i}].role"),
-                    format!(
+                "tool" | "function" => {
+                    return Err(ApiError::bad(
+                        &format!("messages[{i}].role"),
+                        format!(
                         "'{role}' messages need tool calling, which this server does not support"
                     ),
-                )),
+                    ))
+                }
                 _ => {
                     return Err(ApiError::bad(
                         &format!("messages[{i}].role"),

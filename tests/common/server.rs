@@ -26,7 +26,7 @@ impl Server {
             .unwrap();
         let base = line
             .split_whitespace()
-            .find(|w| w.starts_with("http://"))
+            .find(|w| w.starts_with("http://") || w.starts_with("https://"))
             .unwrap_or_else(|| {
                 let mut err = String::new();
                 let _ = child.stderr.take().unwrap().read_to_string(&mut err);
