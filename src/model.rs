@@ -83,6 +83,12 @@ impl<'a> ModelTensors<'a> {
     /// Looks up and checks every tensor (shared by the engine and the reference loader).
     pub fn collect(files: &'a ModelFiles) -> Result<Self> {
         let c = &files.config;
+        if c.qk_norm {
+            return Err(Error::config(
+                &files.path,
+                "per-head q/k norms (qwen3) are not implemented yet",
+            ));
+        }
         let (h, q, kv, ff) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let mut layers = Vec::with_capacity(c.n_layers);
         for l in 0..c.n_layers {
