@@ -3,19 +3,20 @@
 //! [`GgufFile::open`] memory-maps the file and parses its header, metadata and tensor table
 //! ([`reader`] documents the byte layout and the bounds-checking contract). From there:
 //!
-//! - [`GgufFile::config`]: the `llama.*` keys as a validated [`Config`] (through
+//! - [`GgufFile::config`]: the `<arch>.*` keys as a validated [`Config`] (through
 //!   [`HfConfig::validate`], so the checks are the ones `config.json` gets), cross-checked
 //!   against the tensor shapes.
 //! - [`GgufFile::hf_tensors`]: the tensors under their Hugging Face names, in Hugging Face shape
-//!   order, with llama.cpp's Q/K row permutation undone, so the forward pass is the same one as
+//!   order, with llama.cpp's Q/K row permutation undone (llama only), so the forward pass is the same one as
 //!   for a safetensors checkpoint. Data stays in its file dtype (quantised blocks included);
 //!   [`crate::dequant`] dequantises it.
 //! - [`GgufFile::tokenizer`]: a `tokenizers::Tokenizer` built from `tokenizer.ggml.*`
 //!   ([`tokenizer`] says how, and how it matches transformers' GGUF conversion).
 //! - [`GgufFile::chat_template`]: `tokenizer.chat_template`, for [`crate::chat::render_chat`].
 //!
-//! Only the `llama` architecture is accepted (Llama, SmolLM, Mistral-style files written as
-//! llama); only F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors.
+//! The architectures accepted are the rows of [`ARCHS`]: `llama` (Llama, SmolLM,
+//! Mistral-style files written as llama), `qwen2` (q/k/v biases) and `qwen3` (per-head q/k
+//! RMSNorm); their metadata keys are read under their own prefix (`qwen3.block_count`).
 
 pub mod reader;
 pub mod tokenizer;
@@ -313,19 +314,21 @@ impl GgufFile {
             .ok_or_else(|| self.cfg_err(format!("missing metadata '{key}'")))
     }
 
-    /// The model configuration from the `llama.*` metadata, validated by
+    /// The model configuration from the `<arch>.*` metadata, validated by
     /// [`HfConfig::validate`] and cross-checked against the tensor shapes.
     ///
-    /// - `head_dim` = `llama.attention.key_length`, else `llama.rope.dimension_count`, else
+    /// - `head_dim` = `<arch>.attention.key_length`, else `<arch>.rope.dimension_count`, else
     ///   `embedding_length / head_count`; a rope dimension count different from `head_dim`
     ///   (partial rotary) is refused.
-    /// - `vocab_size` = `llama.vocab_size`, else the length of `tokenizer.ggml.tokens`, else the
+    /// - `vocab_size` = `<arch>.vocab_size`, else the length of `tokenizer.ggml.tokens`, else the
     ///   rows of `token_embd.weight`.
     /// - `tie_word_embeddings` = there is no `output.weight` tensor (the LM head is then the
     ///   embedding matrix, as in SmolLM2).
     /// - `attention_bias` = the file has `attn_q.bias` tensors.
-    /// - RoPE scaling: `llama.rope.scaling.type` = `linear` with `llama.rope.scaling.factor`
-    ///   (or the older `llama.rope.scale_linear`); a `rope_freqs.weight` tensor (Llama 3.1/3.2)
+    /// - `qk_norm` = the architecture has per-head q/k norms ([`ArchSpec::qk_norm`], through
+    ///   the `model_type` it is read as); the `attn_{q,k}_norm.weight` tensors are then required.
+    /// - RoPE scaling: `<arch>.rope.scaling.type` = `linear` with `<arch>.rope.scaling.factor`
+    ///   (or the older `<arch>.rope.scale_linear`); a `rope_freqs.weight` tensor (Llama 3.1/3.2)
     ///   is recognised as Llama 3 scaling when it equals the factors that scheme gives.
     pub fn config(&self) -> Result<Config> {
         let k = |s: &str| self.k(s);
