@@ -233,12 +233,13 @@ fn smollm2_engine_and_reference_perplexity_agree() {
 }
 
 /// The tiny Qwen2 (q/k/v biases, head_dim 32, MQA) and Qwen3 (per-head q/k norms before
-/// RoPE, head_dim 64 ≠ hidden/heads, GQA 2) GGUF fixtures (fixtures/make_gguf_archs.py):
-/// the architecture-specific steps happen before the cache, so every cache mode must agree
-/// with the reference as on a Llama. 160 tokens, sink 4 + window 40.
+/// RoPE, head_dim ≠ hidden/heads: 64 with GQA 2, 256 with MQA) GGUF fixtures
+/// (fixtures/make_gguf_archs.py): the architecture-specific steps happen before the cache,
+/// so every cache mode must agree with the reference as on a Llama. 160 tokens, sink 4 +
+/// window 40.
 #[test]
 fn qwen_gguf_engine_and_reference_perplexity_agree() {
-    for arch in ["qwen2", "qwen3"] {
+    for arch in ["qwen2", "qwen3", "qwen3-hd256-mqa"] {
         let kvs: Vec<KvConfig> = caches(40)
             .into_iter()
             .filter(|kv| kv.positions == PositionsMode::Original)
