@@ -947,6 +947,7 @@ mod tests {
             layer_types: vec![],
             num_kv_shared_layers: 0,
             attention_bias: false,
+            qk_norm: false,
             bos_token_id: None,
             eos_token_ids: vec![],
         }
@@ -1389,6 +1390,7 @@ mod tests {
                 layer_types: vec![],
                 num_kv_shared_layers: 0,
                 attention_bias: false,
+                qk_norm: false,
                 bos_token_id: None,
                 eos_token_ids: vec![],
             };

@@ -82,7 +82,15 @@ pub struct HfConfig {
 }
 
 /// Architectures whose forward pass is the Llama one.
-const SUPPORTED_ARCHS: &[&str] = &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+const SUPPORTED_ARCHS: &[&str] = &[
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+];
+
+/// Supported `model_type` values (transformers builds the model class from it).
+const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
 
 impl HfConfig {
     /// Reads and parses `config.json` (or any JSON text with the same fields).
@@ -133,7 +141,10 @@ impl HfConfig {
             sliding_window,
             layer_types,
             num_kv_shared_layers,
-            attention_bias: self.attention_bias.unwrap_or(self.is_qwen2()),
+            attention_bias: self
+                .attention_bias
+                .unwrap_or(self.is_arch("qwen2", "Qwen2ForCausalLM")),
+            qk_norm: self.is_arch("qwen3", "Qwen3ForCausalLM"),
             bos_token_id,
             eos_token_ids,
         };
@@ -161,9 +172,10 @@ impl HfConfig {
         }
         // transformers builds the model class from model_type, so it must agree too.
         if let Some(mt) = &self.model_type {
-            if !["llama", "mistral", "qwen2"].contains(&mt.as_str()) {
+            if !SUPPORTED_MODEL_TYPES.contains(&mt.as_str()) {
                 return Err(format!(
-                    "unsupported model_type '{mt}' (supported: llama, mistral, qwen2)"
+                    "unsupported model_type '{mt}' (supported: {})",
+                    SUPPORTED_MODEL_TYPES.join(", ")
                 ));
             }
         }
@@ -178,12 +190,13 @@ impl HfConfig {
         Ok(())
     }
 
-    fn is_qwen2(&self) -> bool {
-        self.model_type.as_deref() == Some("qwen2")
+    /// The config names this model type or architecture class.
+    fn is_arch(&self, model_type: &str, class: &str) -> bool {
+        self.model_type.as_deref() == Some(model_type)
             || self
                 .architectures
                 .as_ref()
-                .is_some_and(|a| a.iter().any(|x| x == "Qwen2ForCausalLM"))
+                .is_some_and(|a| a.iter().any(|x| x == class))
     }
 
     /// The model's sizes: present, positive, within bounds, and consistent (heads divide

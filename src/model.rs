@@ -64,6 +64,10 @@ pub struct LayerTensors<'a> {
     pub bq: Option<&'a Tensor>,
     pub bk: Option<&'a Tensor>,
     pub bv: Option<&'a Tensor>,
+    /// Per-head q/k RMSNorm weights, `(head_dim)` (when `qk_norm`; `k_norm` only in a layer
+    /// that holds K/V).
+    pub q_norm: Option<&'a Tensor>,
+    pub k_norm: Option<&'a Tensor>,
     pub ffn_norm: &'a Tensor,
     pub w_gate: &'a Tensor,
     pub w_up: &'a Tensor,
@@ -100,6 +104,15 @@ impl<'a> ModelTensors<'a> {
                 true => bias(name, kv),
                 false => Ok(None),
             };
+            let hd = c.head_dim;
+            let norm = |name: &str, wanted: bool| -> Result<Option<&'a Tensor>> {
+                match wanted {
+                    true => files
+                        .get(&format!("{p}.self_attn.{name}.weight"), &[hd])
+                        .map(Some),
+                    false => Ok(None),
+                }
+            };
             layers.push(LayerTensors {
                 attn_norm: files.get(&format!("{p}.input_layernorm.weight"), &[h])?,
                 wq: files.get(&format!("{p}.self_attn.q_proj.weight"), &[q, h])?,
@@ -109,6 +122,8 @@ impl<'a> ModelTensors<'a> {
                 bq: bias("q_proj", q)?,
                 bk: kv_bias("k_proj")?,
                 bv: kv_bias("v_proj")?,
+                q_norm: norm("q_norm", c.qk_norm)?,
+                k_norm: norm("k_norm", c.qk_norm && owns_kv)?,
                 ffn_norm: files.get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
                 w_gate: files.get(&format!("{p}.mlp.gate_proj.weight"), &[ff, h])?,
                 w_up: files.get(&format!("{p}.mlp.up_proj.weight"), &[ff, h])?,
@@ -184,6 +199,8 @@ struct Layer {
     bq: Option<Vec<f32>>,
     bk: Option<Vec<f32>>,
     bv: Option<Vec<f32>>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
     w_gate: Matrix,
     w_up: Matrix,
@@ -278,6 +295,8 @@ impl Model {
                 bq: l.bq.map(vecf),
                 bk: l.bk.map(vecf),
                 bv: l.bv.map(vecf),
+                q_norm: l.q_norm.map(vecf),
+                k_norm: l.k_norm.map(vecf),
                 ffn_norm: vecf(l.ffn_norm),
                 w_gate: matrix(l.w_gate, wdtype),
                 w_up: matrix(l.w_up, wdtype),
@@ -500,6 +519,17 @@ impl Model {
             // SAFETY: the other members wait at the sync below and hold no reference to
             // the cache or the tables (their last ones ended before the previous sync).
             let (cache, tables) = unsafe { (b.cache.get_mut(), b.tables.get_mut()) };
+            // Per-head q/k norms on member 0's own copies (the others may still be reading
+            // `q`/`k` for the finiteness check above).
+            let normed = |x: &[f32], w: &Option<Vec<f32>>| -> Option<Vec<f32>> {
+                w.as_ref().map(|w| {
+                    let mut x = x.to_vec();
+                    ops::head_rmsnorm(&mut x, w, c.rms_norm_eps);
+                    x
+                })
+            };
+            let (qn, kn) = (normed(q, &lw.q_norm), normed(k, &lw.k_norm));
+            let (q, k) = (qn.as_deref().unwrap_or(q), kn.as_deref().unwrap_or(k));
             if has_kv {
                 append_kv(c, &self.rope, cache.layer_mut(l), k, v, pos, tables);
             }
@@ -558,6 +588,7 @@ impl Model {
             // YOCO shared layer: the source layer already appended this token.
             matvec(&lw.wq, &s.h, &mut s.q);
             add_bias(&mut s.q, &lw.bq);
+            head_norm(&mut s.q, &lw.q_norm, c.rms_norm_eps);
             let src = self.kv_source[l];
             attend_stored(
                 c,
@@ -575,6 +606,8 @@ impl Model {
         add_bias(&mut s.q, &lw.bq);
         add_bias(&mut s.k, &lw.bk);
         add_bias(&mut s.v, &lw.bv);
+        head_norm(&mut s.q, &lw.q_norm, c.rms_norm_eps);
+        head_norm(&mut s.k, &lw.k_norm, c.rms_norm_eps);
         check_finite_kv(&s.k, &s.v, l, pos)?;
         attend(
             c,
@@ -688,6 +721,7 @@ impl Model {
             matmul(&lw.wq, &b.h, n, &mut b.q);
         }
         b.q.chunks_exact_mut(qd).for_each(|r| add_bias(r, &lw.bq));
+        head_norm(&mut b.q, &lw.q_norm, c.rms_norm_eps);
         let (Some(_), Some(_)) = (&lw.wk, &lw.wv) else {
             let Some((before, ks, vs)) = &replay[self.kv_source[l]] else {
                 unreachable!("the source of a shared layer holds K/V and comes first");
@@ -719,6 +753,7 @@ impl Model {
         };
         b.k.chunks_exact_mut(kvd).for_each(|r| add_bias(r, &lw.bk));
         b.v.chunks_exact_mut(kvd).for_each(|r| add_bias(r, &lw.bv));
+        head_norm(&mut b.k, &lw.k_norm, c.rms_norm_eps);
         check_finite_kv(&b.k, &b.v, l, start)?;
         if self.kv_source.iter().skip(l + 1).any(|&src| src == l) {
             replay[l] = Some((s.cache.layer(l).clone(), b.k.clone(), b.v.clone()));
@@ -821,6 +856,13 @@ fn norm_rows(x: &[f32], w: &[f32], eps: f32, h: &mut [f32]) {
 fn add_bias(x: &mut [f32], bias: &Option<Vec<f32>>) {
     if let Some(b) = bias {
         ops::add_assign(x, b);
+    }
+}
+
+/// Per-head RMSNorm of q or k rows (any number of whole heads), if the layer has one.
+fn head_norm(x: &mut [f32], weight: &Option<Vec<f32>>, eps: f32) {
+    if let Some(w) = weight {
+        ops::head_rmsnorm(x, w, eps);
     }
 }
 
@@ -967,6 +1009,8 @@ pub fn reference_model(
                 bq: l.bq.map(f32s).transpose()?.map(Into::into),
                 bk: l.bk.map(f32s).transpose()?.map(Into::into),
                 bv: l.bv.map(f32s).transpose()?.map(Into::into),
+                q_norm: l.q_norm.map(f32s).transpose()?.map(Into::into),
+                k_norm: l.k_norm.map(f32s).transpose()?.map(Into::into),
                 ffn_norm: f32s(l.ffn_norm)?.into(),
                 w_gate: m(l.w_gate)?,
                 w_up: m(l.w_up)?,
@@ -1098,6 +1142,10 @@ impl Model {
                 if let Some(b) = b {
                     buf.chunks_exact_mut(d).for_each(|r| ops::add_assign(r, b));
                 }
+            }
+            head_norm(&mut q, &lw.q_norm, c.rms_norm_eps);
+            if shared_source.is_none() {
+                head_norm(&mut k, &lw.k_norm, c.rms_norm_eps);
             }
             if shared_source.is_none() {
                 check_finite_kv(&k, &v, l, steps[0].start)?;

@@ -123,6 +123,7 @@ mod tests {
             layer_types: Vec::new(),
             num_kv_shared_layers: 0,
             attention_bias: false,
+            qk_norm: false,
             bos_token_id: None,
             eos_token_ids: Vec::new(),
         }

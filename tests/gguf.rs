@@ -797,12 +797,96 @@ fn unsupported_tensor_type_names_tensor_and_type() {
 
 #[test]
 fn wrong_architecture() {
-    let g = tiny_model(3).kv("general.architecture", V::Str("qwen2".into()));
+    let g = tiny_model(3).kv("general.architecture", V::Str("mamba".into()));
     let e = open_err(&g);
-    assert!(e.contains("architecture 'qwen2' is not supported"), "{e}");
+    assert!(
+        e.contains("general.architecture 'mamba' is not supported")
+            && e.contains("llama, qwen2, qwen3"),
+        "{e}"
+    );
     let mut g = tiny_model(3);
     g.kv.retain(|(k, _)| k != "general.architecture");
     assert!(open_err(&g).contains("general.architecture"));
+}
+
+/// `tiny_model` as architecture `arch`: every `llama.*` key renamed to `<arch>.*`.
+fn as_arch(g: Gguf, arch: &str) -> Gguf {
+    let mut g = g.kv("general.architecture", V::Str(arch.into()));
+    for (k, _) in g.kv.iter_mut() {
+        if let Some(rest) = k.strip_prefix("llama.") {
+            *k = format!("{arch}.{rest}");
+        }
+    }
+    g
+}
+
+#[test]
+fn qwen2_keys_and_no_qk_unpermute() {
+    let g = as_arch(tiny_model(3), "qwen2");
+    let f = open(&g).unwrap();
+    assert_eq!(f.arch().name, "qwen2");
+    let c = f.config().unwrap();
+    assert_eq!(
+        (
+            c.n_layers,
+            c.hidden_size,
+            c.n_heads,
+            c.n_kv_heads,
+            c.head_dim
+        ),
+        (LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM)
+    );
+    assert_eq!(c.rope_theta, 100000.0);
+    assert!(!c.qk_norm && !c.attention_bias);
+    // NEOX-style RoPE: llama.cpp stores qwen2's Q/K in Hugging Face row order, so they are
+    // borrowed as they are (a llama file's are un-permuted into owned copies).
+    let hf = f.hf_tensors().unwrap();
+    for (name, gguf) in [
+        (
+            "model.layers.1.self_attn.q_proj.weight",
+            "blk.1.attn_q.weight",
+        ),
+        (
+            "model.layers.0.self_attn.k_proj.weight",
+            "blk.0.attn_k.weight",
+        ),
+    ] {
+        let t = hf.iter().find(|t| t.name == name).unwrap();
+        assert!(matches!(t.data, std::borrow::Cow::Borrowed(_)), "{name}");
+        let file = g.tensors.iter().find(|t| t.name == gguf).unwrap();
+        assert_eq!(&t.data[..], &file.data[..], "{name}");
+    }
+    // A llama key in a qwen2 file is not read: the qwen2 one is missing.
+    let mut g2 = g.clone();
+    g2.kv.retain(|(k, _)| k != "qwen2.block_count");
+    let e = open(&g2).unwrap().config().unwrap_err().to_string();
+    assert!(e.contains("'qwen2.block_count'"), "{e}");
+    // q/k/v biases
+    let mut g3 = g.clone();
+    for l in 0..LAYERS {
+        for (n, d) in [
+            ("q", HEADS * HEAD_DIM),
+            ("k", KV_HEADS * HEAD_DIM),
+            ("v", KV_HEADS * HEAD_DIM),
+        ] {
+            g3.tensors.push(Tensor {
+                name: format!("blk.{l}.attn_{n}.bias"),
+                ne: vec![d as u64],
+                ggml_type: 0,
+                data: enc_f32(&vec![0.25; d]),
+            });
+        }
+    }
+    let f3 = open(&g3).unwrap();
+    assert!(f3.config().unwrap().attention_bias);
+    let hf = f3.hf_tensors().unwrap();
+    assert!(hf
+        .iter()
+        .any(|t| t.name == "model.layers.1.self_attn.v_proj.bias"));
+    // a qwen3 file needs its per-head q/k norms
+    let g4 = as_arch(tiny_model(3), "qwen3");
+    let e = open(&g4).unwrap().config().unwrap_err().to_string();
+    assert!(e.contains("_norm.weight") && e.contains("missing"), "{e}");
 }
 
 #[test]
@@ -1022,6 +1106,22 @@ fn tokenizer_from_tiny_metadata() {
     let g = tiny_model(3).kv("tokenizer.ggml.pre", V::Str("llama-bpe".into()));
     let tok = open(&g).unwrap().tokenizer().unwrap();
     assert_eq!(tok.encode("hello", true).unwrap().get_ids(), &[id("hello")]);
+
+    // qwen2's regex isolates every digit
+    let g = tiny_model(3).kv("tokenizer.ggml.pre", V::Str("qwen2".into()));
+    let tok = open(&g).unwrap().tokenizer().unwrap();
+    assert_eq!(
+        tok.encode("hello 12", true).unwrap().get_ids(),
+        &[id("hello"), id("Ġ"), id("1"), id("2")]
+    );
+
+    // an unknown pre-tokenizer kind is an error naming the key and the value
+    let g = tiny_model(3).kv("tokenizer.ggml.pre", V::Str("made-up".into()));
+    let e = open(&g).unwrap().tokenizer().unwrap_err().to_string();
+    assert!(
+        e.contains("tokenizer.ggml.pre") && e.contains("'made-up'") && e.contains("qwen2"),
+        "{e}"
+    );
 
     // unsupported kinds are named
     let g = tiny_model(3).kv("tokenizer.ggml.model", V::Str("llama".into()));

@@ -231,3 +231,23 @@ fn smollm2_engine_and_reference_perplexity_agree() {
         .collect();
     run_table(&p, 96, &kvs);
 }
+
+/// The tiny Qwen2 (q/k/v biases, head_dim 32, MQA) and Qwen3 (per-head q/k norms before
+/// RoPE, head_dim ≠ hidden/heads: 64 with GQA 2, 256 with MQA) GGUF fixtures
+/// (fixtures/make_gguf_archs.py): the architecture-specific steps happen before the cache,
+/// so every cache mode must agree with the reference as on a Llama. 160 tokens, sink 4 +
+/// window 40.
+#[test]
+fn qwen_gguf_engine_and_reference_perplexity_agree() {
+    for arch in ["qwen2", "qwen3", "qwen3-hd256-mqa"] {
+        let kvs: Vec<KvConfig> = caches(40)
+            .into_iter()
+            .filter(|kv| kv.positions == PositionsMode::Original)
+            .collect();
+        run_table(
+            &fixtures().join(format!("archs/{arch}/{arch}.gguf")),
+            160,
+            &kvs,
+        );
+    }
+}

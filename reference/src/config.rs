@@ -70,6 +70,9 @@ pub struct Config {
     pub num_kv_shared_layers: usize,
     /// Qwen2-style biases on the q/k/v projections.
     pub attention_bias: bool,
+    /// Qwen3-style per-head RMSNorm of q and k (weights of length `head_dim`, shared by
+    /// every head) after the projections and before RoPE.
+    pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }

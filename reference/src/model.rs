@@ -2,6 +2,7 @@
 //!
 //! Llama family: embed → for each layer { x += o_proj(attend(rope(q), rope(k), v)) on
 //! rmsnorm(x); x += down(silu(gate(h)) * up(h)) on h = rmsnorm(x) } → rmsnorm → lm_head.
+//! Qwen2 adds q/k/v biases; Qwen3 an RMSNorm of each q and k head before RoPE.
 //!
 //! YOCO sharing (`num_kv_shared_layers` = S): layers `≥ L − S` compute no K/V; their query
 //! attends over the cache of the layer [`Config::kv_source`] names, which that layer has
@@ -15,7 +16,8 @@ use crate::ggml_dot;
 use crate::kv_cache::{KvConfig, LayerCache};
 use crate::rope::Rope;
 use ndarray::{
-    Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayViewMut, ArrayViewMut1, Axis, Dimension,
+    Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayViewMut, ArrayViewMut1, ArrayViewMut2,
+    Axis, Dimension,
 };
 
 /// A weight matrix `(out_features, in_features)`.
@@ -75,6 +77,10 @@ pub struct LayerWeights {
     pub bq: Option<Array1<f32>>,
     pub bk: Option<Array1<f32>>,
     pub bv: Option<Array1<f32>>,
+    /// Qwen3-style per-head RMSNorm weights of q and k, (head_dim) each, applied to every
+    /// head after the bias and before RoPE (`k_norm` is unused in a YOCO shared layer).
+    pub q_norm: Option<Array1<f32>>,
+    pub k_norm: Option<Array1<f32>>,
     /// (hidden)
     pub ffn_norm: Array1<f32>,
     /// (intermediate, hidden)
@@ -198,6 +204,17 @@ fn add_bias<D: Dimension>(x: ArrayViewMut<f32, D>, b: Option<&Array1<f32>>) {
     }
 }
 
+/// Per-head RMSNorm: each row of `x` (one head, `(heads, head_dim)`) normalised in place
+/// with `w`, when the layer has the weights.
+fn head_norm(mut x: ArrayViewMut2<f32>, w: Option<&Array1<f32>>, eps: f32) {
+    if let Some(w) = w {
+        for mut row in x.rows_mut() {
+            let input = row.to_owned();
+            rmsnorm(&input, w, eps, &mut row);
+        }
+    }
+}
+
 /// The SwiGLU feed-forward: `gate = silu(gate(h)) · up(h)`, `out = down(gate)`.
 struct Mlp {
     gate: Array1<f32>,
@@ -260,6 +277,7 @@ impl Model {
             rmsnorm(&x, &lw.attn_norm, cfg.rms_norm_eps, &mut h);
             lw.wq.matvec(h.view(), q.view_mut());
             add_bias(q.view_mut(), lw.bq.as_ref());
+            head_norm(q.view_mut(), lw.q_norm.as_ref(), cfg.rms_norm_eps);
             let probs = if state.record_probs {
                 Some(&mut state.probs[l])
             } else {
@@ -273,6 +291,7 @@ impl Model {
                     .matvec(h.view(), v.view_mut());
                 add_bias(k.view_mut(), lw.bk.as_ref());
                 add_bias(v.view_mut(), lw.bv.as_ref());
+                head_norm(k.view_mut(), lw.k_norm.as_ref(), cfg.rms_norm_eps);
                 attend_heads(
                     cfg,
                     &self.rope,
@@ -337,6 +356,7 @@ impl Model {
                 let mut q = qs.index_axis_mut(Axis(0), pos);
                 lw.wq.matvec(h.view(), q.view_mut());
                 add_bias(q.view_mut(), lw.bq.as_ref());
+                head_norm(q.view_mut(), lw.q_norm.as_ref(), cfg.rms_norm_eps);
                 self.rope.rotate_rows(q, pos);
                 if owns_kv {
                     let mut k = ks.index_axis_mut(Axis(0), pos);
@@ -351,6 +371,7 @@ impl Model {
                         .matvec(h.view(), v.view_mut());
                     add_bias(k.view_mut(), lw.bk.as_ref());
                     add_bias(v.view_mut(), lw.bv.as_ref());
+                    head_norm(k.view_mut(), lw.k_norm.as_ref(), cfg.rms_norm_eps);
                     self.rope.rotate_rows(k, pos);
                 }
             }

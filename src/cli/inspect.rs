@@ -67,6 +67,17 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     outln!("rope theta:  {} ({:?})", c.rope_theta, c.rope_scaling)?;
     outln!("rms eps:     {}", c.rms_norm_eps)?;
     outln!("tied embed:  {}", c.tie_word_embeddings)?;
+    let extras: Vec<&str> = [
+        (c.attention_bias, "q/k/v biases"),
+        (c.qk_norm, "per-head q/k RMSNorm"),
+    ]
+    .iter()
+    .filter(|(on, _)| *on)
+    .map(|(_, what)| *what)
+    .collect();
+    if !extras.is_empty() {
+        outln!("attention:   {}", extras.join(", "))?;
+    }
     if let Some(w) = c.sliding_window {
         outln!("sliding win: {w}")?;
     }

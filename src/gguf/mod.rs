@@ -3,19 +3,20 @@
 //! [`GgufFile::open`] memory-maps the file and parses its header, metadata and tensor table
 //! ([`reader`] documents the byte layout and the bounds-checking contract). From there:
 //!
-//! - [`GgufFile::config`]: the `llama.*` keys as a validated [`Config`] (through
+//! - [`GgufFile::config`]: the `<arch>.*` keys as a validated [`Config`] (through
 //!   [`HfConfig::validate`], so the checks are the ones `config.json` gets), cross-checked
 //!   against the tensor shapes.
 //! - [`GgufFile::hf_tensors`]: the tensors under their Hugging Face names, in Hugging Face shape
-//!   order, with llama.cpp's Q/K row permutation undone, so the forward pass is the same one as
+//!   order, with llama.cpp's Q/K row permutation undone (llama only), so the forward pass is the same one as
 //!   for a safetensors checkpoint. Data stays in its file dtype (quantised blocks included);
 //!   [`crate::dequant`] dequantises it.
 //! - [`GgufFile::tokenizer`]: a `tokenizers::Tokenizer` built from `tokenizer.ggml.*`
 //!   ([`tokenizer`] says how, and how it matches transformers' GGUF conversion).
 //! - [`GgufFile::chat_template`]: `tokenizer.chat_template`, for [`crate::chat::render_chat`].
 //!
-//! Only the `llama` architecture is accepted (Llama, SmolLM, Mistral-style files written as
-//! llama); only F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors.
+//! The architectures accepted are the rows of [`ARCHS`]: `llama` (Llama, SmolLM,
+//! Mistral-style files written as llama), `qwen2` (q/k/v biases) and `qwen3` (per-head q/k
+//! RMSNorm); their metadata keys are read under their own prefix (`qwen3.block_count`).
 
 pub mod reader;
 pub mod tokenizer;
@@ -49,6 +50,7 @@ pub struct GgufFile {
     path: PathBuf,
     storage: Storage,
     parsed: reader::Parsed,
+    arch: &'static ArchSpec,
 }
 
 /// A tensor of a GGUF file, renamed and reshaped to its Hugging Face name and shape.
@@ -90,8 +92,48 @@ enum Permuted {
     K,
 }
 
-/// The only architecture accepted.
-const ARCH: &str = "llama";
+/// What the loader needs to know about one accepted `general.architecture`. Adding an
+/// architecture whose forward pass the engine already runs is one row of [`ARCHS`].
+#[derive(Debug, PartialEq, Eq)]
+pub struct ArchSpec {
+    /// `general.architecture`, also the prefix of its metadata keys (`qwen2.block_count`).
+    pub name: &'static str,
+    /// The Hugging Face `model_type` the file is read as (what [`HfConfig::validate`] checks).
+    pub model_type: &'static str,
+    /// llama.cpp's converter permuted the Q/K rows into interleaved-pair RoPE order (llama
+    /// only): undone at load. The other architectures run NEOX-style RoPE (Hugging Face's
+    /// `rotate_half`) and store Q/K as Hugging Face does.
+    pub permuted_qk: bool,
+    /// Per-head RMSNorm of q and k before RoPE (`blk.N.attn_q_norm.weight` /
+    /// `attn_k_norm.weight`, length `head_dim`).
+    pub qk_norm: bool,
+}
+
+/// The accepted architectures.
+pub const ARCHS: &[ArchSpec] = &[
+    ArchSpec {
+        name: "llama",
+        model_type: "llama",
+        permuted_qk: true,
+        qk_norm: false,
+    },
+    ArchSpec {
+        name: "qwen2",
+        model_type: "qwen2",
+        permuted_qk: false,
+        qk_norm: false,
+    },
+    ArchSpec {
+        name: "qwen3",
+        model_type: "qwen3",
+        permuted_qk: false,
+        qk_norm: true,
+    },
+];
+
+fn arch_names() -> String {
+    ARCHS.iter().map(|a| a.name).collect::<Vec<_>>().join(", ")
+}
 
 impl GgufFile {
     /// Memory-maps and parses `path`.
@@ -113,20 +155,25 @@ impl GgufFile {
 
     fn from_storage(storage: Storage, path: &Path) -> Result<GgufFile> {
         let parsed = reader::parse(storage.bytes(), path)?;
-        match parsed.metadata.get("general.architecture") {
+        let arch = match parsed.metadata.get("general.architecture") {
             None => {
                 return Err(Error::format(
                     path,
                     "missing metadata 'general.architecture'",
                 ))
             }
-            Some(GgufValue::String(a)) if a == ARCH => {}
-            Some(GgufValue::String(a)) => {
-                return Err(Error::format(
-                    path,
-                    format!("architecture '{a}' is not supported (only '{ARCH}')"),
-                ))
-            }
+            Some(GgufValue::String(a)) => match ARCHS.iter().find(|s| s.name == a) {
+                Some(spec) => spec,
+                None => {
+                    return Err(Error::format(
+                        path,
+                        format!(
+                            "general.architecture '{a}' is not supported (supported: {})",
+                            arch_names()
+                        ),
+                    ))
+                }
+            },
             Some(v) => {
                 return Err(Error::format(
                     path,
@@ -136,11 +183,12 @@ impl GgufFile {
                     ),
                 ))
             }
-        }
+        };
         Ok(GgufFile {
             path: path.to_path_buf(),
             storage,
             parsed,
+            arch,
         })
     }
 
@@ -148,6 +196,16 @@ impl GgufFile {
     /// points into these).
     pub fn bytes(&self) -> &[u8] {
         self.storage.bytes()
+    }
+
+    /// The file's architecture (`general.architecture`, one of [`ARCHS`]).
+    pub fn arch(&self) -> &'static ArchSpec {
+        self.arch
+    }
+
+    /// `<arch>.<suffix>`: a metadata key of this file's architecture.
+    fn k(&self, suffix: &str) -> String {
+        format!("{}.{suffix}", self.arch.name)
     }
 
     /// The path given to [`open`](Self::open) / [`from_bytes`](Self::from_bytes).
@@ -256,22 +314,24 @@ impl GgufFile {
             .ok_or_else(|| self.cfg_err(format!("missing metadata '{key}'")))
     }
 
-    /// The model configuration from the `llama.*` metadata, validated by
+    /// The model configuration from the `<arch>.*` metadata, validated by
     /// [`HfConfig::validate`] and cross-checked against the tensor shapes.
     ///
-    /// - `head_dim` = `llama.attention.key_length`, else `llama.rope.dimension_count`, else
+    /// - `head_dim` = `<arch>.attention.key_length`, else `<arch>.rope.dimension_count`, else
     ///   `embedding_length / head_count`; a rope dimension count different from `head_dim`
     ///   (partial rotary) is refused.
-    /// - `vocab_size` = `llama.vocab_size`, else the length of `tokenizer.ggml.tokens`, else the
+    /// - `vocab_size` = `<arch>.vocab_size`, else the length of `tokenizer.ggml.tokens`, else the
     ///   rows of `token_embd.weight`.
     /// - `tie_word_embeddings` = there is no `output.weight` tensor (the LM head is then the
     ///   embedding matrix, as in SmolLM2).
     /// - `attention_bias` = the file has `attn_q.bias` tensors.
-    /// - RoPE scaling: `llama.rope.scaling.type` = `linear` with `llama.rope.scaling.factor`
-    ///   (or the older `llama.rope.scale_linear`); a `rope_freqs.weight` tensor (Llama 3.1/3.2)
+    /// - `qk_norm` = the architecture has per-head q/k norms ([`ArchSpec::qk_norm`], through
+    ///   the `model_type` it is read as); the `attn_{q,k}_norm.weight` tensors are then required.
+    /// - RoPE scaling: `<arch>.rope.scaling.type` = `linear` with `<arch>.rope.scaling.factor`
+    ///   (or the older `<arch>.rope.scale_linear`); a `rope_freqs.weight` tensor (Llama 3.1/3.2)
     ///   is recognised as Llama 3 scaling when it equals the factors that scheme gives.
     pub fn config(&self) -> Result<Config> {
-        let k = |s: &str| format!("{ARCH}.{s}");
+        let k = |s: &str| self.k(s);
         let hidden = self.require_usize(&k("embedding_length"))?;
         let n_layers = self.require_usize(&k("block_count"))?;
         let n_heads = self.require_usize(&k("attention.head_count"))?;
@@ -332,7 +392,7 @@ impl GgufFile {
         let (layer_types, sliding_window, shared) = self.layer_plan(n_layers)?;
 
         let hf = HfConfig {
-            model_type: Some(ARCH.to_string()),
+            model_type: Some(self.arch.model_type.to_string()),
             vocab_size: vocab,
             hidden_size: Some(hidden),
             num_hidden_layers: Some(n_layers),
@@ -382,24 +442,28 @@ impl GgufFile {
 
     /// `rope_scaling` in config.json form, from the GGUF keys or the `rope_freqs` tensor.
     fn rope_scaling(&self, theta: f64, head_dim: usize) -> Result<Option<serde_json::Value>> {
-        let kind = self.get_str("llama.rope.scaling.type")?;
-        let factor = self.get_f64("llama.rope.scaling.factor")?;
-        let scale_linear = self.get_f64("llama.rope.scale_linear")?;
-        let from_keys =
-            match (kind, factor, scale_linear) {
-                (Some("none"), _, _) | (None, None, None) => None,
-                (Some("linear") | None, Some(f), _) | (Some("linear") | None, None, Some(f)) => {
-                    Some(serde_json::json!({ "type": "linear", "factor": f }))
-                }
-                (Some("linear"), None, _) => return Err(self.cfg_err(
-                    "llama.rope.scaling.type is 'linear' but llama.rope.scaling.factor is missing",
-                )),
-                (Some(other), _, _) => {
-                    return Err(self.cfg_err(format!(
-                    "llama.rope.scaling.type '{other}' is not supported (supported: none, linear)"
+        let kind = self.get_str(&self.k("rope.scaling.type"))?;
+        let factor = self.get_f64(&self.k("rope.scaling.factor"))?;
+        let scale_linear = self.get_f64(&self.k("rope.scale_linear"))?;
+        let from_keys = match (kind, factor, scale_linear) {
+            (Some("none"), _, _) | (None, None, None) => None,
+            (Some("linear") | None, Some(f), _) | (Some("linear") | None, None, Some(f)) => {
+                Some(serde_json::json!({ "type": "linear", "factor": f }))
+            }
+            (Some("linear"), None, _) => {
+                return Err(self.cfg_err(format!(
+                    "{} is 'linear' but {} is missing",
+                    self.k("rope.scaling.type"),
+                    self.k("rope.scaling.factor")
                 )))
-                }
-            };
+            }
+            (Some(other), _, _) => {
+                return Err(self.cfg_err(format!(
+                    "{} '{other}' is not supported (supported: none, linear)",
+                    self.k("rope.scaling.type")
+                )))
+            }
+        };
         let Some(t) = self.tensor("rope_freqs.weight") else {
             return Ok(from_keys);
         };
@@ -422,7 +486,7 @@ impl GgufFile {
             .collect();
         let factor = freqs.iter().copied().fold(f32::MIN, f32::max) as f64;
         let orig_ctx = self
-            .get_usize("llama.rope.scaling.original_context_length")?
+            .get_usize(&self.k("rope.scaling.original_context_length"))?
             .unwrap_or(8192);
         let (low, high) = (1.0f64, 4.0f64);
         // The divisors convert_hf_to_gguf writes for Llama 3 scaling.
@@ -474,9 +538,9 @@ impl GgufFile {
         Option<serde_json::Value>,
     )> {
         let shared = self
-            .get_usize(&format!("{ARCH}.attention.shared_kv_layers"))?
+            .get_usize(&self.k("attention.shared_kv_layers"))?
             .map(serde_json::Value::from);
-        let pattern_key = format!("{ARCH}.attention.sliding_window_pattern");
+        let pattern_key = self.k("attention.sliding_window_pattern");
         let Some(pattern) = self.parsed.metadata.get(&pattern_key) else {
             return Ok((None, None, shared));
         };
@@ -491,8 +555,9 @@ impl GgufFile {
         };
         if bools.len() != n_layers {
             return Err(self.cfg_err(format!(
-                "metadata '{pattern_key}' has {} entries but {ARCH}.block_count is {n_layers}",
-                bools.len()
+                "metadata '{pattern_key}' has {} entries but {} is {n_layers}",
+                bools.len(),
+                self.k("block_count")
             )));
         }
         let types = bools
@@ -503,7 +568,7 @@ impl GgufFile {
             })
             .collect::<Vec<_>>();
         let window = self
-            .get_usize(&format!("{ARCH}.attention.sliding_window"))?
+            .get_usize(&self.k("attention.sliding_window"))?
             .map(serde_json::Value::from);
         Ok((Some(serde_json::Value::from(types)), window, shared))
     }
@@ -521,7 +586,8 @@ impl GgufFile {
                 &self.path,
                 format!("blk.{first_missing}.attn_norm.weight"),
                 format!(
-                    "missing: llama.block_count is {} but the file has {} tensors",
+                    "missing: {} is {} but the file has {} tensors",
+                    self.k("block_count"),
                     cfg.n_layers,
                     self.parsed.tensors.len()
                 ),
@@ -547,6 +613,9 @@ impl GgufFile {
                 kv_map.insert(b("attn_k.bias"), vec![cfg.kv_dim()]);
                 kv_map.insert(b("attn_v.bias"), vec![cfg.kv_dim()]);
             }
+            if cfg.qk_norm {
+                kv_map.insert(b("attn_k_norm.weight"), vec![cfg.head_dim]);
+            }
             expected.insert(b("attn_norm.weight"), vec![h]);
             expected.insert(b("ffn_norm.weight"), vec![h]);
             expected.insert(b("attn_q.weight"), vec![cfg.q_dim(), h]);
@@ -556,6 +625,9 @@ impl GgufFile {
             expected.insert(b("ffn_down.weight"), vec![h, cfg.intermediate_size]);
             if cfg.attention_bias {
                 expected.insert(b("attn_q.bias"), vec![cfg.q_dim()]);
+            }
+            if cfg.qk_norm {
+                expected.insert(b("attn_q_norm.weight"), vec![cfg.head_dim]);
             }
         }
         for t in &self.parsed.tensors {
@@ -568,13 +640,14 @@ impl GgufFile {
             else {
                 let msg = match block_index(&t.name) {
                     Some(n) if n >= cfg.n_layers => format!(
-                        "layer {n} does not exist: llama.block_count is {}",
+                        "layer {n} does not exist: {} is {}",
+                        self.k("block_count"),
                         cfg.n_layers
                     ),
                     _ if hf_name(&t.name).is_some() => {
                         "unexpected for this configuration (e.g. a bias without attn_q.bias in blk.0)".into()
                     }
-                    _ => "not a tensor of the llama architecture".into(),
+                    _ => format!("not a tensor of the {} architecture", self.arch.name),
                 };
                 return Err(Error::tensor(&self.path, &t.name, msg));
             };
@@ -592,7 +665,8 @@ impl GgufFile {
                 &self.path,
                 name,
                 format!(
-                    "missing (expected shape {want:?} for llama.block_count = {})",
+                    "missing (expected shape {want:?} for {} = {})",
+                    self.k("block_count"),
                     cfg.n_layers
                 ),
             ));
@@ -606,9 +680,9 @@ impl GgufFile {
     /// scaling). Call [`config`](Self::config) first to have the shapes validated; this method
     /// only needs the head counts.
     pub fn hf_tensors(&self) -> Result<Vec<GgufTensor<'_>>> {
-        let n_head = self.require_usize("llama.attention.head_count")?;
+        let n_head = self.require_usize(&self.k("attention.head_count"))?;
         let n_head_kv = self
-            .get_usize("llama.attention.head_count_kv")?
+            .get_usize(&self.k("attention.head_count_kv"))?
             .unwrap_or(n_head);
         let mut out = Vec::with_capacity(self.parsed.tensors.len());
         for t in &self.parsed.tensors {
@@ -619,11 +693,16 @@ impl GgufFile {
                 Error::tensor(
                     &self.path,
                     &t.name,
-                    "not a tensor of the llama architecture",
+                    format!("not a tensor of the {} architecture", self.arch.name),
                 )
             })?;
             let bytes = self.tensor_data(t);
             let shape = t.shape();
+            let perm = if self.arch.permuted_qk {
+                perm
+            } else {
+                Permuted::No
+            };
             let data = match perm {
                 Permuted::No => Cow::Borrowed(bytes),
                 Permuted::Q | Permuted::K => {
@@ -700,12 +779,19 @@ fn hf_name(gguf: &str) -> Option<(String, Permuted)> {
         "attn_k" => ("self_attn.k_proj", Permuted::K),
         "attn_v" => ("self_attn.v_proj", Permuted::No),
         "attn_output" => ("self_attn.o_proj", Permuted::No),
+        "attn_q_norm" => ("self_attn.q_norm", Permuted::No),
+        "attn_k_norm" => ("self_attn.k_norm", Permuted::No),
         "ffn_gate" => ("mlp.gate_proj", Permuted::No),
         "ffn_up" => ("mlp.up_proj", Permuted::No),
         "ffn_down" => ("mlp.down_proj", Permuted::No),
         _ => return None,
     };
-    if suffix == "bias" && matches!(part, "attn_norm" | "ffn_norm") {
+    if suffix == "bias"
+        && matches!(
+            part,
+            "attn_norm" | "ffn_norm" | "attn_q_norm" | "attn_k_norm"
+        )
+    {
         return None;
     }
     Some((format!("model.layers.{i}.{hf}.{suffix}"), perm))

@@ -10,9 +10,10 @@
 //!   `merges` ("a b" strings) the merge list, no `unk`, no dropout, ByteLevel decoder.
 //! - Pre-tokenizer from `tokenizer.ggml.pre`: kinds with a known split regex
 //!   ([`PRE_TOKENIZER_SPLITS`]: `llama-bpe`/`llama3`, `qwen2`, `tekken`, `gpt-4o`, ...) get
-//!   `Sequence[Split(regex, isolated), ByteLevel(use_regex = false)]`; every other kind,
-//!   including SmolLM2's `smollm`, gets plain `ByteLevel(add_prefix_space = false)`, whose
-//!   built-in regex is GPT-2's. (llama.cpp's `smollm` also isolates every digit first, as the
+//!   `Sequence[Split(regex, isolated), ByteLevel(use_regex = false)]`; the kinds that split as
+//!   GPT-2 does ([`GPT2_SPLIT_KINDS`], including SmolLM2's `smollm`) and a file without the
+//!   key get plain `ByteLevel(add_prefix_space = false)`, whose built-in regex is GPT-2's.
+//!   Any other kind is an error naming it (transformers would silently use GPT-2's regex). (llama.cpp's `smollm` also isolates every digit first, as the
 //!   original SmolLM2 `tokenizer.json` does; transformers' conversion does not, and we follow
 //!   transformers, which produced the golden ids. The SmolLM2 vocabulary has no merge that joins
 //!   two digits, so the two differ rarely: on whitespace runs before a digit and around other
@@ -67,6 +68,24 @@ pub const PRE_TOKENIZER_SPLITS: &[(&str, &str)] = &[
     ("kanana2", GPT4O_SPLIT),
     ("talkie", GPT4O_SPLIT),
     ("minimax-m2", GPT4O_SPLIT),
+];
+
+/// `tokenizer.ggml.pre` kinds that split with GPT-2's own regex (the built-in one of
+/// `ByteLevel`), as transformers' conversion treats every kind it has no regex for. `smollm`
+/// is here on purpose (see the module documentation); `default` is llama.cpp's name for
+/// "no kind given". Any kind neither here nor in [`PRE_TOKENIZER_SPLITS`] is an error naming
+/// it: guessing a split would give ids the model was not trained on.
+pub const GPT2_SPLIT_KINDS: &[&str] = &[
+    "default",
+    "gpt2",
+    "gpt-2",
+    "smollm",
+    "phi-2",
+    "jina-es",
+    "jina-de",
+    "jina-v1-es",
+    "jina-v2-es",
+    "jina-v2-de",
 ];
 
 /// llama.cpp token types (`tokenizer.ggml.token_type`).
@@ -164,7 +183,7 @@ pub fn tokenizer_json(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result
     let (vocab, vocab_json) = vocabulary(m.tokens, &alphabet);
     let merges_json = merges(m.merges, &vocab, m.tokens.len(), path)?;
     let added_json = added_tokens(meta, &m, &vocab, &alphabet, path)?;
-    let pre_tokenizer = pre_tokenizer(m.pre);
+    let pre_tokenizer = pre_tokenizer(m.pre, path)?;
     let post_processor = post_processor(meta, m.tokens, path)?;
     let tokenizer = json!({
         "version": "1.0",
@@ -396,19 +415,37 @@ fn added_tokens(
 }
 
 /// Byte-level pre-tokenizer, preceded by the split regex of `tokenizer.ggml.pre` when it
-/// names a known one.
-fn pre_tokenizer(pre: Option<&str>) -> Value {
+/// has its own ([`PRE_TOKENIZER_SPLITS`]); GPT-2's built-in regex for the kinds in
+/// [`GPT2_SPLIT_KINDS`] and for a file without the key; an error for any other kind.
+fn pre_tokenizer(pre: Option<&str>, path: &Path) -> Result<Value> {
     let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
-    match pre.and_then(|p| PRE_TOKENIZER_SPLITS.iter().find(|(k, _)| *k == p)) {
-        Some((_, regex)) => json!({
+    let Some(pre) = pre else {
+        return Ok(byte_level(true));
+    };
+    if let Some((_, regex)) = PRE_TOKENIZER_SPLITS.iter().find(|(k, _)| *k == pre) {
+        return Ok(json!({
             "type": "Sequence",
             "pretokenizers": [
                 {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
                 byte_level(false),
             ],
-        }),
-        None => byte_level(true),
+        }));
     }
+    if GPT2_SPLIT_KINDS.contains(&pre) {
+        return Ok(byte_level(true));
+    }
+    let known: Vec<&str> = PRE_TOKENIZER_SPLITS
+        .iter()
+        .map(|(k, _)| *k)
+        .chain(GPT2_SPLIT_KINDS.iter().copied())
+        .collect();
+    Err(Error::tokenizer(
+        path,
+        format!(
+            "tokenizer.ggml.pre '{pre}' is not a pre-tokenizer this engine knows (known: {})",
+            known.join(", ")
+        ),
+    ))
 }
 
 /// Template post-processor: BOS before / EOS after each sequence, as `add_bos_token` /

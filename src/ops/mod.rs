@@ -29,6 +29,19 @@ pub fn rmsnorm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// Per-head RMSNorm in place (Qwen3's q/k norms): each `weight.len()`-wide chunk of `x` (one
+/// head) is normalised as [`rmsnorm`] does and scaled by `weight`.
+pub fn head_rmsnorm(x: &mut [f32], weight: &[f32], eps: f32) {
+    debug_assert_eq!(x.len() % weight.len(), 0);
+    for head in x.chunks_exact_mut(weight.len()) {
+        let ss = simd::dot(head, head);
+        let inv = 1.0 / (ss / head.len() as f32 + eps).sqrt();
+        for (o, &w) in head.iter_mut().zip(weight) {
+            *o = w * (*o * inv);
+        }
+    }
+}
+
 /// SwiGLU in place: `gate[i] = silu(gate[i]) · up[i]`, `silu(g) = g / (1 + e^(−g))`.
 ///
 /// Eight lanes at a time with `wide`'s `exp`, whose argument is capped at 87 (its range

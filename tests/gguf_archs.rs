@@ -1,0 +1,290 @@
+//! GGUF architectures beyond llama: tiny random Qwen2 (q/k/v biases, head_dim 32, MQA, tied
+//! head) and Qwen3 (per-head q/k RMSNorm, head_dim ≠ hidden/heads: 64 with GQA and an untied
+//! head, 256 with MQA and a tied head; F16 weights) made by
+//! `fixtures/make_gguf_archs.py`, each as a Hugging Face directory and as a GGUF file written
+//! with gguf-py under llama.cpp's names and keys. Goldens are transformers' (float32 on the
+//! stored weights); the same script checked that llama.cpp decodes the same greedy ids from
+//! the same GGUF files (recorded in `fixtures/golden/archs.json`, asserted below).
+//!
+//! Tolerance on logits: 1e-3 absolute. Both files hold the same values (the Qwen3 weights
+//! were rounded to f16 before transformers ran), and every path computes in f32, so the
+//! differences are summation-order rounding: measured at most 1e-5 on logits of magnitude
+//! ~5; 1e-3 leaves room for other SIMD widths while a wrong norm, bias or rotation moves
+//! logits by whole units.
+
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+use tinygpt_cpu::config::AttentionType;
+use tinygpt_cpu::generate::{Engine, EngineRun, ReferenceRun};
+use tinygpt_cpu::gguf::GgufFile;
+use tinygpt_cpu::kv_cache::KvConfig;
+use tinygpt_cpu::model::{reference_model, Model, SeqStep, WeightsDType};
+use tinygpt_cpu::weights::ModelFiles;
+
+const TOL: f32 = 1e-3;
+
+/// Greedy ids may differ only at a step where transformers' own top-2 margin is tiny.
+fn check_ids(what: &str, got: &[u32], want: &[u32], margins: &[f32]) {
+    let m = prefix_match(got, want);
+    if m < want.len() {
+        assert!(
+            margins[m] < 1e-4,
+            "{what}: greedy ids diverge at step {m} (transformers margin {}): got {:?} want {:?}",
+            margins[m],
+            &got[m..],
+            &want[m..]
+        );
+    }
+}
+
+/// (architecture, its golden entry) for every model of the golden file.
+fn models() -> Vec<(String, serde_json::Value)> {
+    let g = golden("archs.json");
+    g["models"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+/// The Hugging Face directory and the GGUF file of a model.
+fn paths(m: &serde_json::Value) -> [(&'static str, PathBuf); 2] {
+    [
+        ("hf", fixtures().join(m["hf_dir"].as_str().unwrap())),
+        ("gguf", fixtures().join(m["gguf"].as_str().unwrap())),
+    ]
+}
+
+#[test]
+fn golden_file_records_llama_cpp_agreement() {
+    // The generator ran llama.cpp on each GGUF: same tokenization, same greedy ids (as for
+    // this engine, a difference is allowed only where transformers' own margin is tiny).
+    for (name, m) in models() {
+        let l = &m["llama_cpp"];
+        assert_eq!(l["ran"], true, "{name}: llama.cpp cross-check not recorded");
+        assert_eq!(l["tokenization_equal"], true, "{name}");
+        for p in l["prompts"].as_array().unwrap() {
+            assert_eq!(p["prompt_ids_equal"], true, "{name}");
+            let tiny = p["margin_at_first_difference"]
+                .as_f64()
+                .is_some_and(|m| m < 1e-4);
+            assert!(p["greedy_ids_equal"] == true || tiny, "{name}: {p}");
+            let err = p["last_logits_max_abs_diff"].as_f64().unwrap();
+            assert!(err < 1e-2, "{name}: llama.cpp logits off by {err}");
+        }
+    }
+}
+
+#[test]
+fn gguf_metadata_is_read_per_architecture() {
+    for (name, m) in models() {
+        let [(_, hf), (_, gguf)] = paths(&m);
+        let f = GgufFile::open(&gguf).unwrap();
+        let arch = m["arch"].as_str().unwrap();
+        assert_eq!(f.arch().name, arch, "{name}");
+        let c = f.config().unwrap();
+        let mut from_hf = ModelFiles::open(Some(&hf)).unwrap().config;
+        // Same model either way. transformers writes `layer_types` (all full attention here),
+        // which means what no entry means.
+        assert!(from_hf
+            .layer_types
+            .iter()
+            .all(|t| *t == AttentionType::Full));
+        from_hf.layer_types.clear();
+        assert_eq!(c, from_hf, "{name}");
+        match arch {
+            "qwen2" => assert!(c.attention_bias && !c.qk_norm, "{name}"),
+            "qwen3" => {
+                assert!(!c.attention_bias && c.qk_norm, "{name}");
+                // from qwen3.attention.key_length, not embedding_length / head_count
+                assert_ne!(c.head_dim * c.n_heads, c.hidden_size, "{name}");
+            }
+            other => panic!("unexpected architecture {other}"),
+        }
+    }
+}
+
+#[test]
+fn tokenizers_match_transformers() {
+    let g = golden("archs.json");
+    for (arch, m) in models() {
+        for (fmt, path) in paths(&m) {
+            let files = ModelFiles::open(Some(&path)).unwrap();
+            let enc = |t: &str| files.tokenizer.encode(t).unwrap();
+            for c in g["tokenizer_cases"].as_array().unwrap() {
+                let text = c["text"].as_str().unwrap();
+                assert_eq!(enc(text), ids(&c["ids"]), "{arch} {fmt}: {text:?}");
+            }
+            for e in m["entries"].as_array().unwrap() {
+                let p = e["prompt"].as_str().unwrap();
+                assert_eq!(enc(p), ids(&e["prompt_ids"]), "{arch} {fmt}: {p:?}");
+            }
+        }
+    }
+}
+
+/// Engine (token by token, serial and as a decode team) and reference greedy runs against
+/// transformers' logits and ids, from both file formats.
+#[test]
+fn engine_and_reference_match_transformers() {
+    for (arch, m) in models() {
+        for (fmt, path) in paths(&m) {
+            let files = ModelFiles::open(Some(&path)).unwrap();
+            let model = Model::load(&files, WeightsDType::Native).unwrap();
+            let reference = reference_model(&files, WeightsDType::Native).unwrap();
+            for e in m["entries"].as_array().unwrap() {
+                let prompt = ids(&e["prompt_ids"]);
+                let want_ids = ids(&e["greedy_ids"]);
+                let want = floats(&e["last_logits"]);
+                let margins = floats(&e["margins"]);
+                let kv = KvConfig::default();
+                let mut runs: Vec<(String, Greedy)> = Vec::new();
+                for threads in [1, 2] {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    let g = pool.install(|| {
+                        let mut run = EngineRun::new(&model, &kv);
+                        greedy(&mut run, &prompt, want_ids.len())
+                    });
+                    runs.push((format!("engine {threads} thread(s)"), g));
+                }
+                let mut r = ReferenceRun::new(&reference, &kv);
+                runs.push(("reference".into(), greedy(&mut r, &prompt, want_ids.len())));
+                for (which, g) in &runs {
+                    let what = format!("{arch} {fmt} {which}");
+                    let err = max_abs_diff(&g.logits[0], &want);
+                    assert!(err < TOL, "{what}: last prompt logits off by {err}");
+                    check_ids(&what, &g.ids, &want_ids, &margins);
+                }
+                // engine == reference: the differential check (same ids, close logits at
+                // every step).
+                let (engine, refr) = (&runs[0].1, &runs[2].1);
+                assert_eq!(
+                    engine.ids, refr.ids,
+                    "{arch} {fmt}: engine vs reference ids"
+                );
+                for (a, b) in engine.logits.iter().zip(&refr.logits) {
+                    assert!(
+                        max_abs_diff(a, b) < TOL,
+                        "{arch} {fmt}: engine vs reference"
+                    );
+                }
+                // the decode team computes the same values as the serial step
+                assert_eq!(runs[0].1.logits, runs[1].1.logits, "{arch} {fmt}: team");
+            }
+        }
+    }
+}
+
+/// The batched paths (prefill in chunks, continuous batching of several sequences) and the
+/// reference's cache-free full-sequence forward give the same last-prompt logits.
+#[test]
+fn batched_paths_match_transformers() {
+    for (arch, m) in models() {
+        for (fmt, path) in paths(&m) {
+            let files = ModelFiles::open(Some(&path)).unwrap();
+            let model = Model::load(&files, WeightsDType::Native).unwrap();
+            let reference = reference_model(&files, WeightsDType::Native).unwrap();
+            let entries = m["entries"].as_array().unwrap();
+            let prompts: Vec<Vec<u32>> = entries.iter().map(|e| ids(&e["prompt_ids"])).collect();
+            let wants: Vec<Vec<f32>> = entries.iter().map(|e| floats(&e["last_logits"])).collect();
+            let kv = KvConfig::default();
+            for (p, want) in prompts.iter().zip(&wants) {
+                let mut run = EngineRun::new(&model, &kv);
+                let got = run.prefill(p, 0).unwrap().to_vec();
+                let err = max_abs_diff(&got, want);
+                assert!(err < TOL, "{arch} {fmt} prefill: off by {err}");
+                let seq = reference.forward_sequence(p);
+                let err = max_abs_diff(seq.last().unwrap(), want);
+                assert!(err < TOL, "{arch} {fmt} reference sequence: off by {err}");
+            }
+            let mut sessions: Vec<_> = prompts.iter().map(|_| model.session(&kv)).collect();
+            let mut steps: Vec<SeqStep<'_>> = sessions
+                .iter_mut()
+                .zip(&prompts)
+                .map(|(session, tokens)| SeqStep {
+                    session,
+                    tokens,
+                    start: 0,
+                })
+                .collect();
+            model.forward_sequences(&mut steps).unwrap();
+            drop(steps);
+            for (s, want) in sessions.iter().zip(&wants) {
+                let err = max_abs_diff(&s.logits, want);
+                assert!(err < TOL, "{arch} {fmt} forward_sequences: off by {err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn cli_samples_gguf_greedy_as_transformers() {
+    for (arch, m) in models() {
+        let gguf = fixtures().join(m["gguf"].as_str().unwrap());
+        let e = &m["entries"][1];
+        let want = ids(&e["greedy_ids"]);
+        let out = cli()
+            .args(["sample", gguf.to_str().unwrap(), "--prompt"])
+            .arg(e["prompt"].as_str().unwrap())
+            .args(["--temperature", "0", "--ignore-eos", "--json", "--tokens"])
+            .arg(want.len().to_string())
+            .output()
+            .unwrap();
+        let v = json_of(&out);
+        assert_eq!(ids(&v["prompt_ids"]), ids(&e["prompt_ids"]), "{arch}");
+        check_ids(
+            &format!("{arch} cli"),
+            &ids(&v["generated_ids"]),
+            &want,
+            &floats(&e["margins"]),
+        );
+    }
+}
+
+/// The fixture's bytes with the string metadata value `from` (after key `key`) replaced by
+/// `to` (same length).
+fn patched(path: &Path, key: &str, from: &str, to: &str) -> Vec<u8> {
+    assert_eq!(from.len(), to.len());
+    let mut bytes = std::fs::read(path).unwrap();
+    let mut pat = key.as_bytes().to_vec();
+    pat.extend(8u32.to_le_bytes()); // value type: string
+    pat.extend((from.len() as u64).to_le_bytes());
+    pat.extend(from.as_bytes());
+    let at = bytes
+        .windows(pat.len())
+        .position(|w| w == pat)
+        .unwrap_or_else(|| panic!("{key} = {from:?} not found in {}", path.display()));
+    let start = at + pat.len() - from.len();
+    bytes[start..start + to.len()].copy_from_slice(to.as_bytes());
+    bytes
+}
+
+#[test]
+fn unknown_architecture_and_pre_tokenizer_are_named() {
+    let path = fixtures().join("archs/qwen3/qwen3.gguf");
+    let bytes = patched(&path, "general.architecture", "qwen3", "qwen9");
+    let e = GgufFile::from_bytes(bytes, &path)
+        .err()
+        .expect("an unknown architecture must be refused")
+        .to_string();
+    assert!(
+        e.contains("qwen3.gguf")
+            && e.contains("general.architecture 'qwen9' is not supported")
+            && e.contains("qwen2, qwen3"),
+        "{e}"
+    );
+
+    let bytes = patched(&path, "tokenizer.ggml.pre", "qwen2", "qwen9");
+    let f = GgufFile::from_bytes(bytes, &path).unwrap();
+    f.config().unwrap();
+    let e = f.tokenizer().unwrap_err().to_string();
+    assert!(
+        e.contains("qwen3.gguf") && e.contains("tokenizer.ggml.pre 'qwen9'"),
+        "{e}"
+    );
+}
