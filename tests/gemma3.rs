@@ -101,3 +101,26 @@ fn engine_matches_reference() {
         assert!(err < 1e-3, "engine vs reference logits off by {err}");
     }
 }
+
+/// Perplexity over 768 held-out ids (past the 512-token window of the sliding layers)
+/// within 1% of llama.cpp's on the same ids.
+#[test]
+fn perplexity_within_one_percent_of_llama_cpp() {
+    let Some(p) = gemma3_path() else { return };
+    let files = ModelFiles::open(Some(&p)).unwrap();
+    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    let g = golden("gemma3_270m.json");
+    let toks = ids(&g["perplexity"]["ids"]);
+    let want = g["perplexity"]["ppl"].as_f64().unwrap();
+    let mut run = EngineRun::new(&model, &KvConfig::default());
+    let (r, _) =
+        tinygpt_cpu::eval::perplexity(&mut run, &toks, toks.len(), false, &mut |_| {}).unwrap();
+    let rel = r.ppl / want - 1.0;
+    eprintln!(
+        "Gemma 3 270M perplexity over {} tokens: {:.4} (llama.cpp {want:.4}, {:+.3}%)",
+        toks.len(),
+        r.ppl,
+        rel * 100.0
+    );
+    assert!(rel.abs() < 0.01, "perplexity {} vs llama.cpp {want}", r.ppl);
+}
