@@ -2,7 +2,7 @@
 //! tokenization and greedy decoding, recorded by `fixtures/make_gemma3_golden.py`
 //! (`fixtures/golden/gemma3_270m.json`). The file is looked up at `TINYGPT_GEMMA3`, else
 //! `$TINYGPT_CACHE` (or `~/.cache/tinygpt-cpu`)`/gemma3/gemma-3-270m-q4_k_m.gguf`; without it
-//! every test here skips, printing why.
+//! every test here skips, printing why. `scripts/fetch-gemma3.sh` fetches it (CI runs it).
 //!
 //! Greedy ids may differ from llama.cpp's only at a step where llama.cpp's own top-1 minus
 //! top-2 margin is below 0.1: the two compute the same model with different arithmetic
