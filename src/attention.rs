@@ -382,6 +382,9 @@ pub struct StepTables {
     /// cos/sin of the last position rotated (every layer of a step rotates its query and
     /// key at the same position)
     angles: Angles,
+    /// The inverse frequencies every cached cos/sin above was computed with: a layer with
+    /// another RoPE (Gemma 3's sliding layers have their own base) clears them.
+    rope_freq: Vec<f32>,
 }
 
 /// cos/sin at one position, kept until another position is asked for.
@@ -428,6 +431,7 @@ impl AttnScratch {
                     pos: usize::MAX,
                     cs: Vec::new(),
                 },
+                rope_freq: Vec::new(),
             },
             heads: vec![HeadScratch::default(); cfg.n_kv_heads],
         }
@@ -453,6 +457,17 @@ fn row_mass(heads: &[HeadScratch], n: usize) -> Vec<f32> {
 }
 
 impl StepTables {
+    /// Drops every cached cos/sin if they were computed with another RoPE than `rope`.
+    fn use_rope(&mut self, rope: &RopeTable) {
+        if self.rope_freq != rope.inv_freq {
+            self.rope_freq.clone_from(&rope.inv_freq);
+            self.angles.pos = usize::MAX;
+            self.slot_cos.clear();
+            self.slot_sin.clear();
+            self.id_pos.iter_mut().for_each(|p| *p = usize::MAX);
+        }
+    }
+
     /// Makes the per-slot cos/sin table cover slots `[0, n)`.
     fn ensure_slots(&mut self, rope: &RopeTable, n: usize) {
         let half = rope.half();
@@ -550,6 +565,7 @@ pub fn append_kv<P: EvictionPolicy + Clone>(
     debug_assert_eq!(v.len(), cfg.kv_dim());
     debug_assert_eq!(layer.kv_heads(), cfg.n_kv_heads);
     debug_assert_eq!(layer.head_dim(), cfg.head_dim);
+    scratch.use_rope(rope);
     scratch.k.copy_from_slice(k);
     if !layer.config().keys_pre_rope() {
         scratch.angles.rotate_heads(rope, &mut scratch.k, pos);
@@ -689,6 +705,7 @@ pub fn prepare_step<P: EvictionPolicy + Clone>(
 ) {
     let mode = layer.config().positions;
     let n = layer.len();
+    scratch.use_rope(rope);
     scratch.q.copy_from_slice(q);
     let q_pos = match mode {
         PositionsMode::Original => pos,
@@ -948,6 +965,7 @@ mod tests {
             num_kv_shared_layers: 0,
             attention_bias: false,
             qk_norm: false,
+            gemma: Default::default(),
             bos_token_id: None,
             eos_token_ids: vec![],
         }
@@ -1391,6 +1409,7 @@ mod tests {
                 num_kv_shared_layers: 0,
                 attention_bias: false,
                 qk_norm: false,
+                gemma: Default::default(),
                 bos_token_id: None,
                 eos_token_ids: vec![],
             };

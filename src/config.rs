@@ -6,7 +6,7 @@
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
-pub use tinygpt_reference::config::{AttentionType, Config, RopeScaling};
+pub use tinygpt_reference::config::{AttentionType, Config, GemmaOptions, RopeScaling};
 
 /// `eos_token_id` may be one id or a list of ids.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -75,6 +75,26 @@ pub struct HfConfig {
     pub bos_token_id: Option<TokenIds>,
     #[serde(default)]
     pub eos_token_id: Option<TokenIds>,
+    /// Gemma: the activation (`gelu_pytorch_tanh`).
+    #[serde(default)]
+    pub hidden_activation: Option<String>,
+    /// Gemma: queries are scaled by `query_pre_attn_scalar^-1/2` (only `head_dim` supported).
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Gemma 3: RoPE base of the sliding-window layers (default 10000).
+    #[serde(default)]
+    pub rope_local_base_freq: Option<f64>,
+    /// Gemma 3 (older configs): every `sliding_window_pattern`-th layer is global.
+    #[serde(default)]
+    pub sliding_window_pattern: Option<usize>,
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    /// Set by the GGUF loader: Gemma 3 is read from GGUF files only so far (a Hugging Face
+    /// `config.json` of it is refused until its RoPE settings per layer type are read).
+    #[serde(skip)]
+    pub from_gguf: bool,
     #[serde(default)]
     pub torch_dtype: Option<String>,
     #[serde(default)]
@@ -87,10 +107,11 @@ const SUPPORTED_ARCHS: &[&str] = &[
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 ];
 
 /// Supported `model_type` values (transformers builds the model class from it).
-const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
+const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma3_text"];
 
 impl HfConfig {
     /// Reads and parses `config.json` (or any JSON text with the same fields).
@@ -122,8 +143,13 @@ impl HfConfig {
         if max_position_embeddings == 0 {
             return Err("'max_position_embeddings' (the context length) must be > 0".into());
         }
-        let (sliding_window, layer_types, num_kv_shared_layers) =
+        let (mut sliding_window, mut layer_types, num_kv_shared_layers) =
             self.layer_layout(sizes.n_layers)?;
+        let mut gemma = GemmaOptions::default();
+        if self.is_gemma3() {
+            (gemma, layer_types) = self.gemma3(&sizes, layer_types, sliding_window)?;
+            sliding_window = None;
+        }
         let (bos_token_id, eos_token_ids) = self.token_ids(sizes.vocab_size)?;
         let cfg = Config {
             vocab_size: sizes.vocab_size,
@@ -144,7 +170,8 @@ impl HfConfig {
             attention_bias: self
                 .attention_bias
                 .unwrap_or(self.is_arch("qwen2", "Qwen2ForCausalLM")),
-            qk_norm: self.is_arch("qwen3", "Qwen3ForCausalLM"),
+            qk_norm: self.is_arch("qwen3", "Qwen3ForCausalLM") || self.is_gemma3(),
+            gemma,
             bos_token_id,
             eos_token_ids,
         };
@@ -179,7 +206,26 @@ impl HfConfig {
                 ));
             }
         }
-        if let Some(act) = &self.hidden_act {
+        if self.is_gemma3() {
+            for (key, act) in [
+                ("hidden_activation", &self.hidden_activation),
+                ("hidden_act", &self.hidden_act),
+            ] {
+                if let Some(act) = act.as_deref().filter(|a| *a != "gelu_pytorch_tanh") {
+                    return Err(format!(
+                        "unsupported {key} '{act}' for gemma3 (only gelu_pytorch_tanh)"
+                    ));
+                }
+            }
+            for (key, v) in [
+                ("final_logit_softcapping", self.final_logit_softcapping),
+                ("attn_logit_softcapping", self.attn_logit_softcapping),
+            ] {
+                if let Some(v) = v {
+                    return Err(format!("{key} = {v} is not supported"));
+                }
+            }
+        } else if let Some(act) = &self.hidden_act {
             if act != "silu" && act != "swish" {
                 return Err(format!("unsupported hidden_act '{act}' (only silu)"));
             }
@@ -188,6 +234,65 @@ impl HfConfig {
             return Err("mlp_bias = true is not supported".into());
         }
         Ok(())
+    }
+
+    fn is_gemma3(&self) -> bool {
+        self.is_arch("gemma3_text", "Gemma3ForCausalLM")
+    }
+
+    /// Gemma 3's options and per-layer attention types (every `sliding_window_pattern`-th
+    /// layer global, the others sliding, when the config has no `layer_types`).
+    fn gemma3(
+        &self,
+        sizes: &Sizes,
+        layer_types: Vec<AttentionType>,
+        mistral_window: Option<usize>,
+    ) -> std::result::Result<(GemmaOptions, Vec<AttentionType>), String> {
+        if !self.from_gguf {
+            return Err(
+                "gemma3 is supported from GGUF files only so far (not from config.json)".into(),
+            );
+        }
+        if let Some(s) = self.query_pre_attn_scalar {
+            if s != sizes.head_dim as f64 {
+                return Err(format!(
+                    "query_pre_attn_scalar = {s} differs from head_dim ({}): not supported",
+                    sizes.head_dim
+                ));
+            }
+        }
+        let types = if layer_types.is_empty() {
+            let pattern = self.sliding_window_pattern.unwrap_or(6);
+            let window = mistral_window
+                .ok_or("gemma3 needs 'sliding_window' (its sliding layers' window)".to_string())?;
+            if pattern == 0 {
+                return Err("'sliding_window_pattern' must be > 0".into());
+            }
+            (0..sizes.n_layers)
+                .map(|l| match (l + 1) % pattern {
+                    0 => AttentionType::Full,
+                    _ => AttentionType::Sliding { window },
+                })
+                .collect()
+        } else {
+            layer_types
+        };
+        let local = self.rope_local_base_freq.unwrap_or(10000.0);
+        if !(local.is_finite() && local > 0.0) {
+            return Err(format!(
+                "rope_local_base_freq must be positive, got {local}"
+            ));
+        }
+        Ok((
+            GemmaOptions {
+                embed_scale: Some((sizes.hidden_size as f32).sqrt()),
+                sandwich_norms: true,
+                gelu_tanh: true,
+                rope_local_theta: Some(local as f32),
+                norm_offset: 1.0,
+            },
+            types,
+        ))
     }
 
     /// The config names this model type or architecture class.

@@ -69,6 +69,9 @@ pub struct LayerTensors<'a> {
     pub q_norm: Option<&'a Tensor>,
     pub k_norm: Option<&'a Tensor>,
     pub ffn_norm: &'a Tensor,
+    /// Gemma's norms of the attention and MLP outputs (`sandwich_norms`).
+    pub post_attn_norm: Option<&'a Tensor>,
+    pub post_ffn_norm: Option<&'a Tensor>,
     pub w_gate: &'a Tensor,
     pub w_up: &'a Tensor,
     pub w_down: &'a Tensor,
@@ -105,6 +108,18 @@ impl<'a> ModelTensors<'a> {
                 false => Ok(None),
             };
             let hd = c.head_dim;
+            // Gemma names its norms differently: `post_attention_layernorm` is the norm of
+            // the attention output, the MLP's input norm is `pre_feedforward_layernorm`.
+            let ffn_norm = match c.gemma.sandwich_norms {
+                true => "pre_feedforward_layernorm",
+                false => "post_attention_layernorm",
+            };
+            let sandwich = |name: &str| -> Result<Option<&'a Tensor>> {
+                match c.gemma.sandwich_norms {
+                    true => files.get(&format!("{p}.{name}.weight"), &[h]).map(Some),
+                    false => Ok(None),
+                }
+            };
             let norm = |name: &str, wanted: bool| -> Result<Option<&'a Tensor>> {
                 match wanted {
                     true => files
@@ -124,7 +139,9 @@ impl<'a> ModelTensors<'a> {
                 bv: kv_bias("v_proj")?,
                 q_norm: norm("q_norm", c.qk_norm)?,
                 k_norm: norm("k_norm", c.qk_norm && owns_kv)?,
-                ffn_norm: files.get(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                ffn_norm: files.get(&format!("{p}.{ffn_norm}.weight"), &[h])?,
+                post_attn_norm: sandwich("post_attention_layernorm")?,
+                post_ffn_norm: sandwich("post_feedforward_layernorm")?,
                 w_gate: files.get(&format!("{p}.mlp.gate_proj.weight"), &[ff, h])?,
                 w_up: files.get(&format!("{p}.mlp.up_proj.weight"), &[ff, h])?,
                 w_down: files.get(&format!("{p}.mlp.down_proj.weight"), &[h, ff])?,
@@ -202,6 +219,8 @@ struct Layer {
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
+    post_attn_norm: Option<Vec<f32>>,
+    post_ffn_norm: Option<Vec<f32>>,
     w_gate: Matrix,
     w_up: Matrix,
     w_down: Matrix,
@@ -216,7 +235,8 @@ pub struct Model {
     embed: Matrix,
     norm: Vec<f32>,
     lm_head: Matrix,
-    rope: RopeTable,
+    /// One RoPE table per layer ([`Config::rope_config`]).
+    ropes: Vec<RopeTable>,
 }
 
 /// The cache of one sequence: one layer per model layer that holds K/V
@@ -283,11 +303,19 @@ impl Model {
         let t = ModelTensors::collect(files)?;
         let cfg = files.config.clone();
         let vecf = |t: &Tensor| t.to_f32();
+        // RMSNorm weights, with the offset a Hugging Face Gemma checkpoint leaves out.
+        let norm = |t: &Tensor| {
+            let mut w = t.to_f32();
+            if cfg.gemma.norm_offset != 0.0 {
+                w.iter_mut().for_each(|x| *x += cfg.gemma.norm_offset);
+            }
+            w
+        };
         let mut layers: Vec<Layer> = t
             .layers
             .iter()
             .map(|l| Layer {
-                attn_norm: vecf(l.attn_norm),
+                attn_norm: norm(l.attn_norm),
                 wq: matrix(l.wq, wdtype),
                 wk: l.wk.map(|t| matrix(t, wdtype)),
                 wv: l.wv.map(|t| matrix(t, wdtype)),
@@ -295,9 +323,11 @@ impl Model {
                 bq: l.bq.map(vecf),
                 bk: l.bk.map(vecf),
                 bv: l.bv.map(vecf),
-                q_norm: l.q_norm.map(vecf),
-                k_norm: l.k_norm.map(vecf),
-                ffn_norm: vecf(l.ffn_norm),
+                q_norm: l.q_norm.map(norm),
+                k_norm: l.k_norm.map(norm),
+                ffn_norm: norm(l.ffn_norm),
+                post_attn_norm: l.post_attn_norm.map(norm),
+                post_ffn_norm: l.post_ffn_norm.map(norm),
                 w_gate: matrix(l.w_gate, wdtype),
                 w_up: matrix(l.w_up, wdtype),
                 w_down: matrix(l.w_down, wdtype),
@@ -338,14 +368,24 @@ impl Model {
             })
             .collect::<Result<_>>()?;
         Ok(Model {
-            rope: RopeTable::new(&cfg),
+            ropes: (0..cfg.n_layers)
+                .map(|l| RopeTable::new(&cfg.rope_config(l)))
+                .collect(),
             layers,
             kv_source,
             embed,
-            norm: vecf(t.norm),
+            norm: norm(t.norm),
             lm_head,
             cfg,
         })
+    }
+
+    /// Token `t`'s embedding row, times the model's embedding scale (Gemma).
+    fn embed_row(&self, t: u32, out: &mut [f32]) {
+        self.embed.row_f32(t as usize, out);
+        if let Some(scale) = self.cfg.gemma.embed_scale {
+            out.iter_mut().for_each(|x| *x *= scale);
+        }
     }
 
     /// The layer whose cache layer `l` attends over (`l` itself unless it is shared).
@@ -390,17 +430,19 @@ impl Model {
     fn forward_serial(&self, s: &mut Session, token: u32, pos: usize) -> Result<()> {
         let c = &self.cfg;
         self.check_token(token)?;
-        self.embed.row_f32(token as usize, &mut s.x);
+        self.embed_row(token, &mut s.x);
         for (l, lw) in self.layers.iter().enumerate() {
             ops::rmsnorm(&s.x, &lw.attn_norm, c.rms_norm_eps, &mut s.h);
             self.attention_step(s, l, pos)?;
             matvec(&lw.wo, &s.att, &mut s.proj);
+            post_norm_rows(&mut s.proj, &lw.post_attn_norm, c.rms_norm_eps);
             ops::add_assign(&mut s.x, &s.proj);
 
             ops::rmsnorm(&s.x, &lw.ffn_norm, c.rms_norm_eps, &mut s.h);
             matvec_many(&[&lw.w_gate, &lw.w_up], &s.h, &mut [&mut s.gate, &mut s.up]);
-            ops::swiglu(&mut s.gate, &s.up);
+            glu(c, &mut s.gate, &s.up);
             matvec(&lw.w_down, &s.gate, &mut s.proj);
+            post_norm_rows(&mut s.proj, &lw.post_ffn_norm, c.rms_norm_eps);
             ops::add_assign(&mut s.x, &s.proj);
         }
         ops::rmsnorm(&s.x, &self.norm, c.rms_norm_eps, &mut s.h);
@@ -414,7 +456,7 @@ impl Model {
     /// barrier six times per layer, instead of a rayon fork/join per product.
     fn forward_team(&self, s: &mut Session, token: u32, pos: usize) -> Result<()> {
         self.check_token(token)?;
-        self.embed.row_f32(token as usize, &mut s.x);
+        self.embed_row(token, &mut s.x);
         let (tables, heads) = s.scratch.split_mut();
         let bufs = TeamBufs {
             x0: &s.x,
@@ -455,7 +497,12 @@ impl Model {
             team_product(m, &[&lw.wo], att, &mut acts, &[(&b.proj, &None)]);
             m.sync();
             // SAFETY: `proj` is complete; it is next written after the sync below.
-            ops::add_assign(&mut x, unsafe { b.proj.all() });
+            add_output(
+                &mut x,
+                unsafe { b.proj.all() },
+                &lw.post_attn_norm,
+                c.rms_norm_eps,
+            );
             ops::rmsnorm(&x, &lw.ffn_norm, c.rms_norm_eps, &mut h);
             // Gate and up on the same rows, so SwiGLU needs no sync.
             let pair = [&lw.w_gate, &lw.w_up];
@@ -471,7 +518,7 @@ impl Model {
                     rows_into(&lw.w_up, &h, q, r.start, u);
                     // Parts start on multiples of 8 rows: the same 8-lane chunks as a
                     // whole vector's SwiGLU.
-                    ops::swiglu(g, u);
+                    glu(c, g, u);
                 })
             });
             m.sync();
@@ -480,7 +527,12 @@ impl Model {
             team_product(m, &[&lw.w_down], gate, &mut acts, &[(&b.proj, &None)]);
             m.sync();
             // SAFETY: `proj` is complete; it is next written after three more syncs.
-            ops::add_assign(&mut x, unsafe { b.proj.all() });
+            add_output(
+                &mut x,
+                unsafe { b.proj.all() },
+                &lw.post_ffn_norm,
+                c.rms_norm_eps,
+            );
         }
         ops::rmsnorm(&x, &self.norm, c.rms_norm_eps, &mut h);
         check_finite_hidden(&h, pos)?;
@@ -531,9 +583,9 @@ impl Model {
             let (qn, kn) = (normed(q, &lw.q_norm), normed(k, &lw.k_norm));
             let (q, k) = (qn.as_deref().unwrap_or(q), kn.as_deref().unwrap_or(k));
             if has_kv {
-                append_kv(c, &self.rope, cache.layer_mut(l), k, v, pos, tables);
+                append_kv(c, &self.ropes[l], cache.layer_mut(l), k, v, pos, tables);
             }
-            prepare_step(c, &self.rope, cache.layer(src), q, pos, tables);
+            prepare_step(c, &self.ropes[l], cache.layer(src), q, pos, tables);
         }
         m.sync();
         let width = c.group() * c.head_dim;
@@ -543,7 +595,7 @@ impl Model {
             let (cache, tables) = unsafe { (b.cache.get(), b.tables.get()) };
             let hs: &mut [HeadScratch] = unsafe { b.heads.range_mut(h..h + 1) };
             let out = unsafe { b.att.range_mut(h * width..(h + 1) * width) };
-            attend_heads(c, &self.rope, cache.layer(src), tables, h, hs, out);
+            attend_heads(c, &self.ropes[l], cache.layer(src), tables, h, hs, out);
         });
         m.sync();
         if m.id == 0 {
@@ -592,7 +644,7 @@ impl Model {
             let src = self.kv_source[l];
             attend_stored(
                 c,
-                &self.rope,
+                &self.ropes[l],
                 s.cache.layer(src),
                 &s.q,
                 pos,
@@ -611,7 +663,7 @@ impl Model {
         check_finite_kv(&s.k, &s.v, l, pos)?;
         attend(
             c,
-            &self.rope,
+            &self.ropes[l],
             s.cache.layer_mut(l),
             &s.q,
             &s.k,
@@ -648,7 +700,7 @@ impl Model {
         let mut b = BatchBufs::new(c, n);
         for (i, &t) in tokens.iter().enumerate() {
             self.check_token(t)?;
-            self.embed.row_f32(t as usize, b.x_row(i));
+            self.embed_row(t, b.x_row(i));
         }
         // For each layer that shared layers read: its cache before this batch and the
         // batch's K/V rows (see `attention_rows`).
@@ -657,6 +709,7 @@ impl Model {
             norm_rows(&b.x, &lw.attn_norm, c.rms_norm_eps, &mut b.h);
             self.attention_rows(s, &mut b, l, start, &mut replay)?;
             matmul(&lw.wo, &b.att, n, &mut b.proj);
+            post_norm_rows(&mut b.proj, &lw.post_attn_norm, c.rms_norm_eps);
             ops::add_assign(&mut b.x, &b.proj);
             norm_rows(&b.x, &lw.ffn_norm, c.rms_norm_eps, &mut b.h);
             matmul_many(
@@ -665,8 +718,12 @@ impl Model {
                 n,
                 &mut [&mut b.gate, &mut b.up],
             );
-            ops::swiglu(&mut b.gate, &b.up);
+            b.gate
+                .chunks_exact_mut(c.intermediate_size)
+                .zip(b.up.chunks_exact(c.intermediate_size))
+                .for_each(|(g, u)| glu(c, g, u));
             matmul(&lw.w_down, &b.gate, n, &mut b.proj);
+            post_norm_rows(&mut b.proj, &lw.post_ffn_norm, c.rms_norm_eps);
             ops::add_assign(&mut b.x, &b.proj);
         }
         self.batch_logits(s, &mut b, start, all_logits)
@@ -731,7 +788,7 @@ impl Model {
                 let row = i * kvd..(i + 1) * kvd;
                 append_kv(
                     c,
-                    &self.rope,
+                    &self.ropes[l],
                     &mut layer,
                     &ks[row.clone()],
                     &vs[row],
@@ -740,7 +797,7 @@ impl Model {
                 );
                 attend_stored(
                     c,
-                    &self.rope,
+                    &self.ropes[l],
                     &layer,
                     &b.q[i * qd..(i + 1) * qd],
                     start + i,
@@ -761,7 +818,7 @@ impl Model {
         for i in 0..n {
             attend(
                 c,
-                &self.rope,
+                &self.ropes[l],
                 s.cache.layer_mut(l),
                 &b.q[i * qd..(i + 1) * qd],
                 &b.k[i * kvd..(i + 1) * kvd],
@@ -856,6 +913,38 @@ fn norm_rows(x: &[f32], w: &[f32], eps: f32, h: &mut [f32]) {
 fn add_bias(x: &mut [f32], bias: &Option<Vec<f32>>) {
     if let Some(b) = bias {
         ops::add_assign(x, b);
+    }
+}
+
+/// The gated activation in place: SwiGLU, or Gemma's GeGLU (tanh-GELU).
+fn glu(c: &Config, gate: &mut [f32], up: &[f32]) {
+    match c.gemma.gelu_tanh {
+        true => ops::geglu_tanh(gate, up),
+        false => ops::swiglu(gate, up),
+    }
+}
+
+/// Gemma's norm of each `hidden`-wide row of a block's output, if the layer has one.
+fn post_norm_rows(x: &mut [f32], weight: &Option<Vec<f32>>, eps: f32) {
+    if let Some(w) = weight {
+        let mut normed = vec![0.0f32; w.len()];
+        for row in x.chunks_exact_mut(w.len()) {
+            ops::rmsnorm(row, w, eps, &mut normed);
+            row.copy_from_slice(&normed);
+        }
+    }
+}
+
+/// `x += out`, `out` normed first when the layer has a post norm (a decode team member's
+/// private residual stream; `out` is shared, so the norm goes through a copy).
+fn add_output(x: &mut [f32], out: &[f32], post_norm: &Option<Vec<f32>>, eps: f32) {
+    match post_norm {
+        Some(w) => {
+            let mut normed = vec![0.0f32; out.len()];
+            ops::rmsnorm(out, w, eps, &mut normed);
+            ops::add_assign(x, &normed);
+        }
+        None => ops::add_assign(x, out),
     }
 }
 
@@ -996,12 +1085,20 @@ pub fn reference_model(
         WeightsDType::Bf16 => f32s(&t.embed.converted(DType::BF16))?,
         _ => f32s(t.embed)?,
     };
+    let offset = files.config.gemma.norm_offset;
+    let norm = |t: &Tensor| -> Result<tinygpt_reference::ndarray::Array1<f32>> {
+        let mut w = f32s(t)?;
+        if offset != 0.0 {
+            w.iter_mut().for_each(|x| *x += offset);
+        }
+        Ok(w.into())
+    };
     let layers = t
         .layers
         .iter()
         .map(|l| {
             Ok(LayerWeights {
-                attn_norm: f32s(l.attn_norm)?.into(),
+                attn_norm: norm(l.attn_norm)?,
                 wq: m(l.wq)?,
                 wk: l.wk.map(m).transpose()?,
                 wv: l.wv.map(m).transpose()?,
@@ -1009,9 +1106,11 @@ pub fn reference_model(
                 bq: l.bq.map(f32s).transpose()?.map(Into::into),
                 bk: l.bk.map(f32s).transpose()?.map(Into::into),
                 bv: l.bv.map(f32s).transpose()?.map(Into::into),
-                q_norm: l.q_norm.map(f32s).transpose()?.map(Into::into),
-                k_norm: l.k_norm.map(f32s).transpose()?.map(Into::into),
-                ffn_norm: f32s(l.ffn_norm)?.into(),
+                q_norm: l.q_norm.map(norm).transpose()?,
+                k_norm: l.k_norm.map(norm).transpose()?,
+                post_attn_norm: l.post_attn_norm.map(norm).transpose()?,
+                post_ffn_norm: l.post_ffn_norm.map(norm).transpose()?,
+                ffn_norm: norm(l.ffn_norm)?,
                 w_gate: m(l.w_gate)?,
                 w_up: m(l.w_up)?,
                 w_down: m(l.w_down)?,
@@ -1027,7 +1126,7 @@ pub fn reference_model(
         },
         embed: matrix(t.embed, embed_f32)?,
         layers,
-        norm: f32s(t.norm)?.into(),
+        norm: norm(t.norm)?,
         lm_head: t.lm_head.map(m).transpose()?,
     };
     Ok(tinygpt_reference::Model::new(files.config.clone(), weights))
@@ -1103,8 +1202,7 @@ impl Model {
                         c.vocab_size
                     )));
                 }
-                self.embed
-                    .row_f32(t as usize, &mut x[(o + i) * hd..(o + i + 1) * hd]);
+                self.embed_row(t, &mut x[(o + i) * hd..(o + i + 1) * hd]);
             }
         }
         let mut h = vec![0.0f32; n * hd]; // (n, hidden)
@@ -1168,7 +1266,7 @@ impl Model {
                     match shared_source {
                         None => attend(
                             c,
-                            &self.rope,
+                            &self.ropes[l],
                             s.cache.layer_mut(l),
                             q,
                             &k[r * kvd..(r + 1) * kvd],
@@ -1180,7 +1278,7 @@ impl Model {
                         ),
                         Some(src) => attend_stored(
                             c,
-                            &self.rope,
+                            &self.ropes[l],
                             s.cache.layer(src),
                             q,
                             st.start + i,
@@ -1203,14 +1301,16 @@ impl Model {
                     .for_each(one);
             }
             matmul(&lw.wo, &att, n, &mut proj);
+            post_norm_rows(&mut proj, &lw.post_attn_norm, c.rms_norm_eps);
             ops::add_assign(&mut x, &proj);
             norm_rows(&x, &lw.ffn_norm, &mut h);
             matmul_many(&[&lw.w_gate, &lw.w_up], &h, n, &mut [&mut gate, &mut up]);
             // Row by row, so the SIMD/tail split of each row is the one `forward` sees.
             gate.chunks_exact_mut(ff)
                 .zip(up.chunks_exact(ff))
-                .for_each(|(g, u)| ops::swiglu(g, u));
+                .for_each(|(g, u)| glu(c, g, u));
             matmul(&lw.w_down, &gate, n, &mut proj);
+            post_norm_rows(&mut proj, &lw.post_ffn_norm, c.rms_norm_eps);
             ops::add_assign(&mut x, &proj);
         }
         // The LM head for each sequence's last token only: (B, hidden) -> (B, vocab).

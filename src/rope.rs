@@ -124,6 +124,7 @@ mod tests {
             num_kv_shared_layers: 0,
             attention_bias: false,
             qk_norm: false,
+            gemma: Default::default(),
             bos_token_id: None,
             eos_token_ids: Vec::new(),
         }

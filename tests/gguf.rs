@@ -1124,10 +1124,17 @@ fn tokenizer_from_tiny_metadata() {
     );
 
     // unsupported kinds are named
+    let g = tiny_model(3).kv("tokenizer.ggml.model", V::Str("t5".into()));
+    let e = open(&g).unwrap().tokenizer().unwrap_err().to_string();
+    assert!(
+        e.contains("test.gguf") && e.contains("'t5'") && e.contains("not supported"),
+        "{e}"
+    );
+    // SentencePiece needs its scores
     let g = tiny_model(3).kv("tokenizer.ggml.model", V::Str("llama".into()));
     let e = open(&g).unwrap().tokenizer().unwrap_err().to_string();
     assert!(
-        e.contains("test.gguf") && e.contains("'llama'") && e.contains("not supported"),
+        e.contains("test.gguf") && e.contains("tokenizer.ggml.scores"),
         "{e}"
     );
     let mut g = tiny_model(3);

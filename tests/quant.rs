@@ -290,6 +290,7 @@ fn config(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> Config {
         num_kv_shared_layers: 0,
         attention_bias: false,
         qk_norm: false,
+        gemma: Default::default(),
         bos_token_id: None,
         eos_token_ids: vec![],
     }

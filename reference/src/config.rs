@@ -43,6 +43,23 @@ impl AttentionType {
     }
 }
 
+/// Gemma-family options; all off (the default) for Llama, Mistral and Qwen.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GemmaOptions {
+    /// The embedding row is multiplied by this (√hidden for Gemma).
+    pub embed_scale: Option<f32>,
+    /// An RMSNorm on the attention output and on the MLP output, each before its residual
+    /// add (Gemma's `post_attention_layernorm` / `post_feedforward_layernorm`).
+    pub sandwich_norms: bool,
+    /// GeGLU with tanh-approximated GELU (`gelu_pytorch_tanh`) instead of SwiGLU.
+    pub gelu_tanh: bool,
+    /// RoPE base of the sliding-window layers (unscaled); `None`: `rope_theta` everywhere.
+    pub rope_local_theta: Option<f32>,
+    /// Added to every RMSNorm weight at load: Hugging Face Gemma checkpoints store `w − 1`
+    /// (their norm multiplies by `1 + w`); llama.cpp's GGUF files store `w` itself (0).
+    pub norm_offset: f32,
+}
+
 /// A validated Llama-family configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -73,6 +90,8 @@ pub struct Config {
     /// Qwen3-style per-head RMSNorm of q and k (weights of length `head_dim`, shared by
     /// every head) after the projections and before RoPE.
     pub qk_norm: bool,
+    /// Gemma-family options (see [`GemmaOptions`]).
+    pub gemma: GemmaOptions,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -129,6 +148,20 @@ impl Config {
                 window: Some(window),
                 ..kv.clone()
             },
+        }
+    }
+
+    /// The configuration layer `l`'s RoPE is built from: this one, or for a sliding layer
+    /// of a model with [`GemmaOptions::rope_local_theta`], a copy with that base and no
+    /// scaling.
+    pub fn rope_config(&self, l: usize) -> std::borrow::Cow<'_, Config> {
+        match (self.attention_type(l), self.gemma.rope_local_theta) {
+            (AttentionType::Sliding { .. }, Some(theta)) => std::borrow::Cow::Owned(Config {
+                rope_theta: theta,
+                rope_scaling: RopeScaling::None,
+                ..self.clone()
+            }),
+            _ => std::borrow::Cow::Borrowed(self),
         }
     }
 

@@ -2,7 +2,9 @@
 //!
 //! Llama family: embed → for each layer { x += o_proj(attend(rope(q), rope(k), v)) on
 //! rmsnorm(x); x += down(silu(gate(h)) * up(h)) on h = rmsnorm(x) } → rmsnorm → lm_head.
-//! Qwen2 adds q/k/v biases; Qwen3 an RMSNorm of each q and k head before RoPE.
+//! Qwen2 adds q/k/v biases; Qwen3 an RMSNorm of each q and k head before RoPE. Gemma 3
+//! also scales the embedding by √hidden, norms each block's output before its residual add,
+//! uses GeGLU (tanh-GELU) and gives its sliding layers their own RoPE base.
 //!
 //! YOCO sharing (`num_kv_shared_layers` = S): layers `≥ L − S` compute no K/V; their query
 //! attends over the cache of the layer [`Config::kv_source`] names, which that layer has
@@ -83,6 +85,10 @@ pub struct LayerWeights {
     pub k_norm: Option<Array1<f32>>,
     /// (hidden)
     pub ffn_norm: Array1<f32>,
+    /// Gemma's norms of the attention output and of the MLP output, (hidden) each
+    /// ([`crate::config::GemmaOptions::sandwich_norms`]).
+    pub post_attn_norm: Option<Array1<f32>>,
+    pub post_ffn_norm: Option<Array1<f32>>,
     /// (intermediate, hidden)
     pub w_gate: Linear,
     /// (intermediate, hidden)
@@ -111,7 +117,9 @@ pub struct Weights {
 pub struct Model {
     pub cfg: Config,
     pub weights: Weights,
-    pub rope: Rope,
+    /// One RoPE per layer ([`Config::rope_config`]: Gemma 3's sliding layers have their own
+    /// base).
+    pub ropes: Vec<Rope>,
 }
 
 /// Per-sequence decoding state: one cache per layer that holds K/V (`caches[l]` for
@@ -188,6 +196,13 @@ pub fn rmsnorm<'x, 'w, 'o>(
     }
 }
 
+/// GELU, tanh approximation (`gelu_pytorch_tanh`):
+/// `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))`.
+pub fn gelu_tanh(x: f32) -> f32 {
+    let c = (2.0f32 / std::f32::consts::PI).sqrt();
+    0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+}
+
 /// SiLU: `x · sigmoid(x)`.
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
@@ -204,6 +219,14 @@ fn add_bias<D: Dimension>(x: ArrayViewMut<f32, D>, b: Option<&Array1<f32>>) {
     }
 }
 
+/// Gemma's norm of a block's output before the residual add, when the layer has one.
+fn post_norm(x: &mut Array1<f32>, w: Option<&Array1<f32>>, eps: f32) {
+    if let Some(w) = w {
+        let input = x.clone();
+        rmsnorm(&input, w, eps, x);
+    }
+}
+
 /// Per-head RMSNorm: each row of `x` (one head, `(heads, head_dim)`) normalised in place
 /// with `w`, when the layer has the weights.
 fn head_norm(mut x: ArrayViewMut2<f32>, w: Option<&Array1<f32>>, eps: f32) {
@@ -215,10 +238,12 @@ fn head_norm(mut x: ArrayViewMut2<f32>, w: Option<&Array1<f32>>, eps: f32) {
     }
 }
 
-/// The SwiGLU feed-forward: `gate = silu(gate(h)) · up(h)`, `out = down(gate)`.
+/// The gated feed-forward: `gate = act(gate(h)) · up(h)`, `out = down(gate)`, with `act`
+/// SiLU (SwiGLU) or tanh-GELU (Gemma's GeGLU).
 struct Mlp {
     gate: Array1<f32>,
     up: Array1<f32>,
+    gelu: bool,
 }
 
 impl Mlp {
@@ -226,14 +251,16 @@ impl Mlp {
         Mlp {
             gate: Array1::zeros(cfg.intermediate_size),
             up: Array1::zeros(cfg.intermediate_size),
+            gelu: cfg.gemma.gelu_tanh,
         }
     }
 
     fn run(&mut self, lw: &LayerWeights, h: ArrayView1<f32>, out: ArrayViewMut1<f32>) {
         lw.w_gate.matvec(h, self.gate.view_mut());
         lw.w_up.matvec(h, self.up.view_mut());
+        let act = if self.gelu { gelu_tanh } else { silu };
         for (g, u) in self.gate.iter_mut().zip(&self.up) {
-            *g = silu(*g) * u;
+            *g = act(*g) * u;
         }
         lw.w_down.matvec(self.gate.view(), out);
     }
@@ -241,8 +268,23 @@ impl Mlp {
 
 impl Model {
     pub fn new(cfg: Config, weights: Weights) -> Self {
-        let rope = Rope::new(&cfg);
-        Model { cfg, weights, rope }
+        let ropes = (0..cfg.n_layers)
+            .map(|l| Rope::new(&cfg.rope_config(l)))
+            .collect();
+        Model {
+            cfg,
+            weights,
+            ropes,
+        }
+    }
+
+    /// The embedding row of `t`, times the model's embedding scale.
+    fn embed(&self, t: usize) -> Array1<f32> {
+        let mut x = self.weights.embed.row(t).to_owned();
+        if let Some(s) = self.cfg.gemma.embed_scale {
+            x.mapv_inplace(|v| v * s);
+        }
+        x
     }
 
     /// The final norm and LM head: logits `(vocab)` of the last hidden state `x`.
@@ -264,7 +306,7 @@ impl Model {
         let (hidden, hd) = (cfg.hidden_size, cfg.head_dim);
         let t = token as usize;
         assert!(t < cfg.vocab_size, "token id {t} out of range");
-        let mut x: Array1<f32> = self.weights.embed.row(t).to_owned();
+        let mut x: Array1<f32> = self.embed(t);
         let mut h = Array1::<f32>::zeros(hidden);
         let mut q = Array2::<f32>::zeros((cfg.n_heads, hd));
         let mut k = Array2::<f32>::zeros((cfg.n_kv_heads, hd));
@@ -294,7 +336,7 @@ impl Model {
                 head_norm(k.view_mut(), lw.k_norm.as_ref(), cfg.rms_norm_eps);
                 attend_heads(
                     cfg,
-                    &self.rope,
+                    &self.ropes[l],
                     &mut state.caches[l],
                     q.view(),
                     k.view(),
@@ -307,7 +349,7 @@ impl Model {
                 let src = cfg.kv_source(l).expect("validated config");
                 attend_cached(
                     cfg,
-                    &self.rope,
+                    &self.ropes[l],
                     &state.caches[src],
                     q.view(),
                     pos,
@@ -316,10 +358,12 @@ impl Model {
                 );
             }
             lw.wo.matvec(att.flatten().view(), proj.view_mut());
+            post_norm(&mut proj, lw.post_attn_norm.as_ref(), cfg.rms_norm_eps);
             x += &proj;
 
             rmsnorm(&x, &lw.ffn_norm, cfg.rms_norm_eps, &mut h);
             mlp.run(lw, h.view(), proj.view_mut());
+            post_norm(&mut proj, lw.post_ffn_norm.as_ref(), cfg.rms_norm_eps);
             x += &proj;
         }
         self.logits(x.view())
@@ -337,7 +381,7 @@ impl Model {
         // (tokens, hidden): the residual stream of every position.
         let mut xs = Array2::<f32>::zeros((n, hidden));
         for (mut x, &t) in xs.rows_mut().into_iter().zip(tokens) {
-            x.assign(&self.weights.embed.row(t as usize));
+            x.assign(&self.embed(t as usize));
         }
         let mut h = Array1::<f32>::zeros(hidden);
         let mut proj = Array1::<f32>::zeros(hidden);
@@ -357,7 +401,7 @@ impl Model {
                 lw.wq.matvec(h.view(), q.view_mut());
                 add_bias(q.view_mut(), lw.bq.as_ref());
                 head_norm(q.view_mut(), lw.q_norm.as_ref(), cfg.rms_norm_eps);
-                self.rope.rotate_rows(q, pos);
+                self.ropes[l].rotate_rows(q, pos);
                 if owns_kv {
                     let mut k = ks.index_axis_mut(Axis(0), pos);
                     let mut v = vs.index_axis_mut(Axis(0), pos);
@@ -372,7 +416,7 @@ impl Model {
                     add_bias(k.view_mut(), lw.bk.as_ref());
                     add_bias(v.view_mut(), lw.bv.as_ref());
                     head_norm(k.view_mut(), lw.k_norm.as_ref(), cfg.rms_norm_eps);
-                    self.rope.rotate_rows(k, pos);
+                    self.ropes[l].rotate_rows(k, pos);
                 }
             }
             if owns_kv {
@@ -416,9 +460,11 @@ impl Model {
                 }
                 let mut x = xs.row_mut(pos);
                 lw.wo.matvec(att.flatten().view(), proj.view_mut());
+                post_norm(&mut proj, lw.post_attn_norm.as_ref(), cfg.rms_norm_eps);
                 x += &proj;
                 rmsnorm(&x, &lw.ffn_norm, cfg.rms_norm_eps, &mut h);
                 mlp.run(lw, h.view(), proj.view_mut());
+                post_norm(&mut proj, lw.post_ffn_norm.as_ref(), cfg.rms_norm_eps);
                 x += &proj;
             }
         }

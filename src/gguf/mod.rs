@@ -107,6 +107,10 @@ pub struct ArchSpec {
     /// Per-head RMSNorm of q and k before RoPE (`blk.N.attn_q_norm.weight` /
     /// `attn_k_norm.weight`, length `head_dim`).
     pub qk_norm: bool,
+    /// Gemma's norms around each block: `ffn_norm` is the MLP's input norm
+    /// (`pre_feedforward_layernorm`), `post_attention_norm` / `post_ffw_norm` norm the
+    /// attention and MLP outputs.
+    pub sandwich_norms: bool,
 }
 
 /// The accepted architectures.
@@ -116,18 +120,33 @@ pub const ARCHS: &[ArchSpec] = &[
         model_type: "llama",
         permuted_qk: true,
         qk_norm: false,
+        sandwich_norms: false,
     },
     ArchSpec {
         name: "qwen2",
         model_type: "qwen2",
         permuted_qk: false,
         qk_norm: false,
+        sandwich_norms: false,
     },
     ArchSpec {
         name: "qwen3",
         model_type: "qwen3",
         permuted_qk: false,
         qk_norm: true,
+        sandwich_norms: false,
+    },
+    // Gemma 3 (text): embedding × √hidden, GeGLU, sandwich norms, per-head q/k norms,
+    // every sixth layer global and the others sliding (`gemma3.attention.sliding_window`),
+    // with RoPE base 10000 on the sliding layers, as llama.cpp fixes them for this
+    // architecture. llama.cpp's converter stores Gemma's norm weights with the 1 already
+    // added, so they are used as they are.
+    ArchSpec {
+        name: "gemma3",
+        model_type: "gemma3_text",
+        permuted_qk: false,
+        qk_norm: true,
+        sandwich_norms: true,
     },
 ];
 
@@ -389,7 +408,13 @@ impl GgufFile {
         let rope_scaling = self.rope_scaling(rope_theta, head_dim.unwrap_or(0))?;
         let tied = self.tensor("output.weight").is_none();
         let attention_bias = self.tensor("blk.0.attn_q.bias").is_some();
-        let (layer_types, sliding_window, shared) = self.layer_plan(n_layers)?;
+        let (layer_types, mut sliding_window, shared) = self.layer_plan(n_layers)?;
+        let gemma3 = self.arch.name == "gemma3";
+        if gemma3 && layer_types.is_none() {
+            sliding_window = self
+                .get_usize(&k("attention.sliding_window"))?
+                .map(serde_json::Value::from);
+        }
 
         let hf = HfConfig {
             model_type: Some(self.arch.model_type.to_string()),
@@ -406,15 +431,20 @@ impl GgufFile {
             max_position_embeddings: ctx,
             tie_word_embeddings: Some(tied),
             attention_bias: Some(attention_bias),
-            hidden_act: Some("silu".into()),
+            hidden_act: (!gemma3).then(|| "silu".into()),
+            hidden_activation: gemma3.then(|| "gelu_pytorch_tanh".into()),
             bos_token_id: bos.map(TokenIds::One),
             eos_token_id: eos.map(TokenIds::One),
             layer_types,
             sliding_window,
             num_kv_shared_layers: shared,
+            from_gguf: true,
             ..HfConfig::default()
         };
-        let cfg = hf.validate(&self.path)?;
+        let mut cfg = hf.validate(&self.path)?;
+        // GGUF norm weights are the multipliers themselves (llama.cpp's converter adds
+        // Gemma's 1).
+        cfg.gemma.norm_offset = 0.0;
         // Every id the tokenizer can produce must index the embedding.
         if let Some(GgufValue::Array(tokens)) = self.parsed.metadata.get("tokenizer.ggml.tokens") {
             if tokens.len() > cfg.vocab_size {
@@ -618,6 +648,10 @@ impl GgufFile {
             }
             expected.insert(b("attn_norm.weight"), vec![h]);
             expected.insert(b("ffn_norm.weight"), vec![h]);
+            if cfg.gemma.sandwich_norms {
+                expected.insert(b("post_attention_norm.weight"), vec![h]);
+                expected.insert(b("post_ffw_norm.weight"), vec![h]);
+            }
             expected.insert(b("attn_q.weight"), vec![cfg.q_dim(), h]);
             expected.insert(b("attn_output.weight"), vec![h, cfg.q_dim()]);
             expected.insert(b("ffn_gate.weight"), vec![cfg.intermediate_size, h]);
@@ -644,7 +678,7 @@ impl GgufFile {
                         self.k("block_count"),
                         cfg.n_layers
                     ),
-                    _ if hf_name(&t.name).is_some() => {
+                    _ if hf_name_for(&t.name, self.arch.sandwich_norms).is_some() => {
                         "unexpected for this configuration (e.g. a bias without attn_q.bias in blk.0)".into()
                     }
                     _ => format!("not a tensor of the {} architecture", self.arch.name),
@@ -689,7 +723,7 @@ impl GgufFile {
             if t.name == "rope_freqs.weight" {
                 continue;
             }
-            let (name, perm) = hf_name(&t.name).ok_or_else(|| {
+            let (name, perm) = hf_name_for(&t.name, self.arch.sandwich_norms).ok_or_else(|| {
                 Error::tensor(
                     &self.path,
                     &t.name,
@@ -761,7 +795,14 @@ fn block_index(name: &str) -> Option<usize> {
 }
 
 /// The Hugging Face name of a GGUF llama tensor, and whether llama.cpp permuted its rows.
+#[cfg(test)]
 fn hf_name(gguf: &str) -> Option<(String, Permuted)> {
+    hf_name_for(gguf, false)
+}
+
+/// The Hugging Face name of a GGUF tensor of an architecture with or without Gemma's
+/// sandwich norms, and whether llama.cpp permuted its rows (for llama).
+fn hf_name_for(gguf: &str, sandwich: bool) -> Option<(String, Permuted)> {
     let global = match gguf {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
@@ -783,7 +824,10 @@ fn hf_name(gguf: &str) -> Option<(String, Permuted)> {
     }
     let (hf, perm) = match part {
         "attn_norm" => ("input_layernorm", Permuted::No),
+        "ffn_norm" if sandwich => ("pre_feedforward_layernorm", Permuted::No),
         "ffn_norm" => ("post_attention_layernorm", Permuted::No),
+        "post_attention_norm" if sandwich => ("post_attention_layernorm", Permuted::No),
+        "post_ffw_norm" if sandwich => ("post_feedforward_layernorm", Permuted::No),
         "attn_q" => ("self_attn.q_proj", Permuted::Q),
         "attn_k" => ("self_attn.k_proj", Permuted::K),
         "attn_v" => ("self_attn.v_proj", Permuted::No),
@@ -795,12 +839,7 @@ fn hf_name(gguf: &str) -> Option<(String, Permuted)> {
         "ffn_down" => ("mlp.down_proj", Permuted::No),
         _ => return None,
     };
-    if suffix == "bias"
-        && matches!(
-            part,
-            "attn_norm" | "ffn_norm" | "attn_q_norm" | "attn_k_norm"
-        )
-    {
+    if suffix == "bias" && part.ends_with("norm") {
         return None;
     }
     Some((format!("model.layers.{i}.{hf}.{suffix}"), perm))

@@ -178,6 +178,9 @@ pub fn build(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<tokenize
 /// The `tokenizer.json` text equivalent to the file's tokenizer metadata (what [`build`]
 /// loads; also what a `.tinygpt` conversion would store).
 pub fn tokenizer_json(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<String> {
+    if meta.get("tokenizer.ggml.model").and_then(GgufValue::as_str) == Some("llama") {
+        return spm::tokenizer_json(meta, path);
+    }
     let m = Gpt2Meta::read(meta, path)?;
     let alphabet = ByteAlphabet::new();
     let (vocab, vocab_json) = vocabulary(m.tokens, &alphabet);
@@ -232,7 +235,7 @@ impl<'m> Gpt2Meta<'m> {
         };
         if model != "gpt2" {
             return Err(err(format!(
-                "tokenizer.ggml.model '{model}' is not supported (supported: gpt2, i.e. byte-level BPE)"
+                "tokenizer.ggml.model '{model}' is not supported (supported: gpt2, i.e. byte-level BPE; llama, i.e. SentencePiece)"
             )));
         }
         let tokens = strings(meta, "tokenizer.ggml.tokens", path)?
@@ -496,4 +499,180 @@ fn post_processor(
         "pair": pair,
         "special_tokens": specials,
     }))
+}
+
+/// SentencePiece vocabularies (`tokenizer.ggml.model = "llama"`: Llama 2, Mistral, Gemma),
+/// rebuilt as transformers' GGUF conversion does (`GGUFTokenizerSkeleton`,
+/// `GGUFLlamaConverter` / `GGUFGemmaConverter`): a BPE model over the `tokens` with byte
+/// fallback (`<0xNN>` tokens, type 6) and `fuse_unk`, whose merges — the file has none — are
+/// every split of a token into two tokens, ordered by the merged token's score (highest
+/// first; within one token by the parts' scores), which is SentencePiece's own merge order.
+/// Spaces become `▁` (normaliser), with a `▁` prepended when `add_space_prefix` is true
+/// (the default, as in llama.cpp). Control tokens (type 3) are special added tokens,
+/// user-defined ones (type 4, e.g. Gemma's newline runs) plain added tokens, both matched
+/// whole. BOS is prepended when `add_bos_token` is true (the default for this model kind).
+mod spm {
+    use super::{opt_bool, opt_id, strings, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED};
+    use crate::error::{Error, Result};
+    use crate::gguf::reader::GgufValue;
+    use serde_json::{json, Map, Value};
+    use std::collections::{BTreeMap, HashMap};
+    use std::path::Path;
+
+    pub fn tokenizer_json(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<String> {
+        let err = |msg: String| Error::tokenizer(path, msg);
+        let tokens = strings(meta, "tokenizer.ggml.tokens", path)?
+            .ok_or_else(|| err("missing metadata 'tokenizer.ggml.tokens'".into()))?;
+        let n = tokens.len();
+        let scores = match meta.get("tokenizer.ggml.scores") {
+            Some(GgufValue::Array(a)) => a.to_f32s().ok_or_else(|| {
+                err(format!(
+                    "'tokenizer.ggml.scores' must be numbers, got {}",
+                    a.elem_type_name()
+                ))
+            })?,
+            Some(v) => {
+                return Err(err(format!(
+                    "'tokenizer.ggml.scores' must be an array, got a {}",
+                    v.type_name()
+                )))
+            }
+            None => return Err(err(
+                "missing metadata 'tokenizer.ggml.scores' (a SentencePiece tokenizer needs them)"
+                    .into(),
+            )),
+        };
+        let types = match meta.get("tokenizer.ggml.token_type") {
+            Some(GgufValue::Array(a)) => a
+                .to_i64s()
+                .ok_or_else(|| err("'tokenizer.ggml.token_type' must be integers".into()))?,
+            _ => vec![1; n],
+        };
+        if scores.len() != n || types.len() != n {
+            return Err(err(format!(
+                "tokenizer.ggml.scores has {} and tokenizer.ggml.token_type {} entries for {n} tokens",
+                scores.len(),
+                types.len()
+            )));
+        }
+        let unk = opt_id(meta, "tokenizer.ggml.unknown_token_id", n, path)?;
+        let bos = opt_id(meta, "tokenizer.ggml.bos_token_id", n, path)?;
+        let eos = opt_id(meta, "tokenizer.ggml.eos_token_id", n, path)?;
+        let add_bos = opt_bool(meta, "tokenizer.ggml.add_bos_token", path)?.unwrap_or(true);
+        let add_eos = opt_bool(meta, "tokenizer.ggml.add_eos_token", path)?.unwrap_or(false);
+        let add_prefix = opt_bool(meta, "tokenizer.ggml.add_space_prefix", path)?.unwrap_or(true);
+
+        // id of each token (a later duplicate wins, as in a dict comprehension)
+        let mut ids: HashMap<&str, u32> = HashMap::with_capacity(n);
+        let mut vocab = Map::new();
+        for (i, t) in tokens.iter().enumerate() {
+            ids.insert(t.as_str(), i as u32);
+            vocab.insert(t.clone(), json!(i));
+        }
+        let score = |t: &str| {
+            ids.get(t)
+                .map_or(f32::NEG_INFINITY, |&i| scores[i as usize])
+        };
+        // Every split of every token into two tokens: (left, right, merged score).
+        let mut merges: Vec<(&str, &str, f32)> = Vec::new();
+        for t in tokens {
+            let start = merges.len();
+            for (cut, _) in t.char_indices().skip(1) {
+                let (l, r) = t.split_at(cut);
+                if ids.contains_key(l) && ids.contains_key(r) {
+                    merges.push((l, r, score(t)));
+                }
+            }
+            // within a token: by the parts' scores, highest first (a stable sort)
+            merges[start..].sort_by(|a, b| {
+                (score(b.0), score(b.1))
+                    .partial_cmp(&(score(a.0), score(a.1)))
+                    .unwrap_or(std::cmp::Ordering::Equal)
+            });
+        }
+        merges.sort_by(|a, b| b.2.total_cmp(&a.2));
+        let merges_json: Vec<Value> = merges.iter().map(|(l, r, _)| json!([l, r])).collect();
+
+        let mut added = Vec::new();
+        for (i, (t, &ty)) in tokens.iter().zip(&types).enumerate() {
+            let special = match ty {
+                TOKEN_TYPE_CONTROL => true,
+                TOKEN_TYPE_USER_DEFINED => false,
+                _ => continue,
+            };
+            if t.is_empty() {
+                continue;
+            }
+            added.push(json!({
+                "id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
+                "normalized": false, "special": special,
+            }));
+        }
+        let normalizer = match add_prefix {
+            true => json!({"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+            ]}),
+            false => json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}),
+        };
+        let mut decoders = vec![
+            json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
+            json!({"type": "ByteFallback"}),
+            json!({"type": "Fuse"}),
+        ];
+        if add_prefix {
+            decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+        }
+        let mut single = Vec::new();
+        let mut specials = Map::new();
+        for (on, id, what) in [
+            (add_bos, bos, "bos"),
+            (false, None, ""),
+            (add_eos, eos, "eos"),
+        ] {
+            if what.is_empty() {
+                single.push(json!({"Sequence": {"id": "A", "type_id": 0}}));
+                continue;
+            }
+            if !on {
+                continue;
+            }
+            let id = id.ok_or_else(|| {
+                err(format!(
+                    "tokenizer.ggml.add_{what}_token is true but there is no {what} token id"
+                ))
+            })?;
+            let t = &tokens[id];
+            single.push(json!({"SpecialToken": {"id": t, "type_id": 0}}));
+            specials.insert(t.clone(), json!({"id": t, "ids": [id], "tokens": [t]}));
+        }
+        let tokenizer = json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": normalizer,
+            "pre_tokenizer": null,
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": single,
+                "pair": single,
+                "special_tokens": specials,
+            },
+            "decoder": {"type": "Sequence", "decoders": decoders},
+            "model": {
+                "type": "BPE",
+                "dropout": null,
+                "unk_token": unk.map(|u| tokens[u].clone()),
+                "continuing_subword_prefix": null,
+                "end_of_word_suffix": null,
+                "fuse_unk": true,
+                "byte_fallback": true,
+                "ignore_merges": false,
+                "vocab": vocab,
+                "merges": merges_json,
+            },
+        });
+        Ok(tokenizer.to_string())
+    }
 }

@@ -42,6 +42,15 @@ pub fn head_rmsnorm(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
+/// GeGLU in place with tanh-approximated GELU (Gemma): `gate[i] = gelu_tanh(gate[i]) · up[i]`,
+/// scalar, as the reference computes it.
+pub fn geglu_tanh(gate: &mut [f32], up: &[f32]) {
+    debug_assert_eq!(gate.len(), up.len());
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = tinygpt_reference::model::gelu_tanh(*g) * u;
+    }
+}
+
 /// SwiGLU in place: `gate[i] = silu(gate[i]) · up[i]`, `silu(g) = g / (1 + e^(−g))`.
 ///
 /// Eight lanes at a time with `wide`'s `exp`, whose argument is capped at 87 (its range
