@@ -195,12 +195,61 @@ impl GenerateOptions {
     /// more rows than the context ([`check_cache_rows`]). Callers run it once, before the
     /// model is loaded where they can.
     pub fn check_prompt(&self, prompt_len: usize) -> Result<()> {
-        check_context(prompt_len, self)?;
-        check_cache_rows(
+        self.check_prompt_on(prompt_len, Surface::Cli)
+    }
+
+    /// The most prompt tokens a run can take: the context length with a dense cache
+    /// (unless `allow_past_context`), else `None` (a bounded cache takes any prompt).
+    pub fn prompt_token_limit(&self) -> Option<usize> {
+        (self.kv.window.is_none() && !self.allow_past_context).then_some(self.context_length)
+    }
+
+    /// Refuses a prompt of `bytes` bytes that cannot fit in `limit` tokens (the
+    /// [`prompt_token_limit`](Self::prompt_token_limit) unless given) whatever it encodes
+    /// to ([`Tokenizer::max_text_bytes`]), before spending time and memory tokenising it.
+    pub fn check_prompt_bytes(
+        &self,
+        bytes: usize,
+        tok: &crate::tokenizer::Tokenizer,
+        limit: Option<usize>,
+        surface: Surface,
+    ) -> Result<()> {
+        let Some(limit) = limit.or(self.prompt_token_limit()) else {
+            return Ok(());
+        };
+        let max = tok.max_text_bytes(limit);
+        if bytes > max {
+            let (field, hint) = match surface {
+                Surface::Cli => ("--prompt", "--streaming-llm-window"),
+                Surface::Http => ("prompt", "streaming_llm_window"),
+            };
+            return Err(Error::flag(
+                field,
+                format!(
+                    "{bytes} bytes cannot fit in {limit} tokens (this tokenizer needs at least one \
+                     token per {} bytes); shorten it{}",
+                    max / limit.max(1),
+                    if limit == self.context_length && self.prompt_token_limit().is_some() {
+                        format!(" or bound the cache with {hint}")
+                    } else {
+                        String::new()
+                    }
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// [`check_prompt`](Self::check_prompt), with errors naming `surface`'s flags or
+    /// request fields (`serve` runs the same check on every request).
+    pub fn check_prompt_on(&self, prompt_len: usize, surface: Surface) -> Result<()> {
+        check_context(prompt_len, self, surface)?;
+        check_cache_rows_on(
             &self.kv,
             prompt_len.saturating_add(self.max_tokens),
             self.context_length,
             self.allow_past_context,
+            surface,
         )
     }
 }
@@ -245,16 +294,66 @@ fn rate(n: usize, secs: f64) -> f64 {
 }
 
 /// Refuses a run that would pass the context length with an unbounded cache.
-fn check_context(prompt_len: usize, opts: &GenerateOptions) -> Result<()> {
+/// Where a generation's settings came from: the names a refusal uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Surface {
+    /// `sample` and the other subcommands: flags.
+    Cli,
+    /// `serve`: request fields (the server's own flags where a request cannot change them).
+    Http,
+}
+
+impl Surface {
+    fn tokens(self) -> &'static str {
+        match self {
+            Surface::Cli => "--tokens",
+            Surface::Http => "max_tokens",
+        }
+    }
+    fn window(self) -> &'static str {
+        match self {
+            Surface::Cli => "--streaming-llm-window",
+            Surface::Http => "streaming_llm_window",
+        }
+    }
+    fn bound_hint(self) -> &'static str {
+        match self {
+            Surface::Cli => "bound the cache with --streaming-llm-sink N --streaming-llm-window M",
+            Surface::Http => "bound the cache with streaming_llm_sink and streaming_llm_window",
+        }
+    }
+    fn allow_hint(self) -> &'static str {
+        match self {
+            Surface::Cli => "pass --allow-past-context",
+            Surface::Http => "start the server with --allow-past-context",
+        }
+    }
+}
+
+fn check_context(prompt_len: usize, opts: &GenerateOptions, surface: Surface) -> Result<()> {
     let total = prompt_len.saturating_add(opts.max_tokens);
     let bounded_cache = opts.kv.window.is_some();
     if !bounded_cache && !opts.allow_past_context && total > opts.context_length {
-        return Err(Error::Generate(format!(
-            "prompt ({prompt_len} tokens) + --tokens {} = {total} tokens exceeds the model's context length ({}); \
-             bound the cache with --streaming-llm-sink N --streaming-llm-window M, \
-             or pass --allow-past-context to run dense attention past it anyway",
-            opts.max_tokens, opts.context_length
-        )));
+        let msg = format!(
+            "prompt ({prompt_len} tokens) + {} {} = {total} tokens exceeds the model's context length ({}); \
+             {}, or {} to run dense attention past it anyway",
+            surface.tokens(),
+            opts.max_tokens,
+            opts.context_length,
+            surface.bound_hint(),
+            surface.allow_hint(),
+        );
+        return Err(match surface {
+            Surface::Cli => Error::Generate(msg),
+            Surface::Http => Error::flag(
+                if prompt_len >= opts.context_length {
+                    "prompt"
+                } else {
+                    "max_tokens"
+                },
+                msg,
+            ),
+        });
     }
     Ok(())
 }
@@ -268,6 +367,16 @@ pub fn check_cache_rows(
     context_length: usize,
     allow_past_context: bool,
 ) -> Result<()> {
+    check_cache_rows_on(kv, total, context_length, allow_past_context, Surface::Cli)
+}
+
+fn check_cache_rows_on(
+    kv: &KvConfig,
+    total: usize,
+    context_length: usize,
+    allow_past_context: bool,
+    surface: Surface,
+) -> Result<()> {
     let Some(window) = kv.window else {
         return Ok(());
     };
@@ -275,12 +384,13 @@ pub fn check_cache_rows(
     let rows = total.min(cap);
     if !allow_past_context && rows > context_length {
         return Err(Error::flag(
-            "--streaming-llm-window",
+            surface.window(),
             format!(
                 "sink {} + window {window} would keep {rows} tokens in the cache, more than the \
                  model's context length ({context_length}); make sink + window at most \
-                 {context_length}, or pass --allow-past-context",
-                kv.sink
+                 {context_length}, or {}",
+                kv.sink,
+                surface.allow_hint()
             ),
         ));
     }

@@ -1,14 +1,20 @@
-//! Next-token choice: greedy (`temperature == 0`), or temperature + top-k + top-p sampling
-//! with a seeded ChaCha RNG (same seed ⇒ same tokens, on every platform).
+//! Next-token choice: greedy (`temperature` below [`GREEDY_BELOW`], 0 included), or
+//! temperature + top-k + top-p sampling with a seeded ChaCha RNG (same seed ⇒ same
+//! tokens, on every platform).
 
 use crate::error::{Error, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+/// Temperatures below this are greedy (as vLLM treats them): dividing logits by a
+/// smaller temperature overflows f32 (1e-40 makes every logit ±inf and the softmax NaN),
+/// and the distribution is already one-hot to f32 precision long before.
+pub const GREEDY_BELOW: f32 = 1e-5;
+
 /// Sampling settings (`--temperature`, `--top-k`, `--top-p`, `--seed`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplerConfig {
-    /// 0 means greedy.
+    /// 0 (or anything below [`GREEDY_BELOW`]) means greedy.
     pub temperature: f32,
     /// 0 disables top-k.
     pub top_k: usize,
@@ -25,6 +31,11 @@ impl SamplerConfig {
             top_p: 1.0,
             seed: 0,
         }
+    }
+
+    /// Whether [`Sampler::sample`] takes the argmax (temperature below [`GREEDY_BELOW`]).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature < GREEDY_BELOW
     }
 
     /// Checks ranges; errors name the flag.
@@ -63,7 +74,7 @@ impl Sampler {
 
     /// Picks the next token from `logits`.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.cfg.temperature == 0.0 {
+        if self.cfg.is_greedy() {
             return crate::ops::argmax(logits) as u32;
         }
         let t = self.cfg.temperature;
@@ -116,5 +127,47 @@ impl Sampler {
             }
         }
         self.cand.last().map(|c| c.1).unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(temperature: f32, seed: u64) -> SamplerConfig {
+        SamplerConfig {
+            temperature,
+            top_k: 0,
+            top_p: 1.0,
+            seed,
+        }
+    }
+
+    #[test]
+    fn temperatures_below_the_floor_are_greedy() {
+        // Logits whose argmax (id 3) is not the first id, with a runner-up close by.
+        let logits = [1.0f32, -2.0, 0.5, 7.25, 7.0, -30.0, 40.0 - 33.0];
+        for t in [0.0, 1e-45, 1e-40, 1e-20, 1e-6, GREEDY_BELOW * 0.999] {
+            for seed in 0..20 {
+                assert_eq!(Sampler::new(cfg(t, seed)).sample(&logits), 3, "t = {t:e}");
+            }
+            assert!(cfg(t, 0).is_greedy());
+        }
+        assert!(!cfg(GREEDY_BELOW, 0).is_greedy());
+    }
+
+    #[test]
+    fn small_temperatures_above_the_floor_sample_a_real_token() {
+        // Logits up to 1e4 divided by a small temperature stay finite, and the runner-ups
+        // are 0.5 / t >= 500 nats behind the one maximum (id 500): every pick is it.
+        let logits: Vec<f32> = (0..1000)
+            .map(|i| 1e4 - (i as f32 - 500.0).abs() * 0.5)
+            .collect();
+        let best = crate::ops::argmax(&logits) as u32;
+        for t in [GREEDY_BELOW, 1e-4, 1e-3] {
+            for seed in 0..10 {
+                assert_eq!(Sampler::new(cfg(t, seed)).sample(&logits), best);
+            }
+        }
     }
 }

@@ -12,6 +12,9 @@ pub struct Tokenizer {
     /// Ids that end generation (config's `eos_token_id`, else the tokenizer's EOS-like token).
     pub eos_ids: Vec<u32>,
     pub bos_id: Option<u32>,
+    /// Longest vocabulary entry, in bytes of its string form (an upper bound on the text
+    /// one token stands for when no normalizer shortens the input).
+    max_token_bytes: usize,
 }
 
 impl Tokenizer {
@@ -54,8 +57,16 @@ impl Tokenizer {
                 }
             }
         }
+        let max_token_bytes = inner
+            .get_vocab(true)
+            .keys()
+            .map(|k| k.len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
         Ok(Tokenizer {
             bos_id: cfg.bos_token_id,
+            max_token_bytes,
             inner,
             path: path.to_path_buf(),
             eos_ids,
@@ -92,6 +103,21 @@ impl Tokenizer {
     }
     pub fn token_to_id(&self, tok: &str) -> Option<u32> {
         self.inner.token_to_id(tok)
+    }
+
+    /// Most bytes of text that can encode to `tokens` tokens or fewer: `tokens` times the
+    /// longest vocabulary entry, times 4 when a normalizer may shorten the input first
+    /// (NFKC maps a 3-byte full-width letter to 1 byte). Text longer than this is known to
+    /// be over a `tokens` limit without tokenising it.
+    pub fn max_text_bytes(&self, tokens: usize) -> usize {
+        let shrink = if self.inner.get_normalizer().is_some() {
+            4
+        } else {
+            1
+        };
+        tokens
+            .saturating_mul(self.max_token_bytes)
+            .saturating_mul(shrink)
     }
 
     pub fn vocab_size(&self) -> usize {

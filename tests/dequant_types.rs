@@ -55,6 +55,76 @@ fn every_block_type_matches_gguf_py() {
     assert_eq!(checked, 12, "every block type has a fixture");
 }
 
+/// Q5_0 and IQ4_NL run on the Q8_0 kernels after an exact rewrite of their blocks
+/// (`dequant::repack_native`): the rewritten Q8_0 blocks dequantise to exactly gguf-py's
+/// values of the original blocks, and ggml's dot product of the original block with a Q8_0
+/// activation block, computed here from the original codes as ggml-quants.c writes it
+/// (`vec_dot_q5_0_q8_0`, `vec_dot_iq4_nl_q8_0`: an integer sum times `d_w · d_x`), is the
+/// Q8_0 formula over the rewritten codes.
+#[test]
+fn q5_0_and_iq4_nl_are_rewritten_exactly_as_q8_0() {
+    let dir = fixtures().join("dequant");
+    let f16 = |b: &[u8], at: usize| half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
+    for ty in [DType::Q5_0, DType::IQ4_NL] {
+        let blocks = std::fs::read(dir.join(format!("{}.blocks", ty.name()))).unwrap();
+        let want = read_f32(&std::fs::read(dir.join(format!("{}.f32", ty.name()))).unwrap());
+        let (as_ty, q8) = tinygpt_cpu::dequant::repack_native(ty, &blocks)
+            .expect("a rewrite exists")
+            .unwrap();
+        assert_eq!(as_ty, DType::Q8_0);
+        assert_eq!(q8.len(), want.len() / 32 * 34);
+        let mut got = vec![f32::NAN; want.len()];
+        tinygpt_cpu::dequant::dequantize_row(DType::Q8_0, &q8, &mut got).unwrap();
+        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            let tol = 4.0 * f32::EPSILON * g.abs().max(w.abs()) + 1e-37;
+            assert!(
+                (g - w).abs() <= tol,
+                "{ty} value {i}: Q8_0 {g} vs gguf-py {w}"
+            );
+        }
+        // ggml's dot of each original block with a pseudo-random Q8_0 activation block.
+        let bsize = ty.bytes_for(32).unwrap();
+        for (b, (orig, re)) in blocks
+            .chunks_exact(bsize)
+            .zip(q8.chunks_exact(34))
+            .enumerate()
+        {
+            let x: Vec<i32> = (0..32)
+                .map(|j| ((b * 37 + j * 11) % 255) as i32 - 127)
+                .collect();
+            let dx = 0.0123f32;
+            let codes: Vec<i32> = match ty {
+                DType::Q5_0 => {
+                    let qh = u32::from_le_bytes([orig[2], orig[3], orig[4], orig[5]]);
+                    (0..32)
+                        .map(|j| {
+                            let (byte, shift) = (orig[6 + j % 16], if j < 16 { 0 } else { 4 });
+                            (((byte >> shift) & 0xF) as i32 | (((qh >> j) & 1) as i32) << 4) - 16
+                        })
+                        .collect()
+                }
+                _ => {
+                    const K: [i32; 16] = [
+                        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                    ];
+                    (0..32)
+                        .map(|j| {
+                            K[((orig[2 + j % 16] >> if j < 16 { 0 } else { 4 }) & 0xF) as usize]
+                        })
+                        .collect()
+                }
+            };
+            let ggml =
+                (f16(orig, 0) * dx) * codes.iter().zip(&x).map(|(c, x)| c * x).sum::<i32>() as f32;
+            let q8_codes: Vec<i32> = re[2..].iter().map(|&c| c as i8 as i32).collect();
+            let as_q8 =
+                (f16(re, 0) * dx) * q8_codes.iter().zip(&x).map(|(c, x)| c * x).sum::<i32>() as f32;
+            assert_eq!(ggml.to_bits(), as_q8.to_bits(), "{ty} block {b}");
+        }
+    }
+    assert!(tinygpt_cpu::dequant::repack_native(DType::Q4_K, &[]).is_none());
+}
+
 /// Unsupported GGML types (IQ2/IQ3/IQ1, TQ) are named in the error, with the tensor.
 #[test]
 fn unsupported_types_are_one_clear_error() {
@@ -74,8 +144,9 @@ fn unsupported_types_are_one_clear_error() {
 
 /// The re-quantised SmolLM2 files (`~/.cache/tinygpt-cpu/requant/`, made with llama.cpp's
 /// quantiser; skipped when absent): every `_K` / IQ4 mix loads, `inspect`'s summary names
-/// the file's types, and perplexity over 64 held-out tokens stays within 15% of the Q8_0
-/// file's (llama.cpp measures the same spread, docs/eval/quant-types.md).
+/// the file's types, Q5_0 / IQ4_NL tensors are held as Q8_0, and perplexity over 64
+/// held-out tokens stays within 20% of the Q8_0 file's (Q3_K_M is the farthest: +13% at 256
+/// tokens, +15% at 64, in llama.cpp as in ours; docs/eval/quant-types.md).
 #[test]
 fn requantised_files_load_and_evaluate() {
     let dir = std::env::var_os("HOME")
@@ -115,9 +186,20 @@ fn requantised_files_load_and_evaluate() {
         for t in types {
             assert!(summary.contains_key(*t), "{q}: {summary:?} lacks {t}");
         }
+        // Q5_0 and IQ4_NL tensors are held as Q8_0 blocks (no f32 copy).
+        let n = files
+            .tensors
+            .values()
+            .filter(|t| t.dtype == DType::Q8_0)
+            .count();
+        let want: usize = ["Q5_0", "IQ4_NL", "Q8_0"]
+            .iter()
+            .filter_map(|t| summary.get(*t))
+            .sum();
+        assert_eq!(n, want, "{q}: {summary:?}");
         let p = ppl(q);
         assert!(
-            p.is_finite() && (p / base - 1.0).abs() < 0.15,
+            p.is_finite() && (p / base - 1.0).abs() < 0.2,
             "{q}: perplexity {p} vs Q8_0 {base}"
         );
         eprintln!("{q}: perplexity {p:.4} (Q8_0 {base:.4})");

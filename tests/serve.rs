@@ -2,10 +2,11 @@
 //! HTTP server run as a user runs it (the binary on an ephemeral loopback port).
 
 mod common;
+use common::server::*;
 use common::*;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 use tinygpt_cpu::generate::EngineRun;
 use tinygpt_cpu::kv_cache::{KvConfig, PositionsMode, Precision};
@@ -216,97 +217,6 @@ fn worst_case_bytes_bound_a_real_run() {
 // ---------------------------------------------------------------------------------------
 // The server binary
 
-struct Server {
-    child: Child,
-    base: String,
-}
-
-impl Server {
-    fn start(args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tinygpt-cpu"))
-            .arg("serve")
-            .args(args)
-            .args(["--host", "127.0.0.1", "--port", "0"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("the binary starts");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let base = line
-            .split_whitespace()
-            .find(|w| w.starts_with("http://"))
-            .unwrap_or_else(|| {
-                let mut err = String::new();
-                let _ = child.stderr.take().unwrap().read_to_string(&mut err);
-                panic!("no address in {line:?}; stderr: {err}")
-            })
-            .to_string();
-        Server { child, base }
-    }
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-    fn post(&self, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
-        match ureq::post(&self.url(path))
-            .timeout(Duration::from_secs(120))
-            .send_string(&body.to_string())
-        {
-            Ok(r) => (
-                r.status(),
-                serde_json::from_str(&r.into_string().unwrap()).unwrap(),
-            ),
-            Err(ureq::Error::Status(code, r)) => (
-                code,
-                serde_json::from_str(&r.into_string().unwrap()).unwrap(),
-            ),
-            Err(e) => panic!("{path}: {e}"),
-        }
-    }
-    fn get(&self, path: &str) -> String {
-        ureq::get(&self.url(path))
-            .timeout(Duration::from_secs(30))
-            .call()
-            .unwrap()
-            .into_string()
-            .unwrap()
-    }
-    /// A metric's value from `/metrics`.
-    fn metric(&self, name: &str) -> f64 {
-        let text = self.get("/metrics");
-        text.lines()
-            .find_map(|l| l.strip_prefix(&format!("{name} ")))
-            .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{text}"))
-            .parse()
-            .unwrap()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Reads an SSE body: the JSON chunks, and whether it ended with `data: [DONE]`.
-fn read_sse(r: impl Read) -> (Vec<serde_json::Value>, bool) {
-    let mut chunks = Vec::new();
-    for line in BufReader::new(r).lines() {
-        let line = line.unwrap();
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if data == "[DONE]" {
-            return (chunks, true);
-        }
-        chunks.push(serde_json::from_str(data).unwrap());
-    }
-    (chunks, false)
-}
-
 fn stream_text(chunks: &[serde_json::Value]) -> String {
     chunks
         .iter()
@@ -425,7 +335,7 @@ fn greedy_completions_equal_sample_while_other_requests_run() {
             .map(|i| {
                 let srv = &srv;
                 sc.spawn(move || {
-                    let r = ureq::post(&srv.url("/v1/completions"))
+                    let r = post_json(&srv.url("/v1/completions"))
                         .send_string(
                             &serde_json::json!({"prompt": "In the", "max_tokens": 30 + 10 * i,
                                 "temperature": 0.9, "seed": i, "stream": true, "ignore_eos": true})
@@ -476,7 +386,7 @@ fn streaming_equals_non_streaming_and_ends_with_done() {
     assert_eq!(code, 200);
     let mut sbody = body.clone();
     sbody["stream"] = serde_json::json!(true);
-    let r = ureq::post(&srv.url("/v1/completions"))
+    let r = post_json(&srv.url("/v1/completions"))
         .send_string(&sbody.to_string())
         .unwrap();
     assert_eq!(r.header("content-type"), Some("text/event-stream"));
@@ -505,7 +415,7 @@ fn streaming_equals_non_streaming_and_ends_with_done() {
     assert_eq!(stopped["choices"][0]["text"], &text[..cut]);
     assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
     b["stream"] = serde_json::json!(true);
-    let r = ureq::post(&srv.url("/v1/completions"))
+    let r = post_json(&srv.url("/v1/completions"))
         .send_string(&b.to_string())
         .unwrap();
     let (chunks, _) = read_sse(r.into_reader());
@@ -632,10 +542,17 @@ fn admission_answers_429_with_retry_after_and_cancel_frees_the_slot() {
         2 + 200,
     );
     let budget = (one + one / 2).to_string();
-    let srv = Server::start(&["--kv-budget", &budget, "--max-sequences", "2"]);
+    let srv = Server::start(&[
+        "--kv-budget",
+        &budget,
+        "--max-sequences",
+        "2",
+        "--max-queue",
+        "0",
+    ]);
     let long = serde_json::json!({"prompt": "The", "max_tokens": 200, "ignore_eos": true,
         "temperature": 0.8, "seed": 1, "stream": true});
-    let r = ureq::post(&srv.url("/v1/completions"))
+    let r = post_json(&srv.url("/v1/completions"))
         .send_string(&long.to_string())
         .unwrap();
     let mut reader = BufReader::new(r.into_reader());
@@ -643,7 +560,7 @@ fn admission_answers_429_with_retry_after_and_cancel_frees_the_slot() {
     reader.read_line(&mut line).unwrap();
     assert!(line.starts_with("data: "), "{line}");
     // A second one does not fit in what is left: 429 + Retry-After.
-    match ureq::post(&srv.url("/v1/completions")).send_string(&long.to_string()) {
+    match post_json(&srv.url("/v1/completions")).send_string(&long.to_string()) {
         Err(ureq::Error::Status(429, r)) => {
             assert_eq!(r.header("retry-after"), Some("1"));
             let v: serde_json::Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
@@ -678,13 +595,13 @@ fn admission_answers_429_with_retry_after_and_cancel_frees_the_slot() {
     assert_eq!(srv.metric("tinygpt_requests_cancelled_total"), 1.0);
     assert_eq!(srv.metric("tinygpt_kv_bytes_reserved"), 0.0);
     // --max-sequences: two long ones fill the slots (budget permitting is not the limit here).
-    let srv = Server::start(&["--max-sequences", "1"]);
-    let r = ureq::post(&srv.url("/v1/completions"))
+    let srv = Server::start(&["--max-sequences", "1", "--max-queue", "0"]);
+    let r = post_json(&srv.url("/v1/completions"))
         .send_string(&long.to_string())
         .unwrap();
     let mut reader = BufReader::new(r.into_reader());
     reader.read_line(&mut line).unwrap();
-    match ureq::post(&srv.url("/v1/completions")).send_string(&long.to_string()) {
+    match post_json(&srv.url("/v1/completions")).send_string(&long.to_string()) {
         Err(ureq::Error::Status(429, r)) => assert_eq!(r.header("retry-after"), Some("1")),
         other => panic!("expected 429, got {:?}", other.map(|r| r.status())),
     }
@@ -696,7 +613,7 @@ fn sigterm_drains_running_requests_then_exits() {
     let mut srv = Server::start(&[]);
     let body = serde_json::json!({"prompt": "The", "max_tokens": 150, "ignore_eos": true,
         "temperature": 0, "stream": true});
-    let r = ureq::post(&srv.url("/v1/completions"))
+    let r = post_json(&srv.url("/v1/completions"))
         .send_string(&body.to_string())
         .unwrap();
     let mut reader = BufReader::new(r.into_reader());

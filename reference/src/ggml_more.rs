@@ -75,6 +75,46 @@ pub fn dequantize_iq4_nl(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Q5_0 blocks rewritten as Q8_0 blocks (34 bytes: the same f16 `d`, then 32 signed
+/// bytes): code `q − 16` of element `j` becomes byte `j`. Exact: every value `d · (q − 16)`
+/// is unchanged, and so is ggml's dot product with a Q8_0 activation block, which for both
+/// types is `(d_w · d_x) · Σ_j c_j · x_j` over the same signed codes `c_j`.
+pub fn q5_0_to_q8_0(bytes: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes.len() / 22 * 34);
+    for blk in bytes.chunks_exact(22) {
+        out.extend_from_slice(&blk[0..2]);
+        let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+        let mut codes = [0i8; 32];
+        for j in 0..16 {
+            let q = blk[6 + j];
+            let lo = (q & 0x0F) as i32 | ((((qh >> j) & 1) as i32) << 4);
+            let hi = (q >> 4) as i32 | ((((qh >> (j + 16)) & 1) as i32) << 4);
+            codes[j] = (lo - 16) as i8;
+            codes[j + 16] = (hi - 16) as i8;
+        }
+        out.extend(codes.iter().map(|&c| c as u8));
+    }
+    out
+}
+
+/// IQ4_NL blocks rewritten as Q8_0 blocks: code `K[n]` of each nibble `n` becomes a signed
+/// byte (the levels span −127..113). Exact, as [`q5_0_to_q8_0`]: ggml's IQ4_NL dot product
+/// is `(d_w · d_x) · Σ_j K[n_j] · x_j`, the Q8_0 one over the same codes.
+pub fn iq4_nl_to_q8_0(bytes: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes.len() / 18 * 34);
+    for blk in bytes.chunks_exact(18) {
+        out.extend_from_slice(&blk[0..2]);
+        let mut codes = [0i8; 32];
+        for j in 0..16 {
+            let q = blk[2 + j];
+            codes[j] = IQ4_VALUES[(q & 0x0F) as usize];
+            codes[j + 16] = IQ4_VALUES[(q >> 4) as usize];
+        }
+        out.extend(codes.iter().map(|&c| c as u8));
+    }
+    out
+}
+
 /// Scale and min of sub-block `j` (0..8) of a Q4_K/Q5_K super-block: 6 bits each, packed in
 /// 12 bytes (ggml's `get_scale_min_k4`). Sub-blocks 0–3: low 6 bits of bytes `j` (scale)
 /// and `j + 4` (min); 4–7: the low / high nibble of byte `j + 4` with the top two bits of

@@ -34,20 +34,31 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
         .collect();
     outln!("dtypes:      {}", dt.join(", "))?;
     if !f.file_dtypes.is_empty() {
-        let later: Vec<&str> = f
-            .file_dtypes
-            .keys()
-            .map(String::as_str)
-            .filter(|n| {
-                !tinygpt_reference::ggml::GgmlType::ALL
-                    .iter()
-                    .any(|t| t.name() == *n && t.has_native_kernels())
-            })
-            .collect();
-        outln!(
-            "             ({} dequantised to f32 at load: no native kernels yet)",
-            later.join(", ")
-        )?;
+        let (mut repacked, mut later) = (Vec::new(), Vec::new());
+        for n in f.file_dtypes.keys() {
+            match tinygpt_reference::ggml::GgmlType::ALL
+                .iter()
+                .find(|t| t.name() == n)
+            {
+                Some(t) if t.has_native_kernels() => {}
+                Some(t) if crate::dequant::repack_native(*t, &[]).is_some() => {
+                    repacked.push(n.as_str())
+                }
+                _ => later.push(n.as_str()),
+            }
+        }
+        if !repacked.is_empty() {
+            outln!(
+                "             ({} rewritten exactly as Q8_0 at load, for the Q8_0 kernels)",
+                repacked.join(", ")
+            )?;
+        }
+        if !later.is_empty() {
+            outln!(
+                "             ({} dequantised to f32 at load: no native kernels yet)",
+                later.join(", ")
+            )?;
+        }
     }
     outln!(
         "vocab:       {} (tokenizer: {})",

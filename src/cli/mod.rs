@@ -57,7 +57,8 @@ pub enum Command {
     /// OpenAI-compatible HTTP server with continuous batching.
     #[command(after_help = r#"Example:
   tinygpt-cpu serve model.gguf --streaming-llm-sink 4 --streaming-llm-window 252 --kv-quantize int4
-  curl -s localhost:8080/v1/completions -d '{"prompt": "Once upon a time", "max_tokens": 32}'"#)]
+  curl -s localhost:8080/v1/completions -H 'Content-Type: application/json' \
+      -d '{"prompt": "Once upon a time", "max_tokens": 32}'"#)]
     Serve(serve::ServeArgs),
 }
 

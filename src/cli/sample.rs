@@ -215,7 +215,7 @@ fn report(
     } else {
         format!("stored {}", res.stored_tokens)
     };
-    let sampling = if temperature == 0.0 {
+    let sampling = if temperature < crate::sampler::GREEDY_BELOW {
         "greedy".to_string()
     } else {
         format!("seed {seed}")

@@ -3,11 +3,12 @@
 use super::common::{open_model, CacheArgs, WeightsArg};
 use crate::error::Error;
 use crate::model::{Model, WeightsDType};
-use crate::server::{serve, ServerConfig, PREFILL_TOKENS_PER_STEP};
+use crate::server::{serve, Access, Limits, ServerConfig, PREFILL_TOKENS_PER_STEP};
 use clap::Args;
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::time::Duration;
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
@@ -35,10 +36,184 @@ pub struct ServeArgs {
     /// Compute threads (default: all cores).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
+    /// Seconds a connection has to send a request's whole header; also closes idle
+    /// keep-alive connections and stalled TLS handshakes.
+    #[arg(long = "header-timeout", value_name = "SECS", default_value_t = 10.0)]
+    pub header_timeout: f64,
+    /// Seconds a request body has to arrive in full (408 after).
+    #[arg(long = "body-timeout", value_name = "SECS", default_value_t = 30.0)]
+    pub body_timeout: f64,
+    /// Largest request body in bytes (413 above).
+    #[arg(long = "max-body-bytes", value_name = "BYTES", default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+    /// Seconds a generation may run after admission; then it ends with finish reason
+    /// "length" (0: no limit).
+    #[arg(long = "request-timeout", value_name = "SECS", default_value_t = 600.0)]
+    pub request_timeout: f64,
+    /// Most new tokens one request may ask for (max_tokens above it: 400).
+    #[arg(long = "max-request-tokens", value_name = "N", default_value_t = 1 << 16)]
+    pub max_request_tokens: usize,
+    /// Longest prompt in tokens for a bounded cache (a dense cache is bounded by the
+    /// model's context length).
+    #[arg(long = "max-prompt-tokens", value_name = "N", default_value_t = 1 << 16)]
+    pub max_prompt_tokens: usize,
+    /// Open connections at most (lowered to fit the descriptor limit); more wait in the
+    /// kernel's backlog.
+    #[arg(long = "max-connections", value_name = "N", default_value_t = 256)]
+    pub max_connections: usize,
+    /// Requests that may wait for admission when sequences or the KV budget are full
+    /// (0: answer 429 at once).
+    #[arg(long = "max-queue", value_name = "N", default_value_t = 256)]
+    pub max_queue: usize,
+    /// Seconds a request may wait in the queue before 429.
+    #[arg(long = "queue-timeout", value_name = "SECS", default_value_t = 60.0)]
+    pub queue_timeout: f64,
+    /// Seconds after SIGTERM during which /health answers 503 and new connections are
+    /// still accepted (so load balancers see the server leave).
+    #[arg(long = "drain-grace", value_name = "SECS", default_value_t = 5.0)]
+    pub drain_grace: f64,
+    /// Seconds after SIGTERM when requests still running are cut and the process exits;
+    /// a second SIGTERM/SIGINT cuts at once.
+    #[arg(long = "drain-timeout", value_name = "SECS", default_value_t = 30.0)]
+    pub drain_timeout: f64,
+    /// Require `Authorization: Bearer KEY` on /v1/* (401 otherwise).
+    #[arg(long = "api-key", value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Like --api-key, with the keys read from a file (one per line).
+    #[arg(long = "api-key-file", value_name = "FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Host header names accepted, comma-separated ("*": any). Default: the loopback
+    /// names when --host is a loopback address (against DNS rebinding), else any.
+    #[arg(long = "allowed-hosts", value_name = "LIST", value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
+    /// Origin header values accepted, comma-separated ("*": any), besides origins on an
+    /// allowed host. Requests from other origins get 403.
+    #[arg(long = "allowed-origins", value_name = "LIST", value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
+    /// PEM certificate chain: serve HTTPS (with --tls-key).
+    #[arg(long = "tls-cert", value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for --tls-cert.
+    #[arg(long = "tls-key", value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+}
+
+/// A duration flag in seconds: finite, positive (or 0 where `zero_ok`, meaning none).
+fn secs(flag: &str, v: f64, zero_ok: bool) -> crate::Result<Option<Duration>> {
+    if zero_ok && v == 0.0 {
+        return Ok(None);
+    }
+    if !(v.is_finite() && v > 0.0 && v <= 1e7) {
+        return Err(Error::flag(
+            flag,
+            format!(
+                "must be a number of seconds above 0{}, got {v}",
+                if zero_ok { " (or 0 for none)" } else { "" }
+            ),
+        ));
+    }
+    Ok(Some(Duration::from_secs_f64(v)))
+}
+
+fn positive(flag: &str, v: usize) -> crate::Result<usize> {
+    if v == 0 {
+        return Err(Error::flag(flag, "must be at least 1"));
+    }
+    Ok(v)
+}
+
+fn limits(a: &ServeArgs) -> crate::Result<Limits> {
+    let need = |flag: &str, v: f64| -> crate::Result<Duration> {
+        secs(flag, v, false).map(|d| d.unwrap_or_default())
+    };
+    let l = Limits {
+        header_timeout: need("--header-timeout", a.header_timeout)?,
+        body_timeout: need("--body-timeout", a.body_timeout)?,
+        max_body_bytes: positive("--max-body-bytes", a.max_body_bytes)?,
+        request_timeout: secs("--request-timeout", a.request_timeout, true)?,
+        max_request_tokens: positive("--max-request-tokens", a.max_request_tokens)?,
+        max_prompt_tokens: positive("--max-prompt-tokens", a.max_prompt_tokens)?,
+        max_connections: positive("--max-connections", a.max_connections)?,
+        max_queue: a.max_queue,
+        queue_timeout: need("--queue-timeout", a.queue_timeout)?,
+        drain_grace: secs("--drain-grace", a.drain_grace, true)?.unwrap_or_default(),
+        drain_timeout: need("--drain-timeout", a.drain_timeout)?,
+    };
+    if l.drain_grace > l.drain_timeout {
+        return Err(Error::flag(
+            "--drain-grace",
+            format!(
+                "{} s is longer than --drain-timeout ({} s)",
+                a.drain_grace, a.drain_timeout
+            ),
+        ));
+    }
+    Ok(l)
+}
+
+fn access(a: &ServeArgs) -> crate::Result<Access> {
+    let mut api_keys = Vec::new();
+    if let Some(k) = &a.api_key {
+        if k.trim().is_empty() {
+            return Err(Error::flag("--api-key", "is empty"));
+        }
+        api_keys.push(k.trim().to_string());
+    }
+    if let Some(f) = &a.api_key_file {
+        let text = std::fs::read_to_string(f).map_err(|e| {
+            Error::flag(
+                "--api-key-file",
+                format!("cannot read {}: {e}", f.display()),
+            )
+        })?;
+        let before = api_keys.len();
+        api_keys.extend(
+            text.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .map(String::from),
+        );
+        if api_keys.len() == before {
+            return Err(Error::flag(
+                "--api-key-file",
+                format!("{} holds no key", f.display()),
+            ));
+        }
+    }
+    let clean = |v: &[String]| -> Vec<String> {
+        v.iter()
+            .map(|h| h.trim().to_ascii_lowercase())
+            .filter(|h| !h.is_empty())
+            .collect()
+    };
+    let mut allowed_hosts = clean(&a.allowed_hosts);
+    if allowed_hosts.iter().any(|h| h == "*") {
+        allowed_hosts.clear();
+    } else if allowed_hosts.is_empty() && a.host.is_loopback() {
+        allowed_hosts = ["localhost", "127.0.0.1", "[::1]"]
+            .map(String::from)
+            .to_vec();
+    }
+    let allowed_origins = clean(&a.allowed_origins)
+        .into_iter()
+        .map(|o| o.trim_end_matches('/').to_string())
+        .collect();
+    Ok(Access {
+        api_keys,
+        allowed_hosts,
+        allowed_origins,
+    })
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let kv = a.cache.kv_config()?;
+    let limits = limits(&a)?;
+    let access = access(&a)?;
+    let tls = a.tls_cert.clone().zip(a.tls_key.clone());
+    if let Some((cert, key)) = &tls {
+        // Checked before the model loads, so a bad file fails fast.
+        crate::server::net::load_tls(cert, key)?;
+    }
     if a.max_sequences == 0 {
         return Err(Error::flag("--max-sequences", "must be at least 1").into());
     }
@@ -74,9 +249,13 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         kv_budget: a.kv_budget,
         model_name: model_name.clone(),
         prefill_tokens_per_step: PREFILL_TOKENS_PER_STEP,
+        limits,
+        access,
+        tls: tls.clone(),
     };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let addr = SocketAddr::new(a.host, a.port);
-    serve(
+    let out = serve(
         model,
         files.tokenizer.clone(),
         files.chat_template.clone(),
@@ -85,10 +264,23 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         a.threads,
         |bound| {
             // Scripts and tests read this line to find the port.
-            println!("listening on http://{bound} (model {model_name})");
+            println!("listening on {scheme}://{bound} (model {model_name})");
             let _ = std::io::stdout().flush();
         },
     )?;
-    eprintln!("drained, exiting");
+    if out.cut > 0 {
+        eprintln!(
+            "{}: {} running requests cut after {:.1} s, exiting",
+            if out.forced {
+                "second signal"
+            } else {
+                "drain timeout"
+            },
+            out.cut,
+            out.secs
+        );
+    } else {
+        eprintln!("drained in {:.1} s, exiting", out.secs);
+    }
     Ok(())
 }

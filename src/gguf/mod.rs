@@ -751,9 +751,18 @@ impl GgufFile {
                         .map_err(|msg| Error::tensor(&self.path, &t.name, msg))?
                 }
             };
-            // A type without native kernels becomes f32 here, once (docs/design.md §2.2).
+            // A type without native kernels is rewritten exactly into one that has them
+            // where it can be (Q5_0, IQ4_NL → Q8_0), else becomes f32, once, here
+            // (docs/design.md §2.2).
+            let repacked = (!t.dtype.has_native_kernels())
+                .then(|| crate::dequant::repack_native(t.dtype, &data))
+                .flatten();
             let (dtype, data) = if t.dtype.has_native_kernels() {
                 (t.dtype, data)
+            } else if let Some(r) = repacked {
+                let (dtype, bytes) =
+                    r.map_err(|e| Error::tensor(&self.path, &t.name, e.to_string()))?;
+                (dtype, Cow::Owned(bytes))
             } else {
                 let mut vals = vec![0.0f32; t.n_elements()];
                 crate::dequant::dequantize_row(t.dtype, &data, &mut vals)

@@ -8,14 +8,27 @@
 //! `kv_quantize`, `kv_quantize_k`, `kv_quantize_v`, `kv_group_size`, `kv_residual`,
 //! `kv_key_rope`, `kv_rotation` (the `sample` flags' names with underscores; they override the server's
 //! defaults for this request).
+//!
+//! Before a body is read, [`check_access`] applies the server's access rules: the Host
+//! header must name an allowed host (the loopback names when bound to loopback, against
+//! DNS rebinding), an Origin header must be an allowed origin (a web page elsewhere cannot
+//! drive the server), `/v1/*` needs `Authorization: Bearer KEY` when keys are set (401,
+//! compared in constant time), and POST bodies must be `application/json` (415; a browser
+//! cannot send that cross-origin without a preflight, which is not answered). The body is
+//! then read under `--body-timeout` (408) and `--max-body-bytes` (413).
+//!
+//! OpenAI fields this server does not implement (`logprobs`, `echo`, `tools`,
+//! `response_format` other than text, `logit_bias`, penalties, `suffix`, ...) are a 400
+//! naming the field when set to anything but their no-op value, never silently ignored.
 
 use super::scheduler::{Event, FinishReason, Job};
 use super::{Refusal, Shared};
+use crate::generate::{GenerateOptions, Surface};
 use crate::kv_cache::{KeyRope, KvConfig, KvRotation, PositionsMode, Precision};
 use crate::sampler::SamplerConfig;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -65,6 +78,12 @@ impl ApiError {
             retry_after: None,
         }
     }
+    fn unsupported(param: &str, what: &str) -> Self {
+        ApiError::bad(
+            param,
+            format!("{what} is not supported by this server; leave it out"),
+        )
+    }
     fn status(status: StatusCode, message: impl Into<String>) -> Self {
         ApiError {
             status,
@@ -78,7 +97,12 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let kind = match self.status {
-            StatusCode::BAD_REQUEST => "invalid_request_error",
+            StatusCode::BAD_REQUEST
+            | StatusCode::REQUEST_TIMEOUT
+            | StatusCode::PAYLOAD_TOO_LARGE
+            | StatusCode::UNSUPPORTED_MEDIA_TYPE => "invalid_request_error",
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::FORBIDDEN => "permission_error",
             StatusCode::NOT_FOUND => "not_found_error",
             StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
             StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
@@ -102,7 +126,10 @@ impl IntoResponse for ApiError {
 
 type ApiResult<T> = Result<T, ApiError>;
 
-async fn health(State(s): State<AppState>) -> Response {
+async fn health(State(s): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(e) = check_access(&s, &headers, false, false) {
+        return e.into_response();
+    }
     if s.is_draining() {
         (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -114,10 +141,11 @@ async fn health(State(s): State<AppState>) -> Response {
     }
 }
 
-async fn metrics(State(s): State<AppState>) -> Response {
-    let text = s
-        .metrics
-        .render(s.budget.used(), s.budget.max_sequences, s.budget.max_bytes);
+async fn metrics(State(s): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(e) = check_access(&s, &headers, false, false) {
+        return e.into_response();
+    }
+    let text = s.metrics.render(&s.budget);
     (
         [(
             header::CONTENT_TYPE,
@@ -128,7 +156,10 @@ async fn metrics(State(s): State<AppState>) -> Response {
         .into_response()
 }
 
-async fn models(State(s): State<AppState>) -> Json<Value> {
+async fn models(State(s): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(e) = check_access(&s, &headers, true, false) {
+        return e.into_response();
+    }
     Json(json!({
         "object": "list",
         "data": [{
@@ -139,6 +170,201 @@ async fn models(State(s): State<AppState>) -> Json<Value> {
             "max_model_len": s.model_cfg.max_position_embeddings,
         }]
     }))
+    .into_response()
+}
+
+// ---------------------------------------------------------------------------------------
+// Access rules and the body
+
+/// The host part of a Host header or an Origin's authority, lower case, without port
+/// (`[::1]:8080` → `[::1]`).
+fn host_part(authority: &str) -> String {
+    let a = authority.trim().to_ascii_lowercase();
+    if a.starts_with('[') {
+        return match a.find(']') {
+            Some(i) => a[..=i].to_string(),
+            None => a,
+        };
+    }
+    match a.rsplit_once(':') {
+        Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h.to_string(),
+        _ => a,
+    }
+}
+
+fn host_allowed(s: &Shared, host: &str) -> bool {
+    let hosts = &s.cfg.access.allowed_hosts;
+    hosts.is_empty() || hosts.iter().any(|h| h == "*" || *h == host_part(host))
+}
+
+/// The server's access rules (see the module docs); `key` = the endpoint needs the API
+/// key, `json` = it takes a JSON body.
+fn check_access(s: &Shared, headers: &HeaderMap, key: bool, json: bool) -> ApiResult<()> {
+    let access = &s.cfg.access;
+    if let Some(h) = headers.get(header::HOST) {
+        let h = h.to_str().unwrap_or("");
+        if !host_allowed(s, h) {
+            return Err(ApiError::status(
+                StatusCode::FORBIDDEN,
+                format!("Host '{h}' is not allowed here (see serve --allowed-hosts)"),
+            ));
+        }
+    }
+    if let Some(o) = headers.get(header::ORIGIN) {
+        let o = o.to_str().unwrap_or("");
+        let by_list = access
+            .allowed_origins
+            .iter()
+            .any(|a| a == "*" || a.eq_ignore_ascii_case(o.trim_end_matches('/')));
+        // A page served from an allowed host (e.g. http://localhost:3000) may call.
+        let by_host = o
+            .split_once("://")
+            .is_some_and(|(_, auth)| !access.allowed_hosts.is_empty() && host_allowed(s, auth));
+        if !(by_list || by_host) {
+            return Err(ApiError::status(
+                StatusCode::FORBIDDEN,
+                format!("Origin '{o}' is not allowed here (see serve --allowed-origins)"),
+            ));
+        }
+    }
+    if key && !access.api_keys.is_empty() {
+        use subtle::ConstantTimeEq;
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        let ok = given.is_some_and(|g| {
+            // Every key is compared (no early exit on the first match).
+            access.api_keys.iter().fold(0u8, |acc, k| {
+                acc | g.as_bytes().ct_eq(k.as_bytes()).unwrap_u8()
+            }) == 1
+        });
+        if !ok {
+            let mut e = ApiError::status(
+                StatusCode::UNAUTHORIZED,
+                if given.is_some() {
+                    "Incorrect API key provided"
+                } else {
+                    "Missing API key: send 'Authorization: Bearer KEY'"
+                },
+            );
+            e.param = None;
+            return Err(e);
+        }
+    }
+    if json {
+        let ct = headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        let mime = ct.split(';').next().unwrap_or("").trim();
+        if !mime.eq_ignore_ascii_case("application/json") {
+            return Err(ApiError::status(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!(
+                    "Content-Type must be application/json, got '{}'",
+                    if ct.is_empty() { "(none)" } else { ct }
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Reads the whole body within `--body-timeout` and `--max-body-bytes`.
+async fn read_body(s: &Shared, headers: &HeaderMap, body: Body) -> ApiResult<Bytes> {
+    let limits = &s.cfg.limits;
+    let too_large = || {
+        ApiError::status(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the request body is larger than this server's --max-body-bytes ({})",
+                limits.max_body_bytes
+            ),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limits.max_body_bytes as u64) {
+        return Err(too_large());
+    }
+    match tokio::time::timeout(
+        limits.body_timeout,
+        axum::body::to_bytes(body, limits.max_body_bytes),
+    )
+    .await
+    {
+        Err(_) => Err(ApiError::status(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the request body did not arrive within --body-timeout ({} s)",
+                limits.body_timeout.as_secs_f64()
+            ),
+        )),
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => {
+            let length_limit = std::error::Error::source(&e)
+                .is_some_and(|src| src.is::<http_body_util::LengthLimitError>());
+            if length_limit {
+                Err(too_large())
+            } else {
+                Err(ApiError::bad("body", format!("could not read it: {e}")))
+            }
+        }
+    }
+}
+
+/// Refuses, before any work, fields this server would otherwise ignore.
+fn refuse_unsupported(o: &Map<String, Value>) -> ApiResult<()> {
+    let set = |name: &str| field(o, name);
+    let truthy = |v: &Value| match v {
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64() != Some(0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(m) => !m.is_empty(),
+        Value::Null => false,
+    };
+    for (name, what) in [
+        ("logprobs", "logprobs"),
+        ("top_logprobs", "top_logprobs"),
+        ("echo", "echo"),
+        ("suffix", "suffix (insertion)"),
+        ("logit_bias", "logit_bias"),
+        ("presence_penalty", "presence_penalty"),
+        ("frequency_penalty", "frequency_penalty"),
+        ("tools", "tool calling"),
+        ("tool_choice", "tool calling"),
+        ("functions", "function calling"),
+        ("function_call", "function calling"),
+        ("parallel_tool_calls", "tool calling"),
+        ("audio", "audio output"),
+        ("prediction", "predicted outputs"),
+    ] {
+        if set(name).is_some_and(truthy) {
+            return Err(ApiError::unsupported(name, what));
+        }
+    }
+    if let Some(rf) = set("response_format") {
+        if rf.get("type").and_then(Value::as_str) != Some("text") {
+            return Err(ApiError::unsupported(
+                "response_format",
+                "a response_format other than {\"type\": \"text\"}",
+            ));
+        }
+    }
+    if let Some(m) = set("modalities") {
+        if m != &json!(["text"]) {
+            return Err(ApiError::unsupported(
+                "modalities",
+                "an output other than [\"text\"]",
+            ));
+        }
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -214,6 +440,7 @@ struct GenParams {
 }
 
 fn gen_params(s: &Shared, o: &Map<String, Value>) -> ApiResult<GenParams> {
+    refuse_unsupported(o)?;
     if let Some(m) = get_str(o, "model")? {
         if m != s.cfg.model_name {
             return Err(ApiError {
@@ -237,9 +464,10 @@ fn gen_params(s: &Shared, o: &Map<String, Value>) -> ApiResult<GenParams> {
             return Err(ApiError::bad("best_of", "only best_of = 1 is supported"));
         }
     }
-    let max_tokens = match get_uint(o, "max_tokens", 1 << 24)? {
+    let cap = s.cfg.limits.max_request_tokens as u64;
+    let max_tokens = match get_uint(o, "max_tokens", cap)? {
         Some(n) => Some(n),
-        None => get_uint(o, "max_completion_tokens", 1 << 24)?,
+        None => get_uint(o, "max_completion_tokens", cap)?,
     };
     if max_tokens == Some(0) {
         return Err(ApiError::bad("max_tokens", "must be at least 1"));
@@ -411,8 +639,44 @@ fn request_kv(s: &Shared, o: &Map<String, Value>) -> ApiResult<KvConfig> {
     Ok(kv)
 }
 
-/// The completion's token limit and the admission check; returns the job's channels.
-fn admit(
+/// Checks a prompt's size before it is tokenised (see
+/// [`GenerateOptions::check_prompt_bytes`]): `bytes` of text for a request with `p`.
+fn check_prompt_bytes(s: &Shared, p: &GenParams, bytes: usize, param: &str) -> ApiResult<()> {
+    let opts = options(s, p, 1)?;
+    let limit = opts
+        .prompt_token_limit()
+        .unwrap_or(s.cfg.limits.max_prompt_tokens);
+    opts.check_prompt_bytes(bytes, &s.tokenizer, Some(limit), Surface::Http)
+        .map_err(|e| from_flag_error(e, param))
+}
+
+/// `sample`'s options for this request: the one place both check a run's settings.
+fn options(s: &Shared, p: &GenParams, max_tokens: usize) -> ApiResult<GenerateOptions> {
+    GenerateOptions::new(
+        max_tokens,
+        p.sampler.clone(),
+        p.ignore_eos,
+        &p.kv,
+        s.model_cfg.max_position_embeddings,
+        s.cfg.allow_past_context,
+    )
+    .map_err(|e| from_flag_error(e, "temperature"))
+}
+
+/// A library refusal as a 400: a flag error names its field; others get `fallback`.
+fn from_flag_error(e: crate::Error, fallback: &str) -> ApiError {
+    match e {
+        crate::Error::Flag { flag, msg } => {
+            let field = flag.trim_start_matches("--").replace('-', "_");
+            ApiError::bad(&field, msg)
+        }
+        other => ApiError::bad(fallback, other.to_string()),
+    }
+}
+
+/// The completion's token limit, the checks `sample` makes, and admission (at once, or
+/// after waiting in the queue); returns the job's channels.
+async fn admit(
     s: &Shared,
     p: GenParams,
     prompt_ids: Vec<u32>,
@@ -424,27 +688,23 @@ fn admit(
             "encodes to zero tokens and the tokenizer adds no BOS",
         ));
     }
-    let ctx = s.model_cfg.max_position_embeddings;
     let bounded = p.kv.window.is_some();
     let n = prompt_ids.len();
-    let max_tokens = p.max_tokens.unwrap_or(default_max);
-    if !bounded && !s.cfg.allow_past_context {
-        if n >= ctx {
-            return Err(ApiError::bad(
-                "prompt",
-                format!("{n} tokens leave no room in the model's context length ({ctx}); set streaming_llm_window to bound the cache"),
-            ));
-        }
-        if n + max_tokens > ctx {
-            return Err(ApiError::bad(
-                "max_tokens",
-                format!(
-                    "prompt ({n} tokens) + max_tokens {max_tokens} exceeds the model's context length ({ctx}); \
-                     lower max_tokens or set streaming_llm_window to bound the cache"
-                ),
-            ));
-        }
+    let max_tokens = p
+        .max_tokens
+        .unwrap_or(default_max.min(s.cfg.limits.max_request_tokens));
+    let opts = options(s, &p, max_tokens)?;
+    if opts.prompt_token_limit().is_none() && n > s.cfg.limits.max_prompt_tokens {
+        return Err(ApiError::bad(
+            "prompt",
+            format!(
+                "{n} tokens is more than this server's --max-prompt-tokens ({})",
+                s.cfg.limits.max_prompt_tokens
+            ),
+        ));
     }
+    opts.check_prompt_on(n, Surface::Http)
+        .map_err(|e| from_flag_error(e, "max_tokens"))?;
     let need = s.worst_case_bytes(&p.kv, n + max_tokens);
     if need > s.budget.max_bytes {
         let param = if bounded {
@@ -460,30 +720,48 @@ fn admit(
             ),
         ));
     }
-    if s.is_draining() {
-        return Err(ApiError::status(
+    let draining = || {
+        ApiError::status(
             StatusCode::SERVICE_UNAVAILABLE,
             "the server is shutting down",
-        ));
+        )
+    };
+    if s.is_draining() {
+        return Err(draining());
     }
-    let reservation = s.budget.reserve(need).map_err(|r| {
-        s.metrics.requests_rejected.fetch_add(1, Ordering::Relaxed);
-        let message = match r {
-            Refusal::Sequences => format!(
-                "all {} sequence slots (--max-sequences) are busy; retry later",
-                s.budget.max_sequences
-            ),
-            Refusal::Bytes { need, free } => format!(
-                "the KV budget is full: this request may need {need} bytes, {free} are free; retry later"
-            ),
-        };
-        ApiError {
-            status: StatusCode::TOO_MANY_REQUESTS,
-            message,
-            param: None,
-            retry_after: Some(RETRY_AFTER_SECS),
-        }
-    })?;
+    let limits = &s.cfg.limits;
+    let reservation = s
+        .budget
+        .reserve_or_wait(need, limits.max_queue, limits.queue_timeout, &s.draining)
+        .await
+        .map_err(|r| {
+            if r != Refusal::Draining {
+                s.metrics.requests_rejected.fetch_add(1, Ordering::Relaxed);
+            }
+            let message = match r {
+                Refusal::Sequences => format!(
+                    "all {} sequence slots (--max-sequences) are busy; retry later",
+                    s.budget.max_sequences
+                ),
+                Refusal::Bytes { need, free } => format!(
+                    "the KV budget is full: this request may need {need} bytes, {free} are free; retry later"
+                ),
+                Refusal::QueueFull { waiting } => format!(
+                    "the server is busy and {waiting} requests are already waiting (--max-queue); retry later"
+                ),
+                Refusal::QueueTimeout { waited } => format!(
+                    "the server stayed busy for {:.1} s (--queue-timeout); retry later",
+                    waited.as_secs_f64()
+                ),
+                Refusal::Draining => return draining(),
+            };
+            ApiError {
+                status: StatusCode::TOO_MANY_REQUESTS,
+                message,
+                param: None,
+                retry_after: Some(RETRY_AFTER_SECS),
+            }
+        })?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     Ok((
         Job {
@@ -495,6 +773,9 @@ fn admit(
             stop: p.stop,
             reservation,
             events: tx,
+            deadline: limits
+                .request_timeout
+                .map(|t| std::time::Instant::now() + t),
         },
         rx,
         p.stream,
@@ -573,25 +854,29 @@ fn sse_response(
 // ---------------------------------------------------------------------------------------
 // POST /v1/completions
 
-async fn completions(State(s): State<AppState>, body: Bytes) -> Response {
-    match completions_inner(s, body).await {
+async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    match completions_inner(s, headers, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn completions_inner(s: AppState, body: Bytes) -> ApiResult<Response> {
+async fn completions_inner(s: AppState, headers: HeaderMap, body: Body) -> ApiResult<Response> {
+    check_access(&s, &headers, true, true)?;
+    let body = read_body(&s, &headers, body).await?;
     let o = parse_body(&body)?;
     let p = gen_params(&s, &o)?;
-    let prompt_ids = match field(&o, "prompt") {
-        Some(Value::String(t)) => s
-            .tokenizer
+    let encode = |t: &str| {
+        check_prompt_bytes(&s, &p, t.len(), "prompt")?;
+        s.tokenizer
             .encode(t)
-            .map_err(|e| ApiError::bad("prompt", e.to_string()))?,
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => s
-            .tokenizer
-            .encode(a[0].as_str().unwrap_or_default())
-            .map_err(|e| ApiError::bad("prompt", e.to_string()))?,
+            .map_err(|e| ApiError::bad("prompt", e.to_string()))
+    };
+    let prompt_ids = match field(&o, "prompt") {
+        Some(Value::String(t)) => encode(t)?,
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            encode(a[0].as_str().unwrap_or_default())?
+        }
         Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_u64) => {
             let vocab = s.model_cfg.vocab_size as u64;
             a.iter()
@@ -613,7 +898,7 @@ async fn completions_inner(s: AppState, body: Bytes) -> ApiResult<Response> {
         None => return Err(ApiError::bad("prompt", "is required")),
     };
     // OpenAI's default for /v1/completions.
-    let (job, rx, stream) = admit(&s, p, prompt_ids, 16)?;
+    let (job, rx, stream) = admit(&s, p, prompt_ids, 16).await?;
     submit(&s, job)?;
     let (id, created, model) = (next_id("cmpl"), now_secs(), s.cfg.model_name.clone());
     let obj = move |text: &str, finish: Option<&str>| {
@@ -654,11 +939,37 @@ fn chat_messages(o: &Map<String, Value>) -> ApiResult<Vec<BTreeMap<String, minij
         return Err(ApiError::bad("messages", "must not be empty"));
     }
     msgs.iter()
-        .map(|m| {
+        .enumerate()
+        .map(|(i, m)| {
             let role = m
                 .get("role")
                 .and_then(Value::as_str)
                 .ok_or_else(|| ApiError::bad("messages", "each message needs a string 'role'"))?;
+            let role = match role {
+                "system" | "user" | "assistant" => role,
+                // OpenAI's newer name for system instructions.
+                "developer" => "system",
+                "tool" | "function" => {
+                    return Err(ApiError::bad(
+                        &format!("messages[{i}].role"),
+                        format!(
+                        "'{role}' messages need tool calling, which this server does not support"
+                    ),
+                    ))
+                }
+                _ => {
+                    return Err(ApiError::bad(
+                        &format!("messages[{i}].role"),
+                        format!("'{role}' is not one of system, developer, user, assistant"),
+                    ))
+                }
+            };
+            if m.get("tool_calls").is_some_and(|v| !v.is_null()) {
+                return Err(ApiError::unsupported(
+                    &format!("messages[{i}].tool_calls"),
+                    "tool calling",
+                ));
+            }
             let content = match m.get("content") {
                 None | Some(Value::Null) => String::new(),
                 Some(Value::String(s)) => s.clone(),
@@ -691,14 +1002,16 @@ fn chat_messages(o: &Map<String, Value>) -> ApiResult<Vec<BTreeMap<String, minij
         .collect()
 }
 
-async fn chat_completions(State(s): State<AppState>, body: Bytes) -> Response {
-    match chat_inner(s, body).await {
+async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    match chat_inner(s, headers, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn chat_inner(s: AppState, body: Bytes) -> ApiResult<Response> {
+async fn chat_inner(s: AppState, headers: HeaderMap, body: Body) -> ApiResult<Response> {
+    check_access(&s, &headers, true, true)?;
+    let body = read_body(&s, &headers, body).await?;
     let o = parse_body(&body)?;
     let p = gen_params(&s, &o)?;
     let messages = chat_messages(&o)?;
@@ -715,6 +1028,7 @@ async fn chat_inner(s: AppState, body: Bytes) -> ApiResult<Response> {
     // spells them out).
     let text = crate::chat::render_messages(template, &messages, true, &bos, &eos)
         .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+    check_prompt_bytes(&s, &p, text.len(), "messages")?;
     let prompt_ids = tok
         .encode_with(&text, false)
         .map_err(|e| ApiError::bad("messages", e.to_string()))?;
@@ -724,7 +1038,7 @@ async fn chat_inner(s: AppState, body: Bytes) -> ApiResult<Response> {
         .max_position_embeddings
         .saturating_sub(prompt_ids.len())
         .max(1);
-    let (job, rx, stream) = admit(&s, p, prompt_ids, default_max)?;
+    let (job, rx, stream) = admit(&s, p, prompt_ids, default_max).await?;
     submit(&s, job)?;
     let (id, created, model) = (next_id("chatcmpl"), now_secs(), s.cfg.model_name.clone());
     if stream {

@@ -17,6 +17,8 @@ pub struct Metrics {
     pub requests_cancelled: AtomicU64,
     /// Answered 429 (budget or sequence limit).
     pub requests_rejected: AtomicU64,
+    /// Cut by `--request-timeout`.
+    pub requests_timed_out: AtomicU64,
     pub steps: AtomicU64,
     /// f64 bits: generated tokens per second over the last ~2 s of steps.
     pub decode_tok_s: AtomicU64,
@@ -29,10 +31,13 @@ impl Metrics {
         self.decode_tok_s.store(v.to_bits(), Ordering::Relaxed);
     }
 
-    /// The exposition text. `reserved` = (sequences, bytes) admitted now.
-    pub fn render(&self, reserved: (usize, usize), max_sequences: usize, budget: usize) -> String {
+    /// The exposition text, with the admission state of `admission`.
+    pub fn render(&self, admission: &super::Budget) -> String {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let rows: [(&str, &str, &str, String); 13] = [
+        let reserved = admission.used();
+        let (max_sequences, budget) = (admission.max_sequences, admission.max_bytes);
+        let (waiting, waited, wait_secs) = admission.queue_stats();
+        let rows: [(&str, &str, &str, String); 17] = [
             (
                 "tinygpt_active_sequences",
                 "gauge",
@@ -84,8 +89,32 @@ impl Metrics {
             (
                 "tinygpt_requests_rejected_total",
                 "counter",
-                "Requests answered 429 (sequence limit or KV budget full).",
+                "Requests answered 429 (queue full or queue timeout; with --max-queue 0, sequence limit or KV budget full).",
                 g(&self.requests_rejected).to_string(),
+            ),
+            (
+                "tinygpt_requests_timed_out_total",
+                "counter",
+                "Requests cut by --request-timeout (finish reason length).",
+                g(&self.requests_timed_out).to_string(),
+            ),
+            (
+                "tinygpt_waiting_requests",
+                "gauge",
+                "Requests waiting in the admission queue.",
+                waiting.to_string(),
+            ),
+            (
+                "tinygpt_queue_wait_seconds_sum",
+                "counter",
+                "Seconds spent in the admission queue by requests that left it.",
+                format!("{wait_secs:.6}"),
+            ),
+            (
+                "tinygpt_queue_wait_seconds_count",
+                "counter",
+                "Requests that left the admission queue (admitted, timed out, refused or gone).",
+                waited.to_string(),
             ),
             (
                 "tinygpt_decode_tokens_per_second",

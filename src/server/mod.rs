@@ -4,9 +4,12 @@
 //! ```text
 //!  HTTP (axum on a 1-worker tokio runtime)        scheduler thread (rayon pool)
 //!  ───────────────────────────────────────        ─────────────────────────────
+//!  accept (connection cap, header/idle timeout, TLS)   [net]
+//!  host/origin/api-key/content-type checks, body read (timeout, size cap)
 //!  parse + validate the request (400 names the field)
 //!  render the chat template, tokenize
-//!  admission: reserve worst-case KV bytes ──429──▶ (full: Retry-After)
+//!  admission: reserve worst-case KV bytes, or wait in the bounded queue
+//!             ──429──▶ (queue full or queue timeout: Retry-After)
 //!  send a Job ─────────── std mpsc ─────────────▶ joins the batch between two steps
 //!  SSE chunks / one JSON body ◀── tokio mpsc ──── Text deltas, then Done
 //!  client gone = receiver dropped ──────────────▶ sequence cancelled at the next step
@@ -17,12 +20,15 @@
 //!   once per step), prompts in chunks so that a long prompt does not stall the others.
 //! * [`http`]: the endpoints and the OpenAI request/response shapes.
 //! * [`metrics`]: counters and gauges for `/metrics` (Prometheus text format).
+//! * [`net`]: the accept loop (hyper, one task per connection), timeouts, the connection
+//!   cap, TLS, and the drain on SIGTERM/SIGINT.
 //!
 //! The server keeps no state between requests, so replicas scale behind any HTTP load
 //! balancer.
 
 pub mod http;
 pub mod metrics;
+pub mod net;
 pub mod scheduler;
 
 use crate::config::Config;
@@ -31,9 +37,12 @@ use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 use metrics::Metrics;
 use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Prompt tokens prefilled per scheduler step, summed over all sequences that are still
 /// reading their prompt (decoding sequences always advance by one token as well).
@@ -54,6 +63,77 @@ pub struct ServerConfig {
     pub model_name: String,
     /// See [`PREFILL_TOKENS_PER_STEP`].
     pub prefill_tokens_per_step: usize,
+    /// Connection, request and drain limits.
+    pub limits: Limits,
+    /// Who may call the server.
+    pub access: Access,
+    /// PEM certificate chain and private key (`--tls-cert`, `--tls-key`): HTTPS when set.
+    pub tls: Option<(PathBuf, PathBuf)>,
+}
+
+/// Time and size limits (`serve` flags; defaults in [`Limits::default`]).
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// A connection must deliver a request's whole header within this time from when the
+    /// server starts reading it: a fresh connection that sends nothing, half-sent headers
+    /// and an idle keep-alive connection are all closed after it (`--header-timeout`).
+    pub header_timeout: Duration,
+    /// The whole request body must arrive within this time (`--body-timeout`; 408).
+    pub body_timeout: Duration,
+    /// Largest request body (`--max-body-bytes`; 413).
+    pub max_body_bytes: usize,
+    /// A generation is cut (finish reason `length`) this long after it was admitted
+    /// (`--request-timeout`; `None` = never).
+    pub request_timeout: Option<Duration>,
+    /// Most new tokens one request may ask for (`--max-request-tokens`).
+    pub max_request_tokens: usize,
+    /// Longest prompt in tokens when the cache is bounded or `--allow-past-context` is set
+    /// (a dense cache is bounded by the model's context length anyway).
+    pub max_prompt_tokens: usize,
+    /// Open connections at most (`--max-connections`); further ones wait in the kernel's
+    /// accept backlog.
+    pub max_connections: usize,
+    /// Requests waiting for admission at most (`--max-queue`; 0 = answer 429 at once).
+    pub max_queue: usize,
+    /// How long a request waits in the queue before 429 (`--queue-timeout`).
+    pub queue_timeout: Duration,
+    /// After SIGTERM, `/health` answers 503 and new connections are still accepted for
+    /// this long, so load balancers see the server leave (`--drain-grace`).
+    pub drain_grace: Duration,
+    /// After SIGTERM, running requests are cut when this much time has passed
+    /// (`--drain-timeout`); the process exits then at the latest.
+    pub drain_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            max_body_bytes: 8 << 20,
+            request_timeout: Some(Duration::from_secs(600)),
+            max_request_tokens: 1 << 16,
+            max_prompt_tokens: 1 << 16,
+            max_connections: 256,
+            max_queue: 256,
+            queue_timeout: Duration::from_secs(60),
+            drain_grace: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Access control (`--api-key`, `--api-key-file`, `--allowed-hosts`, `--allowed-origins`).
+#[derive(Debug, Clone, Default)]
+pub struct Access {
+    /// Bearer keys accepted on `/v1/*`; empty = no key needed.
+    pub api_keys: Vec<String>,
+    /// Host header names (without port, lower case) accepted; empty = any. `serve` fills
+    /// it with the loopback names when bound to a loopback address and no list is given.
+    pub allowed_hosts: Vec<String>,
+    /// Origin header values accepted besides those whose host is an allowed host;
+    /// `"*"` = any.
+    pub allowed_origins: Vec<String>,
 }
 
 /// Worst-case bytes the whole cache of a sequence of `tokens` tokens holds at any
@@ -82,12 +162,29 @@ pub fn worst_case_kv_bytes(cfg: &Config, kv: &KvConfig, tokens: usize) -> usize 
     peak * KvCache::new(cfg, kv).n_layers()
 }
 
-/// Admission control: the sequences and worst-case cache bytes admitted so far.
+/// Admission control: the sequences and worst-case cache bytes admitted so far, and a
+/// first-come-first-served queue of requests waiting for room.
 #[derive(Debug)]
 pub struct Budget {
     pub max_sequences: usize,
     pub max_bytes: usize,
-    used: Mutex<(usize, usize)>,
+    state: Mutex<BudgetState>,
+    /// Woken when room may have appeared (a reservation ended, the head of the queue
+    /// left, or the server started draining).
+    room: tokio::sync::Notify,
+}
+
+#[derive(Debug, Default)]
+struct BudgetState {
+    sequences: usize,
+    bytes: usize,
+    /// Tickets of waiting requests, oldest first; only the oldest may take room, so a
+    /// large request is not starved by small ones arriving after it.
+    queue: VecDeque<u64>,
+    next_ticket: u64,
+    /// Requests that waited (admitted, refused or gone) and their total wait.
+    waited: u64,
+    wait_secs: f64,
 }
 
 /// Why a request was not admitted.
@@ -97,6 +194,27 @@ pub enum Refusal {
     Sequences,
     /// Its worst-case cache does not fit in what is left of `--kv-budget`.
     Bytes { need: usize, free: usize },
+    /// `--max-queue` requests are already waiting.
+    QueueFull { waiting: usize },
+    /// It waited `--queue-timeout` without room appearing.
+    QueueTimeout { waited: Duration },
+    /// The server began draining while it waited.
+    Draining,
+}
+
+impl BudgetState {
+    fn try_take(&mut self, budget: &Budget, bytes: usize) -> Result<(), Refusal> {
+        if self.sequences >= budget.max_sequences {
+            return Err(Refusal::Sequences);
+        }
+        let free = budget.max_bytes.saturating_sub(self.bytes);
+        if bytes > free {
+            return Err(Refusal::Bytes { need: bytes, free });
+        }
+        self.sequences += 1;
+        self.bytes += bytes;
+        Ok(())
+    }
 }
 
 impl Budget {
@@ -104,31 +222,131 @@ impl Budget {
         Arc::new(Budget {
             max_sequences,
             max_bytes,
-            used: Mutex::new((0, 0)),
+            state: Mutex::new(BudgetState::default()),
+            room: tokio::sync::Notify::new(),
         })
     }
 
-    /// Reserves one sequence slot and `bytes`; released when the guard is dropped.
+    fn lock(&self) -> std::sync::MutexGuard<'_, BudgetState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reserves one sequence slot and `bytes` now, if nobody is waiting and they fit;
+    /// released when the guard is dropped.
     pub fn reserve(self: &Arc<Self>, bytes: usize) -> Result<Reservation, Refusal> {
-        let mut u = self.used.lock().unwrap_or_else(|e| e.into_inner());
-        if u.0 >= self.max_sequences {
-            return Err(Refusal::Sequences);
+        let mut st = self.lock();
+        if !st.queue.is_empty() {
+            return Err(Refusal::QueueFull {
+                waiting: st.queue.len(),
+            });
         }
-        let free = self.max_bytes.saturating_sub(u.1);
-        if bytes > free {
-            return Err(Refusal::Bytes { need: bytes, free });
-        }
-        u.0 += 1;
-        u.1 += bytes;
+        st.try_take(self, bytes)?;
         Ok(Reservation {
             budget: Arc::clone(self),
             bytes,
         })
     }
 
+    /// [`reserve`](Self::reserve), or wait for room in FIFO order: at most `max_queue`
+    /// requests wait, each at most `timeout`; `draining` ends every wait.
+    pub async fn reserve_or_wait(
+        self: &Arc<Self>,
+        bytes: usize,
+        max_queue: usize,
+        timeout: Duration,
+        draining: &AtomicBool,
+    ) -> Result<Reservation, Refusal> {
+        let ticket = {
+            let mut st = self.lock();
+            if st.queue.is_empty() {
+                match st.try_take(self, bytes) {
+                    Ok(()) => {
+                        return Ok(Reservation {
+                            budget: Arc::clone(self),
+                            bytes,
+                        })
+                    }
+                    Err(r) if max_queue == 0 => return Err(r),
+                    Err(_) => {}
+                }
+            }
+            if st.queue.len() >= max_queue {
+                return Err(Refusal::QueueFull {
+                    waiting: st.queue.len(),
+                });
+            }
+            let t = st.next_ticket;
+            st.next_ticket += 1;
+            st.queue.push_back(t);
+            t
+        };
+        let waiting = Waiting {
+            budget: self,
+            ticket,
+            since: Instant::now(),
+        };
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.room.notified();
+            tokio::pin!(notified);
+            // Registered before the check, so a release between the two is not missed.
+            notified.as_mut().enable();
+            if draining.load(Ordering::SeqCst) {
+                return Err(Refusal::Draining);
+            }
+            {
+                let mut st = self.lock();
+                if st.queue.front() == Some(&ticket) && st.try_take(self, bytes).is_ok() {
+                    drop(st);
+                    drop(waiting);
+                    return Ok(Reservation {
+                        budget: Arc::clone(self),
+                        bytes,
+                    });
+                }
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Err(Refusal::QueueTimeout {
+                    waited: waiting.since.elapsed(),
+                });
+            }
+        }
+    }
+
+    /// Wakes every waiting request (to see the drain, or new room).
+    pub fn wake_all(&self) {
+        self.room.notify_waiters();
+    }
+
     /// (sequences, bytes) reserved now.
     pub fn used(&self) -> (usize, usize) {
-        *self.used.lock().unwrap_or_else(|e| e.into_inner())
+        let st = self.lock();
+        (st.sequences, st.bytes)
+    }
+
+    /// (requests waiting now, requests that waited so far, their total seconds waited).
+    pub fn queue_stats(&self) -> (usize, u64, f64) {
+        let st = self.lock();
+        (st.queue.len(), st.waited, st.wait_secs)
+    }
+}
+
+/// A request's place in the queue; leaving it (admitted, timed out, or the client went
+/// away and the handler was dropped) lets the next one try.
+struct Waiting<'a> {
+    budget: &'a Budget,
+    ticket: u64,
+    since: Instant,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let mut st = self.budget.lock();
+        st.queue.retain(|&t| t != self.ticket);
+        st.waited += 1;
+        st.wait_secs += self.since.elapsed().as_secs_f64();
+        drop(st);
+        self.budget.room.notify_waiters();
     }
 }
 
@@ -142,9 +360,11 @@ pub struct Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        let mut u = self.budget.used.lock().unwrap_or_else(|e| e.into_inner());
-        u.0 -= 1;
-        u.1 -= self.bytes;
+        let mut st = self.budget.lock();
+        st.sequences -= 1;
+        st.bytes -= self.bytes;
+        drop(st);
+        self.budget.room.notify_waiters();
     }
 }
 
@@ -158,6 +378,9 @@ pub struct Shared {
     pub budget: Arc<Budget>,
     /// Set when SIGTERM/SIGINT arrives: new requests get 503, running ones finish.
     pub draining: AtomicBool,
+    /// Set when the drain timeout passes or a second signal arrives: the scheduler ends
+    /// every sequence at its next step.
+    pub abort: AtomicBool,
     jobs: Mutex<Option<std::sync::mpsc::Sender<scheduler::Job>>>,
     /// Memo of [`worst_case_kv_bytes`] by (cache settings, length).
     estimates: Mutex<HashMap<(String, usize), usize>>,
@@ -198,8 +421,8 @@ impl Shared {
 }
 
 /// Runs the server until SIGTERM/SIGINT: binds `addr` (port 0 = any free port), calls
-/// `on_bound` with the bound address, serves, then drains (stops accepting, lets running
-/// requests finish) and returns. `threads` sizes the compute pool (default: all cores).
+/// `on_bound` with the bound address, serves, then drains ([`net::run`]) and returns.
+/// `threads` sizes the compute pool (default: all cores).
 pub fn serve(
     model: Model,
     tokenizer: Tokenizer,
@@ -208,9 +431,13 @@ pub fn serve(
     addr: SocketAddr,
     threads: Option<usize>,
     on_bound: impl FnOnce(SocketAddr),
-) -> crate::Result<()> {
+) -> crate::Result<net::DrainOutcome> {
     use crate::error::Error;
     let io = |e: std::io::Error| Error::Generate(format!("serve: {e}"));
+    let tls = match &cfg.tls {
+        Some((cert, key)) => Some(net::load_tls(cert, key)?),
+        None => None,
+    };
     let (tx, rx) = std::sync::mpsc::channel();
     let shared = Arc::new(Shared {
         budget: Budget::new(cfg.max_sequences, cfg.kv_budget),
@@ -220,6 +447,7 @@ pub fn serve(
         chat_template,
         metrics: Metrics::default(),
         draining: AtomicBool::new(false),
+        abort: AtomicBool::new(false),
         jobs: Mutex::new(Some(tx)),
         estimates: Mutex::new(HashMap::new()),
     });
@@ -247,40 +475,13 @@ pub fn serve(
             .await
             .map_err(|e| Error::flag("--port", format!("cannot bind {addr}: {e}")))?;
         on_bound(listener.local_addr().map_err(io)?);
-        let app = http::router(Arc::clone(&shared));
-        let drain = Arc::clone(&shared);
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                shutdown_signal().await;
-                drain.draining.store(true, Ordering::SeqCst);
-            })
-            .await
-            .map_err(io)
+        net::run(listener, Arc::clone(&shared), tls).await
     });
-    // No more jobs: the scheduler finishes what it holds and returns.
+    // No more jobs: the scheduler finishes what it holds (or, after an abort, drops it at
+    // its next step) and returns.
     shared.jobs.lock().unwrap_or_else(|e| e.into_inner()).take();
+    // Connections still open after an abort are dropped with the runtime.
+    rt.shutdown_timeout(Duration::from_millis(500));
     let _ = scheduler.join();
     result
-}
-
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }

@@ -11,6 +11,10 @@
 //! 5. every sequence that produced logits samples its next token with its own sampler
 //!    (the sequences in parallel), and finished sequences (EOS, `max_tokens`, a stop string) leave.
 //!
+//! A sequence past its deadline (`--request-timeout`) leaves at the start of a step with
+//! finish reason `length`; when the drain times out (`Shared::abort`) every sequence
+//! leaves with an error event.
+//!
 //! Per sequence, this is exactly `generate`'s loop (prefill, sample, feed back), and the
 //! batched forward is bit-identical to the solo one, so a greedy request returns what
 //! `sample --temperature 0` prints.
@@ -38,6 +42,8 @@ pub struct Job {
     pub stop: Vec<String>,
     pub reservation: Reservation,
     pub events: UnboundedSender<Event>,
+    /// `--request-timeout` after admission: the sequence ends then with `length`.
+    pub deadline: Option<Instant>,
 }
 
 /// Why a sequence ended (OpenAI's `finish_reason`).
@@ -119,6 +125,44 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
             }
             !gone
         });
+        if shared.abort.load(Ordering::SeqCst) {
+            for s in seqs.drain(..) {
+                let Job {
+                    events,
+                    reservation,
+                    ..
+                } = s.job;
+                drop(reservation);
+                let _ = events.send(Event::Error(
+                    "the server is shutting down and its drain timeout passed".into(),
+                ));
+            }
+            continue;
+        }
+        let now = Instant::now();
+        let mut i = 0;
+        while i < seqs.len() {
+            if seqs[i].job.deadline.is_some_and(|d| now >= d) {
+                let mut s = seqs.remove(i);
+                flush_final(&mut s, tok, false);
+                m.requests_timed_out.fetch_add(1, Ordering::Relaxed);
+                m.requests_finished.fetch_add(1, Ordering::Relaxed);
+                let done = Event::Done {
+                    reason: FinishReason::Length,
+                    prompt_tokens: s.job.prompt_ids.len(),
+                    completion_tokens: s.generated.len(),
+                };
+                let Job {
+                    events,
+                    reservation,
+                    ..
+                } = s.job;
+                drop(reservation);
+                let _ = events.send(done);
+            } else {
+                i += 1;
+            }
+        }
         if seqs.is_empty() {
             continue;
         }

@@ -1,6 +1,8 @@
 //! Shared helpers for the integration tests: fixture paths, golden files, greedy runs.
 #![allow(dead_code)]
 
+pub mod server;
+
 use std::path::PathBuf;
 use tinygpt_cpu::generate::Engine;
 
