@@ -4,10 +4,10 @@
 //! `$TINYGPT_CACHE` (or `~/.cache/tinygpt-cpu`)`/gemma3/gemma-3-270m-q4_k_m.gguf`; without it
 //! every test here skips, printing why. `scripts/fetch-gemma3.sh` fetches it (CI runs it).
 //!
-//! Greedy ids may differ from llama.cpp's only at a step where llama.cpp's own top-1 minus
-//! top-2 margin is below 0.1: the two compute the same model with different arithmetic
-//! (llama.cpp's quantised dot products quantise the activations to 8 bits; this engine
-//! dequantises the K-quant and Q5_0 matrices to f32 at load).
+//! Greedy ids may differ from llama.cpp's only at a near-tie (both engines' gap between the
+//! two tokens below 0.25): the two compute the same model with different arithmetic
+//! (llama.cpp quantises the activations of every quantised product to 8 bits; this engine
+//! does so for Q8_0 matrices and dequantises the K-quant ones to f32 at load).
 
 mod common;
 use common::*;
@@ -68,19 +68,25 @@ fn greedy_matches_llama_cpp() {
         let want = ids(&e["greedy_ids"]);
         let margins = floats(&e["margins"]);
         let mut run = EngineRun::new(&model, &KvConfig::default());
-        let got = greedy(&mut run, &prompt, want.len()).ids;
-        let m = prefix_match(&got, &want);
-        assert!(
-            m == want.len() || margins[m] < 0.1,
-            "{:?}: greedy ids diverge at step {m} (llama.cpp margin {}): got {got:?} want {want:?}",
-            e["prompt"],
-            margins[m]
-        );
+        let g = greedy(&mut run, &prompt, want.len());
+        let m = prefix_match(&g.ids, &want);
+        if m < want.len() {
+            // A near-tie on both sides: llama.cpp's margin and this engine's gap between
+            // its own choice and llama.cpp's both below 0.25 (about 1% of the logits'
+            // range, which is ±22 here).
+            let ours = &g.logits[m];
+            let gap = ours[g.ids[m] as usize] - ours[want[m] as usize];
+            assert!(
+                margins[m] < 0.25 && gap < 0.25,
+                "{:?}: greedy ids diverge at step {m} (llama.cpp margin {}, ours {gap}): got {:?} want {want:?}",
+                e["prompt"],
+                margins[m],
+                g.ids
+            );
+        }
     }
 }
 
-/// The engine against the scalar reference on the same file (first prompt, 4 steps, f32
-/// weights).
 #[test]
 fn engine_matches_reference() {
     let Some(p) = gemma3_path() else { return };
