@@ -12,6 +12,7 @@
 mod common;
 use common::*;
 use std::path::PathBuf;
+use tinygpt_cpu::config::AttentionType;
 use tinygpt_cpu::generate::{EngineRun, ReferenceRun};
 use tinygpt_cpu::kv_cache::KvConfig;
 use tinygpt_cpu::model::{reference_model, Model, WeightsDType};
@@ -129,4 +130,21 @@ fn perplexity_within_one_percent_of_llama_cpp() {
         rel * 100.0
     );
     assert!(rel.abs() < 0.01, "perplexity {} vs llama.cpp {want}", r.ppl);
+    // The model's own sliding window bounds its sliding layers' caches: after 767 stored
+    // tokens they hold 512 rows, the global layers (5, 11, 17) all 767.
+    let cfg = &model.cfg;
+    let stored = toks.len() - 1;
+    for l in 0..cfg.n_layers {
+        let want_rows = match cfg.attention_type(l) {
+            AttentionType::Sliding { window } => window.min(stored),
+            AttentionType::Full => stored,
+        };
+        assert_eq!(run.session.cache.layer(l).len(), want_rows, "layer {l}");
+    }
+    assert_eq!(
+        (0..cfg.n_layers)
+            .filter(|&l| cfg.attention_type(l) == AttentionType::Full)
+            .collect::<Vec<_>>(),
+        vec![5, 11, 17]
+    );
 }
