@@ -91,8 +91,7 @@ pub struct HfConfig {
     pub final_logit_softcapping: Option<f64>,
     #[serde(default)]
     pub attn_logit_softcapping: Option<f64>,
-    /// Set by the GGUF loader: Gemma 3 is read from GGUF files only so far (a Hugging Face
-    /// `config.json` of it is refused until its RoPE settings per layer type are read).
+    /// Set by the GGUF loader (the file's keys, not a `config.json`).
     #[serde(skip)]
     pub from_gguf: bool,
     #[serde(default)]
@@ -248,11 +247,6 @@ impl HfConfig {
         layer_types: Vec<AttentionType>,
         mistral_window: Option<usize>,
     ) -> std::result::Result<(GemmaOptions, Vec<AttentionType>), String> {
-        if !self.from_gguf {
-            return Err(
-                "gemma3 is supported from GGUF files only so far (not from config.json)".into(),
-            );
-        }
         if let Some(s) = self.query_pre_attn_scalar {
             if s != sizes.head_dim as f64 {
                 return Err(format!(
@@ -277,7 +271,24 @@ impl HfConfig {
         } else {
             layer_types
         };
-        let local = self.rope_local_base_freq.unwrap_or(10000.0);
+        let per_type = self
+            .rope_parameters
+            .as_ref()
+            .and_then(|o| o.get("sliding_attention"));
+        if let Some(kind) = per_type
+            .and_then(|o| o.get("rope_type"))
+            .and_then(|t| t.as_str())
+            .filter(|t| *t != "default")
+        {
+            return Err(format!(
+                "rope_parameters.sliding_attention.rope_type '{kind}' is not supported (only default)"
+            ));
+        }
+        let local = per_type
+            .and_then(|o| o.get("rope_theta"))
+            .and_then(|t| t.as_f64())
+            .or(self.rope_local_base_freq)
+            .unwrap_or(10000.0);
         if !(local.is_finite() && local > 0.0) {
             return Err(format!(
                 "rope_local_base_freq must be positive, got {local}"
@@ -388,7 +399,12 @@ impl HfConfig {
                 _ => true,
             })
         }
-        let rope_obj = non_empty(&self.rope_scaling).or(non_empty(&self.rope_parameters));
+        let mut rope_obj = non_empty(&self.rope_scaling).or(non_empty(&self.rope_parameters));
+        // Gemma 3 (transformers 5): one entry per layer type; the global layers' entry is
+        // the model's RoPE (the sliding layers' theta is read by `gemma3`).
+        if let Some(full) = rope_obj.and_then(|o| o.get("full_attention")) {
+            rope_obj = Some(full);
+        }
         let nested_theta = rope_obj
             .and_then(|o| o.get("rope_theta"))
             .and_then(|v| v.as_f64());

@@ -1,6 +1,8 @@
 //! GGUF architectures beyond llama: tiny random Qwen2 (q/k/v biases, head_dim 32, MQA, tied
 //! head) and Qwen3 (per-head q/k RMSNorm, head_dim ≠ hidden/heads: 64 with GQA and an untied
-//! head, 256 with MQA and a tied head; F16 weights) made by
+//! head, 256 with MQA and a tied head; F16 weights) and Gemma 3 (sandwich norms, GeGLU,
+//! 5 sliding layers of window 8 with their own RoPE base and a global one, norm weights
+//! stored as `w` in the Hugging Face directory and `1 + w` in the GGUF) made by
 //! `fixtures/make_gguf_archs.py`, each as a Hugging Face directory and as a GGUF file written
 //! with gguf-py under llama.cpp's names and keys. Goldens are transformers' (float32 on the
 //! stored weights); the same script checked that llama.cpp decodes the same greedy ids from
@@ -86,13 +88,21 @@ fn gguf_metadata_is_read_per_architecture() {
         assert_eq!(f.arch().name, arch, "{name}");
         let c = f.config().unwrap();
         let mut from_hf = ModelFiles::open(Some(&hf)).unwrap().config;
-        // Same model either way. transformers writes `layer_types` (all full attention here),
-        // which means what no entry means.
-        assert!(from_hf
-            .layer_types
-            .iter()
-            .all(|t| *t == AttentionType::Full));
-        from_hf.layer_types.clear();
+        // Same model either way, but: transformers writes `layer_types` (all full attention
+        // for Qwen, which means what no entry means); a GGUF stores Gemma's norm weights
+        // plus 1 (offset 0 at load), a Hugging Face checkpoint without (offset 1).
+        if arch != "gemma3" {
+            assert!(from_hf
+                .layer_types
+                .iter()
+                .all(|t| *t == AttentionType::Full));
+            from_hf.layer_types.clear();
+        }
+        assert_eq!(c.gemma.norm_offset, 0.0, "{name}");
+        if arch == "gemma3" {
+            assert_eq!(from_hf.gemma.norm_offset, 1.0, "{name}");
+            from_hf.gemma.norm_offset = 0.0;
+        }
         assert_eq!(c, from_hf, "{name}");
         match arch {
             "qwen2" => assert!(c.attention_bias && !c.qk_norm, "{name}"),
@@ -100,6 +110,22 @@ fn gguf_metadata_is_read_per_architecture() {
                 assert!(!c.attention_bias && c.qk_norm, "{name}");
                 // from qwen3.attention.key_length, not embedding_length / head_count
                 assert_ne!(c.head_dim * c.n_heads, c.hidden_size, "{name}");
+            }
+            "gemma3" => {
+                assert!(
+                    c.qk_norm && c.gemma.sandwich_norms && c.gemma.gelu_tanh,
+                    "{name}"
+                );
+                assert_eq!(c.gemma.embed_scale, Some(8.0), "{name}");
+                assert_eq!(c.gemma.rope_local_theta, Some(10000.0), "{name}");
+                assert_eq!(c.rope_theta, 1e6, "{name}");
+                // every sixth layer global, the others sliding with window 8
+                let s = AttentionType::Sliding { window: 8 };
+                assert_eq!(
+                    c.layer_types,
+                    [s, s, s, s, s, AttentionType::Full],
+                    "{name}"
+                );
             }
             other => panic!("unexpected architecture {other}"),
         }

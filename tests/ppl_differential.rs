@@ -234,7 +234,9 @@ fn smollm2_engine_and_reference_perplexity_agree() {
 
 /// The tiny Qwen2 (q/k/v biases, head_dim 32, MQA) and Qwen3 (per-head q/k norms before
 /// RoPE, head_dim ≠ hidden/heads: 64 with GQA 2, 256 with MQA) GGUF fixtures
-/// (fixtures/make_gguf_archs.py): the architecture-specific steps happen before the cache,
+/// (fixtures/make_gguf_archs.py; the tiny Gemma 3 is not here yet: its bf16 cache run
+/// differs by 4.5e-5, over the 2e-5 float budget, not yet looked into):
+/// the architecture-specific steps happen before the cache,
 /// so every cache mode must agree with the reference as on a Llama. 160 tokens, sink 4 +
 /// window 40.
 #[test]
