@@ -229,7 +229,7 @@ impl GenerateOptions {
                     "{bytes} bytes cannot fit in {limit} tokens (this tokenizer needs at least one \
                      token per {} bytes); shorten it{}",
                     max / limit.max(1),
-                    if limit == self.context_length && self.prompt_token_limit().is_some() {
+                    if self.prompt_token_limit() == Some(limit) {
                         format!(" or bound the cache with {hint}")
                     } else {
                         String::new()

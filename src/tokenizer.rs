@@ -37,8 +37,10 @@ impl Tokenizer {
     /// Wraps a built tokenizer and checks it fits the model's vocabulary.
     pub fn new(inner: tokenizers::Tokenizer, path: &Path, cfg: &Config) -> Result<Self> {
         let n = inner.get_vocab_size(true);
+        let vocab = inner.get_vocab(true);
         // The embedding may be padded past the tokenizer's vocabulary, never the reverse.
-        let max_id = inner.get_vocab(true).values().copied().max().unwrap_or(0) as usize;
+        let max_id = vocab.values().copied().max().unwrap_or(0) as usize;
+        let max_token_bytes = vocab.keys().map(|k| k.len()).max().unwrap_or(1).max(1);
         if max_id >= cfg.vocab_size {
             return Err(Error::tokenizer(
                 path,
@@ -57,13 +59,6 @@ impl Tokenizer {
                 }
             }
         }
-        let max_token_bytes = inner
-            .get_vocab(true)
-            .keys()
-            .map(|k| k.len())
-            .max()
-            .unwrap_or(1)
-            .max(1);
         Ok(Tokenizer {
             bos_id: cfg.bos_token_id,
             max_token_bytes,

@@ -325,6 +325,23 @@ fn server_refuses_what_sample_refuses_and_what_it_would_ignore() {
     let huge = "word ".repeat(400_000);
     let m = bad(json!({"prompt": huge, "max_tokens": 1}), "prompt");
     assert!(m.contains("bytes cannot fit in 256 tokens"), "{m}");
+    // `sample` makes the same check (a 60 kB argument: command lines cap one at 128 kB).
+    let out = cli()
+        .args([
+            "sample",
+            "--prompt",
+            &"word ".repeat(12_000),
+            "--tokens",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--prompt") && err.contains("bytes cannot fit in 256 tokens"),
+        "{err}"
+    );
     // A body over --max-body-bytes (8 MiB): 413 as soon as the header says so.
     let (code, text) = raw_status(
         &addr(&srv),

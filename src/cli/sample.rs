@@ -97,6 +97,13 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
     } else {
         a.prompt.clone()
     };
+    // A prompt that cannot fit the context whatever it encodes to is refused unread.
+    opts.check_prompt_bytes(
+        prompt_text.len(),
+        &files.tokenizer,
+        None,
+        crate::generate::Surface::Cli,
+    )?;
     let prompt_ids = if a.chat {
         // The template already spells out BOS and control tokens.
         files.tokenizer.encode_with(&prompt_text, false)?

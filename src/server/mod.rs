@@ -231,24 +231,10 @@ impl Budget {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Reserves one sequence slot and `bytes` now, if nobody is waiting and they fit;
-    /// released when the guard is dropped.
-    pub fn reserve(self: &Arc<Self>, bytes: usize) -> Result<Reservation, Refusal> {
-        let mut st = self.lock();
-        if !st.queue.is_empty() {
-            return Err(Refusal::QueueFull {
-                waiting: st.queue.len(),
-            });
-        }
-        st.try_take(self, bytes)?;
-        Ok(Reservation {
-            budget: Arc::clone(self),
-            bytes,
-        })
-    }
-
-    /// [`reserve`](Self::reserve), or wait for room in FIFO order: at most `max_queue`
-    /// requests wait, each at most `timeout`; `draining` ends every wait.
+    /// Reserves one sequence slot and `bytes` (released when the guard is dropped): at
+    /// once if nobody is waiting and they fit, else after waiting in FIFO order. At most
+    /// `max_queue` requests wait (0: refuse at once), each at most `timeout`; `draining`
+    /// ends every wait.
     pub async fn reserve_or_wait(
         self: &Arc<Self>,
         bytes: usize,

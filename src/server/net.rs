@@ -234,59 +234,38 @@ pub async fn run(
     );
     let grace = tokio::time::sleep(limits.drain_grace.min(limits.drain_timeout));
     tokio::pin!(grace);
+    let mut forced = false;
     loop {
         tokio::select! {
             _ = &mut grace => break,
-            _ = signals.next() => return Ok(cut(&shared, graceful, t0, true).await),
+            _ = signals.next() => { forced = true; break }
             c = accept(&listener, &slots) => if let Some(c) = c { spawn(c) },
         }
     }
     drop(listener);
-    let deadline = tokio::time::sleep(limits.drain_timeout.saturating_sub(t0.elapsed()));
-    tokio::pin!(deadline);
-    let mut signalled = false;
-    let mut finished = false;
-    {
-        let all_closed = graceful.shutdown();
-        tokio::pin!(all_closed);
+    // Connections close as their running request ends (idle ones now).
+    let all_closed = graceful.shutdown();
+    tokio::pin!(all_closed);
+    if !forced {
+        let deadline = tokio::time::sleep(limits.drain_timeout.saturating_sub(t0.elapsed()));
         tokio::select! {
-            _ = &mut all_closed => finished = true,
-            _ = &mut deadline => {}
-            _ = signals.next() => signalled = true,
-        }
-        if !finished {
-            let running = shared.budget.used().0;
-            shared.abort.store(true, Ordering::SeqCst);
-            // The scheduler ends them at its next step; give their streams a moment to
-            // carry the error and close.
-            let _ = tokio::time::timeout(Duration::from_secs(1), all_closed).await;
-            return Ok(DrainOutcome {
-                cut: running,
-                forced: signalled,
+            _ = &mut all_closed => return Ok(DrainOutcome {
+                cut: 0,
+                forced: false,
                 secs: t0.elapsed().as_secs_f64(),
-            });
+            }),
+            _ = deadline => {}
+            _ = signals.next() => forced = true,
         }
     }
-    Ok(DrainOutcome {
-        cut: 0,
-        forced: false,
-        secs: t0.elapsed().as_secs_f64(),
-    })
-}
-
-/// Ends the drain now: every running request is cut.
-async fn cut(
-    shared: &Shared,
-    graceful: GracefulShutdown,
-    t0: Instant,
-    forced: bool,
-) -> DrainOutcome {
+    // Cut what still runs: the scheduler ends it at its next step; give the streams a
+    // moment to carry the error and close.
     let running = shared.budget.used().0;
     shared.abort.store(true, Ordering::SeqCst);
-    let _ = tokio::time::timeout(Duration::from_secs(1), graceful.shutdown()).await;
-    DrainOutcome {
+    let _ = tokio::time::timeout(Duration::from_secs(1), all_closed).await;
+    Ok(DrainOutcome {
         cut: running,
         forced,
         secs: t0.elapsed().as_secs_f64(),
-    }
+    })
 }

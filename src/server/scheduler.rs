@@ -127,15 +127,10 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
         });
         if shared.abort.load(Ordering::SeqCst) {
             for s in seqs.drain(..) {
-                let Job {
-                    events,
-                    reservation,
-                    ..
-                } = s.job;
-                drop(reservation);
-                let _ = events.send(Event::Error(
-                    "the server is shutting down and its drain timeout passed".into(),
-                ));
+                leave(
+                    s,
+                    Event::Error("the server is shutting down and its drain timeout passed".into()),
+                );
             }
             continue;
         }
@@ -152,13 +147,7 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
                     prompt_tokens: s.job.prompt_ids.len(),
                     completion_tokens: s.generated.len(),
                 };
-                let Job {
-                    events,
-                    reservation,
-                    ..
-                } = s.job;
-                drop(reservation);
-                let _ = events.send(done);
+                leave(s, done);
             } else {
                 i += 1;
             }
@@ -276,13 +265,7 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
         // Leave the batch, give the admission back, then tell the client: a client that
         // sends its next request on seeing the end finds the slot free.
         for (i, last) in finished.into_iter().rev() {
-            let Job {
-                events,
-                reservation,
-                ..
-            } = seqs.remove(i).job;
-            drop(reservation);
-            let _ = events.send(last);
+            leave(seqs.remove(i), last);
         }
 
         // Gauges.
@@ -311,6 +294,18 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
         let bytes: usize = seqs.iter().map(|s| s.session.cache.bytes()).sum();
         m.kv_bytes_in_use.store(bytes as u64, Ordering::Relaxed);
     }
+}
+
+/// A sequence leaves the batch: its admission is given back, then the client is told
+/// `last` (so a client that sends its next request on seeing the end finds the slot free).
+fn leave(s: Seq, last: Event) {
+    let Job {
+        events,
+        reservation,
+        ..
+    } = s.job;
+    drop(reservation);
+    let _ = events.send(last);
 }
 
 fn start(model: &Model, job: Job) -> Seq {
