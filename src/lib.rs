@@ -36,6 +36,7 @@ pub mod rope;
 pub mod sampler;
 pub mod server;
 pub mod team;
+pub mod tensors;
 pub mod tokenizer;
 pub mod weights;
 

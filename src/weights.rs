@@ -221,7 +221,7 @@ impl ModelFiles {
     pub fn open(path: Option<&Path>) -> Result<ModelFiles> {
         let files = Self::open_unchecked(path)?;
         files.check_layer_count()?;
-        crate::model::ModelTensors::collect(&files)?;
+        crate::tensors::ModelTensors::collect(&files)?;
         files.check_finite()?;
         Ok(files)
     }
@@ -232,7 +232,7 @@ impl ModelFiles {
         let files =
             Self::from_tinygpt_backing(Arc::new(Backing::owned(bytes)), path, Format::Tinygpt)?;
         files.check_layer_count()?;
-        crate::model::ModelTensors::collect(&files)?;
+        crate::tensors::ModelTensors::collect(&files)?;
         files.check_finite()?;
         Ok(files)
     }
