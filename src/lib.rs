@@ -30,13 +30,11 @@ pub mod kv_cache;
 pub mod memory;
 pub mod model;
 pub mod ops;
-pub mod plot;
 pub mod quant;
 pub mod rope;
 pub mod sampler;
 pub mod server;
 pub mod team;
-pub mod tensors;
 pub mod tokenizer;
 pub mod weights;
 

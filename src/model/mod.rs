@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvConfig, LayerKv};
 use crate::ops::{self, Matrix};
 use crate::team;
-use crate::tensors::ModelTensors;
+use crate::weights::ModelTensors;
 use crate::weights::{ModelFiles, Tensor};
 
 mod reference;

@@ -3,7 +3,7 @@
 use super::WeightsDType;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tensors::ModelTensors;
+use crate::weights::ModelTensors;
 use crate::weights::{ModelFiles, Tensor};
 
 /// Builds the scalar reference model from the same files: every weight dequantised to f32

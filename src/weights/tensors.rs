@@ -1,11 +1,10 @@
 //! The model's tensors by role: every tensor the forward pass needs, looked up by its
 //! Hugging Face name in a [`ModelFiles`] and shape-checked against the config. Shared by the
 //! engine's loader ([`crate::model::Model::load`]) and the reference's
-//! ([`crate::model::reference_model`]), and used by [`crate::weights`] to validate a file at
-//! open.
+//! ([`crate::model::reference_model`]), and by [`ModelFiles::open`] to validate a file.
 
+use super::{ModelFiles, Tensor};
 use crate::error::{Error, Result};
-use crate::weights::{ModelFiles, Tensor};
 
 /// The tensors of one decoder layer, looked up by Hugging Face name with shapes checked.
 pub struct LayerTensors<'a> {
