@@ -66,6 +66,7 @@ pub fn quantize_into(x: &[f32], k: &mut Q8K) {
 }
 
 /// Whether `kernel` has a SIMD K-quant path here (else the scalar one runs).
+#[cfg(target_arch = "x86_64")]
 fn use_avx2(kernel: Kernel) -> bool {
     matches!(kernel, Kernel::Avx2 | Kernel::Avx512Vnni) && Kernel::Avx2.is_supported()
 }
