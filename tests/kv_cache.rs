@@ -4,9 +4,12 @@
 //! Error budgets (named, used below):
 //! * `ENGINE_VS_REFERENCE`: attention outputs and softmax weights, relative to the
 //!   vector's largest magnitude (at least 1); dequantised K/V rows must be bit-identical.
-//!   The engine's attention reads the cache fused (KIVI scales folded into the query and
-//!   the softmax weights, f16/bf16 widened in registers), so it differs from the
-//!   reference's dequantise-then-dot only by summation order.
+//!   The reference computes attention in the order of the engine's `portable` kernels
+//!   (`tinygpt_reference::order`, docs/design.md §2.1), so under `TINYGPT_KV_KERNEL=portable`
+//!   outputs and weights must be bit-identical (checked below). The `avx512`, `avx2` and
+//!   `neon` KIVI kernels and the `avx512` softmax add their partial sums in other orders
+//!   (design §2.3), which the budget covers: measured up to 1.2e-5 on this table with
+//!   `avx512` (2026-12-04).
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -19,7 +22,7 @@ use tinygpt_reference::kv_cache::LayerCache;
 use tinygpt_reference::quant::Affine;
 use tinygpt_reference::rope::Rope;
 
-const ENGINE_VS_REFERENCE: f32 = 1e-5;
+const ENGINE_VS_REFERENCE: f32 = 3e-5;
 
 fn config(
     n_heads: usize,
@@ -194,6 +197,10 @@ fn run_case(c: &Case) {
             );
         }
         assert_eq!(engine.bytes(), reference.bytes(), "{c:?} pos={pos} bytes");
+        if tinygpt_cpu::ops::simd::kv_kernel() == tinygpt_cpu::ops::simd::KvKernel::Portable {
+            assert_eq!(to_bits(&out_e), to_bits(&out_r), "{c:?} pos={pos}: output");
+            assert_eq!(to_bits(&p_e), to_bits(&p_r), "{c:?} pos={pos}: weights");
+        }
         let e = max_rel_err(&out_e, &out_r);
         assert!(
             e <= ENGINE_VS_REFERENCE,

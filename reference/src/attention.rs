@@ -7,6 +7,7 @@
 use crate::config::Config;
 use crate::hadamard;
 use crate::kv_cache::{LayerCache, PositionsMode};
+use crate::order;
 use crate::rope::Rope;
 use ndarray::{Array1, Array3, ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Axis};
 
@@ -136,29 +137,65 @@ pub fn attend_cached(
         p.clear();
     }
     let scale = 1.0 / (hd as f32).sqrt();
+    // Keys rotated at read time are scored in the order of the engine's fused
+    // rotate-and-dot, the others in its order for stored rows (crate::order).
+    let read_rotated = mode == PositionsMode::Cache || pre_rope;
+    let score = if read_rotated {
+        order::dot_score_pairs
+    } else {
+        order::dot_score
+    };
+    // KIVI rows as codes: a quantised key (stored after RoPE, so never rotated at read
+    // time) is scored with its group's scales folded into the query, a quantised value
+    // accumulated from its codes (docs/design.md §2.3).
+    let key_codes: Vec<_> = (0..n)
+        .map(|i| cache.key_codes(i).filter(|_| !read_rotated))
+        .collect();
+    let value_codes: Vec<_> = (0..n).map(|i| cache.value_codes(i)).collect();
     for h in 0..cfg.n_heads {
         let kvh = h / cfg.group();
-        let qh = q.row(h);
+        let qh = q.row(h).to_vec();
+        let ch = kvh * hd..(kvh + 1) * hd;
         let mut scores = Array1::from_elem(n, f32::NEG_INFINITY);
         for i in 0..n {
             if !visible[i] {
                 continue;
             }
-            let kh = head_row(&keys, i, kvh);
-            let mut dot = 0.0f32;
-            for d in 0..hd {
-                dot += qh[d] * kh[d];
-            }
-            scores[i] = dot * scale;
+            scores[i] = match &key_codes[i] {
+                Some((u, params)) => score_codes(&qh, &u[ch.clone()], &params[ch.clone()]),
+                None => score(&qh, &head_row(&keys, i, kvh).to_vec()),
+            } * scale;
         }
         softmax(scores.view_mut());
         let mut oh = out.row_mut(h);
         oh.fill(0.0);
+        // Σ_i p_i z_i of the quantised values, added once at the end.
+        let mut bias = 0.0f32;
         for i in 0..n {
-            let vh = head_row(&values, i, kvh);
-            for d in 0..hd {
-                oh[d] += scores[i] * vh[d];
+            let p = scores[i];
+            if p == 0.0 {
+                continue;
             }
+            // One multiply-add per element, row after row (order::axpy_term).
+            match &value_codes[i] {
+                Some((u, params)) => {
+                    let (s, z) = (params[kvh].scale.to_f32(), params[kvh].zero.to_f32());
+                    let ps = p * s;
+                    for d in 0..hd {
+                        oh[d] = order::axpy_term(u[ch.start + d] as f32, ps, oh[d], d, hd);
+                    }
+                    bias += p * z;
+                }
+                None => {
+                    let vh = head_row(&values, i, kvh);
+                    for d in 0..hd {
+                        oh[d] = order::axpy_term(vh[d], p, oh[d], d, hd);
+                    }
+                }
+            }
+        }
+        if bias != 0.0 {
+            oh.iter_mut().for_each(|x| *x += bias);
         }
         if rotated {
             // The values were stored as H·v: Σ p_i H·v_i = H·o, and H·H = I.
@@ -169,6 +206,34 @@ pub fn attend_cached(
             p.extend(scores.iter());
         }
     }
+}
+
+/// The score `q · k` of a query head against a KIVI key row given as offset codes `u`
+/// and per-channel parameters, with the scales folded into the query:
+///
+/// ```text
+/// q · k = Σ_c (q_c s_c) u_c + Σ_c q_c z_c
+/// ```
+///
+/// `q_c s_c` rounded to f32 (a plain multiply); the first sum in [`order::dot_score`]'s
+/// order (codes as the key); the bias `Σ_c q_c z_c` in eight lanes of multiply-adds
+/// reduced by [`order::reduce_add`], then the tail; the score is `first + bias`.
+pub fn score_codes(q: &[f32], u: &[u8], params: &[crate::quant::Affine]) -> f32 {
+    let n = q.len();
+    let n8 = n - n % 8;
+    let s: Vec<f32> = params.iter().map(|a| a.scale.to_f32()).collect();
+    let z: Vec<f32> = params.iter().map(|a| a.zero.to_f32()).collect();
+    let qs: Vec<f32> = (0..n).map(|c| q[c] * s[c]).collect();
+    let mut lanes = [0.0f32; 8];
+    for c in 0..n8 {
+        lanes[c % 8] = order::madd(q[c], z[c], lanes[c % 8]);
+    }
+    let mut bias = order::reduce_add(lanes);
+    for c in n8..n {
+        bias += q[c] * z[c];
+    }
+    let u: Vec<f32> = u.iter().map(|&x| x as f32).collect();
+    order::dot_score(&qs, &u) + bias
 }
 
 /// Head `head`'s `(head_dim)` row of token `t` in a `(tokens, heads, head_dim)` array:
@@ -192,15 +257,27 @@ fn copy_row(row: &[f32], mut dst: ArrayViewMut2<f32>) {
 
 /// In-place softmax with max subtraction; entries of `-inf` get weight 0.
 ///
+/// In the engine's order: `e_i = exp(x_i − max)` with [`order::exp`] (the vector `exp`)
+/// for the first `n − n % 8` entries, summed in eight lanes (entry `i` into lane
+/// `i mod 8`) reduced by [`order::reduce_add`], then the tail entries with `f32::exp`
+/// added one by one; every weight is `e_i / sum`.
+///
 /// Takes anything that views as a mutable 1-D array (`&mut Vec<f32>`, `&mut [f32]`, an
 /// [`ArrayViewMut1`]).
 pub fn softmax<'a>(x: impl Into<ArrayViewMut1<'a, f32>>) {
     let mut x = x.into();
+    let n = x.len();
+    let n8 = n - n % 8;
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
+    let mut lanes = [0.0f32; 8];
+    for i in 0..n8 {
+        x[i] = order::exp(x[i] - max);
+        lanes[i % 8] += x[i];
+    }
+    let mut sum = order::reduce_add(lanes);
+    for i in n8..n {
+        x[i] = (x[i] - max).exp();
+        sum += x[i];
     }
     for v in x.iter_mut() {
         *v /= sum;

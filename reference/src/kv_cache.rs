@@ -528,8 +528,6 @@ impl LayerCache {
     pub fn positions(&self) -> Vec<usize> {
         self.rows.iter().map(|r| r.pos).collect()
     }
-    /// Stored row `i`'s key, as f32 (`kv_dim` values; before RoPE when
-    /// [`KvConfig::keys_pre_rope`]).
     /// The K and V rows (`kv_dim` each) of the last append, as they arrived, before any
     /// cast or quantisation: what the differential probe compares with the engine's.
     #[doc(hidden)]
@@ -537,6 +535,8 @@ impl LayerCache {
         (&self.last.0, &self.last.1)
     }
 
+    /// Stored row `i`'s key, as f32 (`kv_dim` values; before RoPE when
+    /// [`KvConfig::keys_pre_rope`]).
     pub fn key(&self, i: usize) -> Vec<f32> {
         self.dequantize(&self.rows[i].k)
     }
@@ -544,6 +544,39 @@ impl LayerCache {
     pub fn value(&self, i: usize) -> Vec<f32> {
         self.dequantize(&self.rows[i].v)
     }
+    /// Stored row `i`'s key as KIVI codes, when its group is quantised: the offset codes
+    /// `u = q − qmin` (`kv_dim`) and the group's `(scale, zero)` per channel, so that
+    /// `k_c = u_c · scale_c + zero_c`. `None` for a row held in f32 or f16/bf16.
+    pub fn key_codes(&self, i: usize) -> Option<(Vec<u8>, &[Affine])> {
+        match &self.rows[i].k {
+            Stored::PerChannel { bits, codes, group } => Some((
+                offset_codes(codes, self.kv_dim, *bits),
+                self.groups.get(group)?.as_slice(),
+            )),
+            _ => None,
+        }
+    }
+
+    /// Stored row `i`'s value as KIVI codes, when it is quantised: the offset codes
+    /// (`kv_dim`) and one `(scale, zero)` per KV head.
+    pub fn value_codes(&self, i: usize) -> Option<(Vec<u8>, &[Affine])> {
+        match &self.rows[i].v {
+            Stored::PerToken {
+                bits,
+                codes,
+                params,
+            } => {
+                let per_head = bits.packed_len(self.head_dim);
+                let u = codes
+                    .chunks(per_head)
+                    .flat_map(|c| offset_codes(c, self.head_dim, *bits))
+                    .collect();
+                Some((u, params.as_slice()))
+            }
+            _ => None,
+        }
+    }
+
     /// The `(scale, zero)` per channel of K group `g`, while it has a stored row.
     pub fn group_params(&self, g: usize) -> Option<&[Affine]> {
         self.groups.get(&g).map(|v| v.as_slice())
@@ -556,6 +589,14 @@ impl LayerCache {
     pub fn config(&self) -> &KvConfig {
         &self.cfg
     }
+}
+
+/// The first `n` codes of `bytes` as offset codes `u = q − qmin`.
+fn offset_codes(bytes: &[u8], n: usize, bits: Bits) -> Vec<u8> {
+    unpack_codes(bytes, n, bits)
+        .into_iter()
+        .map(|q| (q - bits.qmin()) as u8)
+        .collect()
 }
 
 /// How a new row of precision `p` is held at its append (after the prefix). A KIVI side

@@ -10,8 +10,9 @@
 //! Tensors are [`ndarray`] arrays with their shapes in the types: weight matrices
 //! `Array2<f32>` `(out_features, in_features)`, per-head query/key/value `(heads, head_dim)`,
 //! a sequence's keys `(tokens, kv_heads, head_dim)`, indexed as `w[[o, i]]` rather than
-//! `w[o * cols + i]`. Every sum is still an explicit loop in a fixed order (never `.dot()`),
-//! so the engine's differential tests compare against it bit for bit. Byte formats
+//! `w[o * cols + i]`. Every sum is an explicit loop in the engine's canonical order
+//! ([`order`]: eight lane sums and a fixed reduction tree, never `.dot()`), so the engine's
+//! differential tests compare against it bit for bit. Byte formats
 //! ([`ggml`], [`ggml_dot`]) and the cache's storage ([`kv_cache`], [`quant`]) stay on byte
 //! and code slices, which is what they describe.
 #![forbid(unsafe_code)]
@@ -29,6 +30,7 @@ pub mod ggml_more;
 pub mod hadamard;
 pub mod kv_cache;
 pub mod model;
+pub mod order;
 pub mod quant;
 pub mod rope;
 

@@ -17,6 +17,7 @@ use crate::ggml::GgmlType;
 use crate::ggml_dot;
 use crate::ggml_kdot;
 use crate::kv_cache::{KvConfig, LayerCache};
+use crate::order;
 use crate::rope::Rope;
 use ndarray::{
     Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayViewMut, ArrayViewMut1, ArrayViewMut2,
@@ -159,8 +160,9 @@ impl State {
     }
 }
 
-/// `out[o] = Σ_i w[o, i] · x[i]`, summed in the order `i = 0, 1, …` (not `.dot()`, whose
-/// order is the BLAS kernel's). `out` is any shape holding the `out_features` results in
+/// `out[o] = Σ_i w[o, i] · x[i]`, each row summed in the engine's canonical order
+/// ([`order::dot8`]: eight lane sums, a fixed tree, the tail; not `.dot()`, whose order
+/// is the BLAS kernel's). `out` is any shape holding the `out_features` results in
 /// row-major order.
 pub fn matvec_view<D: Dimension>(
     w: ArrayView2<f32>,
@@ -169,12 +171,10 @@ pub fn matvec_view<D: Dimension>(
 ) {
     let (rows, cols) = w.dim();
     assert_eq!((out.len(), x.len()), (rows, cols), "matvec shapes");
+    let x: Vec<f32> = x.iter().copied().collect();
     for (o, out_o) in out.into_iter().enumerate() {
-        let mut acc = 0.0f32;
-        for i in 0..cols {
-            acc += w[[o, i]] * x[i];
-        }
-        *out_o = acc;
+        let row: Vec<f32> = w.row(o).iter().copied().collect();
+        *out_o = order::dot8(&row, &x);
     }
 }
 
@@ -188,7 +188,8 @@ pub fn matvec(w: &[f32], x: &[f32], out: &mut [f32]) {
     matvec_view(w, ArrayView1::from(x), out.into());
 }
 
-/// RMSNorm: `out = x / sqrt(mean(x²) + eps) · weight`.
+/// RMSNorm: `out = x / sqrt(mean(x²) + eps) · weight`, the sum of squares in the
+/// engine's order ([`order::dot_norm`]).
 ///
 /// Vectors are anything that views as a 1-D array (`&Vec<f32>`, `&[f32]`, an
 /// [`ArrayView1`] / `ArrayViewMut1`).
@@ -199,10 +200,8 @@ pub fn rmsnorm<'x, 'w, 'o>(
     out: impl Into<ArrayViewMut1<'o, f32>>,
 ) {
     let (x, weight, mut out) = (x.into(), weight.into(), out.into());
-    let mut ss = 0.0f32;
-    for v in x.iter() {
-        ss += v * v;
-    }
+    let xs: Vec<f32> = x.iter().copied().collect();
+    let ss = order::dot_norm(&xs, &xs);
     let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
     for i in 0..x.len() {
         out[i] = weight[i] * (x[i] * inv);
@@ -216,7 +215,8 @@ pub fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
 }
 
-/// SiLU: `x · sigmoid(x)`.
+/// SiLU: `x · sigmoid(x)` with `f32::exp` (SwiGLU uses [`order::silu_at`], the engine's
+/// vector `exp`).
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
@@ -271,9 +271,14 @@ impl Mlp {
     fn run(&mut self, lw: &LayerWeights, h: ArrayView1<f32>, out: ArrayViewMut1<f32>) {
         lw.w_gate.matvec(h, self.gate.view_mut());
         lw.w_up.matvec(h, self.up.view_mut());
-        let act = if self.gelu { gelu_tanh } else { silu };
-        for (g, u) in self.gate.iter_mut().zip(&self.up) {
-            *g = act(*g) * u;
+        let n = self.gate.len();
+        for (i, (g, u)) in self.gate.iter_mut().zip(&self.up).enumerate() {
+            let a = if self.gelu {
+                gelu_tanh(*g)
+            } else {
+                order::silu_at(*g, i, n)
+            };
+            *g = a * u;
         }
         lw.w_down.matvec(self.gate.view(), out);
     }
@@ -454,20 +459,19 @@ impl Model {
                             if !visible {
                                 return f32::NEG_INFINITY;
                             }
-                            let k = head_row(ks, j, kvh);
-                            let mut d = 0.0f32;
-                            for i in 0..hd {
-                                d += q[i] * k[i];
-                            }
-                            d / (hd as f32).sqrt()
+                            let k = head_row(ks, j, kvh).to_vec();
+                            order::dot_score(&q.to_vec(), &k) * (1.0 / (hd as f32).sqrt())
                         })
                         .collect();
                     softmax(scores.view_mut());
                     let mut out = att.row_mut(head);
-                    for (j, p) in scores.iter().enumerate() {
+                    for (j, &p) in scores.iter().enumerate() {
+                        if p == 0.0 {
+                            continue;
+                        }
                         let v = head_row(vs, j, kvh);
                         for i in 0..hd {
-                            out[i] += p * v[i];
+                            out[i] = order::axpy_term(v[i], p, out[i], i, hd);
                         }
                     }
                 }
@@ -490,11 +494,13 @@ mod tests {
     use super::*;
     use ndarray::array;
 
-    /// The sum runs `i = 0, 1, …`: after `1e8` every `+1` rounds away (f32 values near
-    /// 1e8 are 8 apart), so this row sums to 0, where the exact sum is 62 and a blocked
-    /// order (`.dot()`, several accumulators) keeps some of the ones.
+    /// The sum runs in eight lanes (element `i` into lane `i mod 8`), then the fixed
+    /// tree: lane 0 holds `1e8` (its seven ones round away), lanes 1..6 hold 8 each, lane
+    /// 7 holds `7 − 1e8 = −99999992` (f32 values near 1e8 are 8 apart); the tree adds
+    /// `((1e8 + 8) + 16) + (16 + (8 − 99999992)) = 100000024 − 99999968 = 56`, where a
+    /// sequential sum gives 0 and the exact sum is 62.
     #[test]
-    fn matvec_sums_in_index_order() {
+    fn matvec_sums_in_lanes_then_a_tree() {
         let mut row = vec![1.0f32; 64];
         row[0] = 1e8;
         row[63] = -1e8;
@@ -502,11 +508,11 @@ mod tests {
         let x = Array1::from_elem(64, 1.0f32);
         let mut out = Array1::zeros(1);
         matvec_view(w.view(), x.view(), out.view_mut());
-        assert_eq!(out[0], 0.0);
+        assert_eq!(out[0], 56.0);
         // the slice form is the same function
         let mut flat = [f32::NAN];
         matvec(w.as_slice().unwrap(), x.as_slice().unwrap(), &mut flat);
-        assert_eq!(flat[0], 0.0);
+        assert_eq!(flat[0], 56.0);
     }
 
     /// A projection to heads fills `(heads, head_dim)` in row-major order: output feature

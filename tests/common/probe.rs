@@ -105,10 +105,18 @@ pub struct ProbeReport {
     pub stored_flips: usize,
     /// Largest ulp distance between appended inputs.
     pub max_input_ulps: i64,
+    /// Steps whose logits differ in any bit, and the first of them.
+    pub logit_steps_differing: usize,
+    pub first_logit_step: Option<usize>,
 }
 
 impl std::fmt::Display for ProbeReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "logits: {} steps differ in some bit (first: {:?})",
+            self.logit_steps_differing, self.first_logit_step
+        )?;
         writeln!(
             f,
             "inputs: {} of {} appended elements differ (max {} ulp)",
@@ -162,7 +170,15 @@ pub fn probe(
         engine
             .forward(&mut session, t, step)
             .expect("engine forward");
-        reference.forward(&mut state, t, step);
+        let ref_logits = reference.forward(&mut state, t, step);
+        if ref_logits
+            .iter()
+            .zip(&session.logits)
+            .any(|(a, b)| a.to_bits() != b.to_bits())
+        {
+            rep.logit_steps_differing += 1;
+            rep.first_logit_step.get_or_insert(step);
+        }
         for l in 0..layers {
             let el = session.cache.layer(l);
             let rl = &state.caches[l];

@@ -1,0 +1,245 @@
+//! Reference = engine, bit for bit (issue 24; docs/design.md §2.1, §6). The scalar
+//! reference computes every float reduction in the engine's canonical order
+//! (`tinygpt_reference::order`), so the two give identical logits, identical K/V rows and
+//! identical perplexity bits, not just agreement within a budget.
+//!
+//! The engine's KIVI attention kernels come in variants that sum in different orders
+//! (`TINYGPT_KV_KERNEL`, design §2.3): the reference writes out the `portable` one, so this
+//! test binary selects it before anything else runs.
+
+mod common;
+use common::*;
+use tinygpt_cpu::eval::perplexity;
+use tinygpt_cpu::generate::{Engine, EngineRun, ReferenceRun};
+use tinygpt_cpu::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
+use tinygpt_cpu::model::{reference_model, Model, WeightsDType};
+use tinygpt_cpu::ops::simd::{kv_kernel, KvKernel};
+use tinygpt_cpu::weights::ModelFiles;
+use tinygpt_reference::order;
+
+/// Selects the `portable` KIVI kernels (the order the reference writes out) for this
+/// process; every test calls it first.
+fn portable() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| std::env::set_var("TINYGPT_KV_KERNEL", "portable"));
+    assert_eq!(
+        kv_kernel(),
+        KvKernel::Portable,
+        "kernel chosen before the test set it"
+    );
+}
+
+/// Deterministic pseudo-random f32s in `[-scale, scale)`.
+fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// The reference's scalar `exp` is the engine's vector `exp`, bit for bit, over the whole
+/// range softmax and SwiGLU use (and past it, where both give 0).
+#[test]
+fn exp_equals_the_vector_exp() {
+    portable();
+    let mut xs: Vec<f32> = (-1_000_000..=1_000_000).map(|i| i as f32 * 1e-4).collect();
+    xs.extend(noise(100_000, 1, 90.0));
+    xs.extend([f32::NEG_INFINITY, -87.3, -87.29, 87.29, 87.3, 0.0, -0.0]);
+    for c in xs.chunks_exact(8) {
+        let a: [f32; 8] = c.try_into().unwrap();
+        let want = wide::f32x8::from(a).exp().to_array();
+        for (x, w) in a.iter().zip(want) {
+            assert_eq!(order::exp(*x).to_bits(), w.to_bits(), "exp({x:e})");
+        }
+    }
+}
+
+/// Weight rows (`dot8`, against the float kernels' scalar twin, which every variant equals:
+/// `tests/float_dispatch.rs`), RMSNorm's sum of squares (`dot_norm`) and softmax: the
+/// reference's loops against the engine's, every length 1..=300.
+#[test]
+fn reductions_equal_the_engine_kernels() {
+    portable();
+    for n in 1..=300 {
+        let (a, b) = (noise(n, n as u64, 3.0), noise(n, 7 * n as u64, 2.0));
+        let want = tinygpt_cpu::ops::float_dot::row_scalar(&a, &b);
+        assert_eq!(order::dot8(&a, &b).to_bits(), want.to_bits(), "dot8 n={n}");
+        let want = tinygpt_cpu::ops::simd::dot(&a, &b);
+        assert_eq!(
+            order::dot_norm(&a, &b).to_bits(),
+            want.to_bits(),
+            "dot_norm n={n}"
+        );
+        let mut e = a.iter().map(|x| x * 4.0).collect::<Vec<_>>();
+        e[n / 2] = f32::NEG_INFINITY;
+        let mut r = e.clone();
+        tinygpt_cpu::attention::softmax(&mut e);
+        tinygpt_reference::attention::softmax(&mut r);
+        assert_eq!(bits(&e), bits(&r), "softmax n={n}");
+    }
+}
+
+fn tokens(files: &ModelFiles, n: usize) -> Vec<u32> {
+    let text = std::fs::read_to_string(fixtures().join("heldout.txt")).unwrap();
+    let start = text.len() / 3;
+    let start = (start..text.len())
+        .find(|&i| text.is_char_boundary(i) && text[..i].ends_with('\n'))
+        .unwrap();
+    let mut t = files.tokenizer.encode(&text[start..]).unwrap();
+    t.truncate(n);
+    assert_eq!(t.len(), n, "held-out text too short");
+    t
+}
+
+/// Runs `toks` through both with `kv`: identical logits at every step, identical
+/// perplexity bits.
+fn assert_identical(
+    engine: &Model,
+    reference: &tinygpt_reference::Model,
+    kv: &KvConfig,
+    toks: &[u32],
+    what: &str,
+) {
+    let mut e = EngineRun::new(engine, kv);
+    let mut r = ReferenceRun::new(reference, kv);
+    for (pos, &t) in toks.iter().enumerate() {
+        let a = bits(e.forward(t, pos).unwrap());
+        let b = bits(r.forward(t, pos).unwrap());
+        if a != b {
+            let i = a.iter().zip(&b).position(|(x, y)| x != y).unwrap();
+            panic!(
+                "{what} {}: logits differ at step {pos}, logit {i}: engine {} reference {}",
+                kv.quant_name(),
+                f32::from_bits(a[i]),
+                f32::from_bits(b[i])
+            );
+        }
+    }
+    let pe = perplexity(
+        &mut EngineRun::new(engine, kv),
+        toks,
+        toks.len(),
+        false,
+        &mut |_| {},
+    )
+    .unwrap()
+    .0
+    .ppl;
+    let pr = perplexity(
+        &mut ReferenceRun::new(reference, kv),
+        toks,
+        toks.len(),
+        false,
+        &mut |_| {},
+    )
+    .unwrap()
+    .0
+    .ppl;
+    assert_eq!(
+        pe.to_bits(),
+        pr.to_bits(),
+        "{what} {}: perplexity {pe} vs {pr}",
+        kv.quant_name()
+    );
+}
+
+/// The float caches (fp32, fp16, bf16), dense and under StreamingLLM in both position
+/// modes, pre-RoPE keys: on the bundled model (head_dim 32, GQA 2).
+#[test]
+fn bundled_model_float_caches_are_identical() {
+    portable();
+    let files = ModelFiles::open(Some(&fixtures().join("tiny"))).unwrap();
+    let engine = Model::load(&files, WeightsDType::F32).unwrap();
+    let reference = reference_model(&files, WeightsDType::F32).unwrap();
+    let toks = tokens(&files, 96);
+    for precision in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
+        for (window, positions, key_rope) in [
+            (None, PositionsMode::Original, KeyRope::Post),
+            (None, PositionsMode::Original, KeyRope::Pre),
+            (Some(40), PositionsMode::Original, KeyRope::Post),
+            (Some(40), PositionsMode::Cache, KeyRope::Post),
+        ] {
+            let kv = KvConfig {
+                precision,
+                sink: if window.is_some() { 4 } else { 0 },
+                window,
+                positions,
+                key_rope,
+                ..KvConfig::default()
+            };
+            assert_identical(&engine, &reference, &kv, &toks, "bundled");
+        }
+    }
+}
+
+/// The KIVI cache modes of the exact matrix: every width, asymmetric K/V, a residual,
+/// pre-RoPE keys, StreamingLLM in both position modes, group sizes 16/32/64, with and
+/// without the Hadamard rotation.
+fn kivi_modes(window: usize) -> Vec<KvConfig> {
+    use tinygpt_cpu::kv_cache::KvRotation;
+    let mut out = Vec::new();
+    let mut push = |kv: KvConfig| out.push(kv);
+    for precision in [Precision::Int8, Precision::Int4, Precision::Int2] {
+        for rotation in [KvRotation::Auto, KvRotation::None] {
+            push(KvConfig {
+                precision,
+                rotation,
+                ..KvConfig::default()
+            });
+        }
+        for positions in [PositionsMode::Original, PositionsMode::Cache] {
+            push(KvConfig {
+                precision,
+                sink: 4,
+                window: Some(window),
+                positions,
+                ..KvConfig::default()
+            });
+        }
+    }
+    for (k, v, residual, key_rope, group_size) in [
+        (Precision::Int8, Precision::Int4, 0, KeyRope::Post, 32),
+        (Precision::Int4, Precision::Int2, 16, KeyRope::Pre, 32),
+        (Precision::Int4, Precision::Int4, 0, KeyRope::Pre, 16),
+        (Precision::Int2, Precision::Int2, 32, KeyRope::Post, 64),
+        (Precision::Int4, Precision::Int4, 8, KeyRope::Post, 16),
+        (Precision::Fp16, Precision::Int4, 0, KeyRope::Post, 32),
+        (Precision::Int8, Precision::Bf16, 0, KeyRope::Post, 64),
+    ] {
+        push(KvConfig {
+            precision: k,
+            k_precision: Some(k),
+            v_precision: Some(v),
+            residual,
+            key_rope,
+            group_size,
+            ..KvConfig::default()
+        });
+    }
+    out
+}
+
+/// Every KIVI mode on the bundled model (head_dim 32, GQA 2): 96 tokens, so K groups of
+/// 16/32/64 complete and a 40-row window evicts.
+#[test]
+fn bundled_model_kivi_caches_are_identical() {
+    portable();
+    let files = ModelFiles::open(Some(&fixtures().join("tiny"))).unwrap();
+    let engine = Model::load(&files, WeightsDType::F32).unwrap();
+    let reference = reference_model(&files, WeightsDType::F32).unwrap();
+    let toks = tokens(&files, 96);
+    for kv in kivi_modes(40) {
+        assert_identical(&engine, &reference, &kv, &toks, "bundled");
+    }
+}
