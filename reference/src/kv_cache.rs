@@ -341,6 +341,9 @@ pub struct LayerCache {
     /// K group id → one `(scale, zero)` per channel (`kv_dim`), for quantised groups
     /// that still have a stored row.
     groups: BTreeMap<usize, Vec<Affine>>,
+    /// The K and V rows of the last append as they arrived (before any cast or
+    /// quantisation), for the differential probe ([`LayerCache::last_appended`]).
+    last: (Vec<f32>, Vec<f32>),
 }
 
 impl LayerCache {
@@ -352,6 +355,7 @@ impl LayerCache {
             rows: Vec::new(),
             appended: 0,
             groups: BTreeMap::new(),
+            last: (Vec::new(), Vec::new()),
         }
     }
 
@@ -368,6 +372,7 @@ impl LayerCache {
         assert_eq!(v.len(), self.kv_dim);
         let token = self.appended;
         self.appended += 1;
+        self.last = (k.to_vec(), v.to_vec());
         let prefix = self.cfg.full_precision_rows();
         let store = |x: &[f32], p: Precision| {
             if token < prefix {
@@ -525,6 +530,13 @@ impl LayerCache {
     }
     /// Stored row `i`'s key, as f32 (`kv_dim` values; before RoPE when
     /// [`KvConfig::keys_pre_rope`]).
+    /// The K and V rows (`kv_dim` each) of the last append, as they arrived, before any
+    /// cast or quantisation: what the differential probe compares with the engine's.
+    #[doc(hidden)]
+    pub fn last_appended(&self) -> (&[f32], &[f32]) {
+        (&self.last.0, &self.last.1)
+    }
+
     pub fn key(&self, i: usize) -> Vec<f32> {
         self.dequantize(&self.rows[i].k)
     }

@@ -167,6 +167,9 @@ pub struct LayerKv<P = StreamingLlm> {
     /// the body rows at each side's precision
     body_k: Box<dyn KeyStore>,
     body_v: Box<dyn ValueStore>,
+    /// When set ([`LayerKv::probe_appends`]), the K and V rows of the last append as they
+    /// arrived: a debugging aid for the reference-vs-engine probe, off by default.
+    probe: Option<Box<(Vec<f32>, Vec<f32>)>>,
 }
 
 /// A run of stored rows handed to attention: logical slots `first..first + rows.len()`
@@ -227,6 +230,7 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
             prefix_v: stores_for(pv, pre).1,
             body_k: stores_for(kp, body).0,
             body_v: stores_for(vp, body).1,
+            probe: None,
         }
     }
 
@@ -285,6 +289,12 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
         let kv_dim = self.kv_heads * self.head_dim;
         debug_assert_eq!(k.len(), kv_dim);
         debug_assert_eq!(v.len(), kv_dim);
+        if let Some(p) = self.probe.as_deref_mut() {
+            p.0.clear();
+            p.0.extend_from_slice(k);
+            p.1.clear();
+            p.1.extend_from_slice(v);
+        }
         let t = self.policy.appended();
         let slot = self.policy.append();
         let p = self.prefix;
@@ -312,6 +322,20 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
         }
         vs.append(b, slot, v, &at);
         ks.append(b, slot, k, &at);
+    }
+
+    /// From now on, keeps a copy of each appended K and V row as it arrived (before any
+    /// cast or quantisation), returned by [`LayerKv::last_appended`]. A debugging aid
+    /// for the differential probe; it changes no stored value.
+    #[doc(hidden)]
+    pub fn probe_appends(&mut self) {
+        self.probe.get_or_insert_with(Default::default);
+    }
+
+    /// The K and V rows of the last append, when [`LayerKv::probe_appends`] is on.
+    #[doc(hidden)]
+    pub fn last_appended(&self) -> Option<(&[f32], &[f32])> {
+        self.probe.as_deref().map(|p| (&p.0[..], &p.1[..]))
     }
 
     /// Row id of stored row `i` (prefix row `t`: `t`; body slot `s`: `P + s`; see

@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests: fixture paths, golden files, greedy runs.
 #![allow(dead_code)]
 
+pub mod probe;
 pub mod server;
 
 use std::path::PathBuf;
