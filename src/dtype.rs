@@ -19,6 +19,7 @@
 //! | Q4_K | 256          | 144         | `reference/src/ggml_more.rs` (kernels: `ops::kquant`) |
 //! | Q5_K | 256          | 176         | `reference/src/ggml_more.rs` (kernels: `ops::kquant`) |
 //! | Q6_K | 256          | 210         | `reference/src/ggml_more.rs` (kernels: `ops::kquant`) |
+//! | IQ4_XS | 256        | 136         | `reference/src/ggml_more.rs` (kernels: `ops::kquant`) |
 //!
 //! The engine's own dequantisers are in [`crate::dequant`].
 

@@ -1,4 +1,4 @@
-//! Q4_K, Q5_K and Q6_K weights through every kernel variant this CPU supports
+//! Q4_K, Q5_K, Q6_K and IQ4_XS weights through every kernel variant this CPU supports
 //! (`qdot::Kernel::supported`), against the scalar twins in the reference crate
 //! (`tinygpt_reference::ggml_kdot`), bit for bit: odd row counts (partial row groups), 1 to
 //! 4 super-blocks per row, random and extreme code bytes (every byte 0x00, 0xFF, 0x80),
@@ -65,12 +65,14 @@ fn acts(n: usize) -> impl Strategy<Value = Vec<f32>> {
 }
 
 /// Rows of super-blocks from raw bytes, with the f16 scale fields set from `scales`
-/// (Q4_K, Q5_K: `d`, `dmin`; Q6_K: `d`).
+/// (Q4_K, Q5_K: `d`, `dmin`; Q6_K, IQ4_XS: `d`).
 fn rows_bytes(dtype: DType, blocks: usize, raw: &[u8], scales: &[u16]) -> Vec<u8> {
     let bb = dtype.block_bytes();
     let mut out = raw[..blocks * bb].to_vec();
     for (b, blk) in out.chunks_exact_mut(bb).enumerate() {
-        if dtype != DType::Q6_K {
+        if dtype == DType::IQ4_XS {
+            blk[0..2].copy_from_slice(&scales[2 * b].to_le_bytes());
+        } else if dtype != DType::Q6_K {
             blk[0..2].copy_from_slice(&scales[2 * b].to_le_bytes());
             blk[2..4].copy_from_slice(&scales[2 * b + 1].to_le_bytes());
         } else {
@@ -84,6 +86,7 @@ fn reference_row(dtype: DType, row: &[u8], a: &Q8K) -> f32 {
     match dtype {
         DType::Q4_K => ggml_kdot::dot_q4_k(row, a),
         DType::Q5_K => ggml_kdot::dot_q5_k(row, a),
+        DType::IQ4_XS => ggml_kdot::dot_iq4_xs(row, a),
         _ => ggml_kdot::dot_q6_k(row, a),
     }
 }
@@ -98,7 +101,12 @@ fn bits_eq(got: f32, want: f32) -> bool {
 
 fn case() -> impl Strategy<Value = (DType, usize, usize, Vec<u8>, Vec<u16>, Vec<f32>)> {
     (
-        prop_oneof![Just(DType::Q4_K), Just(DType::Q5_K), Just(DType::Q6_K)],
+        prop_oneof![
+            Just(DType::Q4_K),
+            Just(DType::Q5_K),
+            Just(DType::Q6_K),
+            Just(DType::IQ4_XS)
+        ],
         1usize..20,
         1usize..5,
     )
@@ -200,7 +208,7 @@ proptest! {
 /// stay exact in every variant.
 #[test]
 fn saturating_extremes_stay_exact() {
-    for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+    for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_XS] {
         for fill in [0xFFu8, 0x00, 0x80, 0x7F] {
             let nb = 3;
             let rows = 9;
@@ -250,7 +258,7 @@ fn batched_kquant_matmul_equals_one_token_matvec() {
         s ^= s << 17;
         s
     };
-    for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K] {
+    for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_XS] {
         let blocks = rows * cols / QK_K;
         let raw: Vec<u8> = (0..blocks * dtype.block_bytes())
             .map(|_| next() as u8)

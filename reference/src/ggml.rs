@@ -151,6 +151,7 @@ impl GgmlType {
                 | GgmlType::Q4_K
                 | GgmlType::Q5_K
                 | GgmlType::Q6_K
+                | GgmlType::IQ4_XS
         )
     }
 

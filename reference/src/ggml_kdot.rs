@@ -1,4 +1,5 @@
-//! Scalar twins of the engine's K-quant dot products (Q4_K, Q5_K and Q6_K weights).
+//! Scalar twins of the engine's dot products over super-blocks of 256 (Q4_K, Q5_K, Q6_K
+//! and IQ4_XS weights).
 //!
 //! As llama.cpp does for the K-quants, the activation vector is quantised to **Q8_K**:
 //! super-blocks of 256 values, each with an f32 scale, 256 signed 8-bit codes and the 16
@@ -25,15 +26,20 @@
 //!   `[−32, 31]`): `isum = Σ_k sc_k · Σ_{i<16} (q_{16k+i} − 32) · q8_{16k+i}`, then
 //!   `acc += isum as f32 · (d_w · d_x)`.
 //!
+//! * **IQ4_XS** (8 sub-blocks of 32, 6-bit scale `ls_j`, codes the IQ4 levels `K[n]`):
+//!   `isum = Σ_j (ls_j − 32) · Σ_{i<32} K[n_{32j+i}] · q8_{32j+i}`, then
+//!   `acc += isum as f32 · (d_w · d_x)`.
+//!
 //! (`d_w`, `dmin_w`: the weight super-block's f16 scales widened to f32; `d_x`: the
 //! activation super-block's scale.) Every sum fits an `i32`: for Q4_K
-//! `|isum| ≤ 8·63·32·15·128`, for Q6_K `|isum| ≤ 16·128·16·32·128`. This is the value
+//! `|isum| ≤ 8·63·32·31·128` (Q5_K), for Q6_K `|isum| ≤ 16·128·16·32·128`, for IQ4_XS
+//! `|isum| ≤ 8·32·32·127·128`. This is the value
 //! llama.cpp's `ggml_vec_dot_q4_K_q8_K` / `ggml_vec_dot_q6_K_q8_K` compute up to the
 //! order of their float additions (which differs between its own SIMD variants); the
 //! engine's kernels (every run-time variant) follow the order above, bit for bit.
 
 use crate::ggml::f16_at;
-use crate::ggml_more::{scale_min_k4, QK_K};
+use crate::ggml_more::{scale_min_k4, IQ4_VALUES, QK_K};
 
 /// An activation vector quantised to Q8_K super-blocks of [`QK_K`] values.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -239,6 +245,48 @@ pub fn q6_k_isum(blk: &[u8], q8: &[i8]) -> i32 {
     isum
 }
 
+/// Bytes of one IQ4_XS super-block.
+pub const IQ4_XS_BYTES: usize = 136;
+
+/// The 6-bit scale `ls` of sub-block `ib` (0..8) of an IQ4_XS super-block: low 4 bits
+/// from `scales_l` (`blk[4..8]`), two high bits from `scales_h` (`blk[2..4]`).
+pub fn iq4_xs_scale(blk: &[u8], ib: usize) -> i32 {
+    let scales_h = u16::from_le_bytes([blk[2], blk[3]]);
+    ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) as i32
+        | ((((scales_h >> (2 * ib)) & 3) as i32) << 4)
+}
+
+/// The integer sum of one IQ4_XS super-block against one Q8_K super-block (module docs).
+pub fn iq4_xs_isum(blk: &[u8], q8: &[i8]) -> i32 {
+    let qs = &blk[8..136];
+    let mut isum = 0i32;
+    for ib in 0..8 {
+        let mut s = 0i32;
+        for j in 0..16 {
+            let q = qs[16 * ib + j];
+            s += IQ4_VALUES[(q & 0x0F) as usize] as i32 * q8[32 * ib + j] as i32;
+            s += IQ4_VALUES[(q >> 4) as usize] as i32 * q8[32 * ib + 16 + j] as i32;
+        }
+        isum += (iq4_xs_scale(blk, ib) - 32) * s;
+    }
+    isum
+}
+
+/// IQ4_XS row · Q8_K activations.
+pub fn dot_iq4_xs(row: &[u8], a: &Q8K) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.blocks() * IQ4_XS_BYTES,
+        "one weight super-block per activation super-block"
+    );
+    let mut acc = 0.0f32;
+    for (b, blk) in row.chunks_exact(IQ4_XS_BYTES).enumerate() {
+        let isum = iq4_xs_isum(blk, &a.q[b * QK_K..(b + 1) * QK_K]);
+        acc += isum as f32 * (f16_at(blk, 0) * a.d[b]);
+    }
+    acc
+}
+
 /// Q6_K row · Q8_K activations.
 pub fn dot_q6_k(row: &[u8], a: &Q8K) -> f32 {
     assert_eq!(
@@ -433,6 +481,32 @@ mod tests {
         let codes = q5_k_codes(&blk);
         for v in 0..32u8 {
             assert!(codes.contains(&v), "code {v}");
+        }
+    }
+
+    #[test]
+    fn iq4_xs_dot_equals_dequantised_dot_within_bound() {
+        let mut rng = Rng(0xABCD_EF01_2345_6789);
+        for (d, xs) in [(0.01f32, 1.0f32), (65504.0, 1e-6), (6e-8, 1e4), (1.0, 1e-3)] {
+            for nb in 1..4 {
+                let row: Vec<u8> = (0..nb)
+                    .flat_map(|_| {
+                        let mut b: Vec<u8> = (0..IQ4_XS_BYTES).map(|_| rng.byte()).collect();
+                        put_f16(&mut b, 0, d);
+                        b
+                    })
+                    .collect();
+                let x = x_values(&mut rng, nb * QK_K, xs);
+                let a = quantize_q8_k(&x);
+                let mut w = vec![0.0f32; nb * QK_K];
+                crate::ggml_more::dequantize_iq4_xs(&row, &mut w);
+                let (exact, bound) = exact_and_bound(&w, &a, 4.0);
+                let got = dot_iq4_xs(&row, &a) as f64;
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "d {d}: {got} vs {exact} (bound {bound})"
+                );
+            }
         }
     }
 
