@@ -17,7 +17,7 @@
 //! ([`crate::ops::simd::reduce8`]).
 
 use super::float_dot::{self, tail, FloatRows, RB};
-use super::qdot::{self, ActsTile, Packed, QuantizedActs, GROUP};
+use super::qdot::{self, ActsForms, ActsTile, Packed, QuantizedActs, GROUP};
 use super::simd::{load8, Elem};
 use crate::dequant::dequantize_into;
 use crate::dtype::DType;
@@ -205,7 +205,12 @@ struct Input<'a> {
 
 impl<'a> Input<'a> {
     fn new(x: &'a [f32], mats: &[&Matrix]) -> Self {
-        let q = needs_quantized_input(mats).then(|| QuantizedActs::from_f32(x));
+        let forms = quantized_forms(mats);
+        let q = forms.any().then(|| {
+            let mut a = QuantizedActs::default();
+            a.quantize_forms(x, forms);
+            a
+        });
         Input { x, q }
     }
 
@@ -260,7 +265,14 @@ pub fn row_part(mats: &[&Matrix], k: usize, parts: usize, mut f: impl FnMut(usiz
 
 /// Whether any of `mats` reads 8-bit quantised activations.
 pub fn needs_quantized_input(mats: &[&Matrix]) -> bool {
-    mats.iter().any(|m| m.dtype.is_quantized())
+    quantized_forms(mats).any()
+}
+
+/// The quantised forms of their input that `mats` read (Q8_0-style blocks of 32 and/or
+/// Q8_K super-blocks): quantise with [`QuantizedActs::quantize_forms`].
+pub fn quantized_forms(mats: &[&Matrix]) -> ActsForms {
+    mats.iter()
+        .fold(ActsForms::default(), |f, m| f.union(ActsForms::of(m.dtype)))
 }
 
 /// Weights above this many bytes are assumed to come from DRAM on every token (they do
@@ -447,7 +459,8 @@ fn matmul_quantized(mats: &[&Matrix], xs: &[f32], out: Vec<Vec<&mut [f32]>>) {
     // (a serve step runs a few hundred products; their allocations showed in profiles).
     let mut acts = ACTS.with(|a| std::mem::take(&mut *a.borrow_mut()));
     acts.resize_with(n, QuantizedActs::default);
-    let quantize = |(a, x): (&mut QuantizedActs, &[f32])| a.quantize(x);
+    let forms = quantized_forms(mats);
+    let quantize = |(a, x): (&mut QuantizedActs, &[f32])| a.quantize_forms(x, forms);
     // In parallel only when it pays: a serve step's 16 tokens take microseconds, less than
     // waking the other threads.
     if parallel && n * cols >= PAR_MIN_QUANT {
