@@ -30,7 +30,6 @@ pub mod kv_cache;
 pub mod memory;
 pub mod model;
 pub mod ops;
-pub mod plot;
 pub mod quant;
 pub mod rope;
 pub mod sampler;

@@ -4,10 +4,10 @@
 //! `$TINYGPT_CACHE` (or `~/.cache/tinygpt-cpu`)`/gemma3/gemma-3-270m-q4_k_m.gguf`; without it
 //! every test here skips, printing why. `scripts/fetch-gemma3.sh` fetches it (CI runs it).
 //!
-//! Greedy ids may differ from llama.cpp's only at a near-tie (both engines' gap between the
-//! two tokens below 0.25): the two compute the same model with different arithmetic
-//! (llama.cpp quantises the activations of every quantised product to 8 bits; this engine
-//! does so for Q8_0 matrices and dequantises the K-quant ones to f32 at load).
+//! Greedy ids (32 per prompt, six prompts) may differ from llama.cpp's only at a near-tie
+//! (both engines' gap between the two tokens below 0.25): the two quantise activations the
+//! same way (8-bit blocks of 32 for Q8_0, Q8_K super-blocks for Q4_K/Q6_K) but sum in
+//! different orders, and run attention and the norms in f32 with different kernels.
 
 mod common;
 use common::*;

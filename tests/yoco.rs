@@ -125,6 +125,16 @@ fn config_keys_are_parsed_and_validated() {
     assert_eq!((sliding.sink, sliding.window), (0, Some(8)));
     assert_eq!(sliding.precision, Precision::Int4);
     assert_eq!(c.layer_kv_config(1, &user), user);
+    // A StreamingLLM budget below the model's window bounds the sliding layers too: they
+    // keep the last sink + window rows (2 + 3 = 5 < 8), the full layers sink 2 + window 3.
+    let small = KvConfig {
+        sink: 2,
+        window: Some(3),
+        ..user.clone()
+    };
+    let sliding = c.layer_kv_config(0, &small);
+    assert_eq!((sliding.sink, sliding.window), (0, Some(5)));
+    assert_eq!(c.layer_kv_config(1, &small), small);
 
     // Mistral's sliding_window without layer_types keeps masking every layer.
     let c = parse(&base_json(r#", "sliding_window": 8"#)).unwrap();

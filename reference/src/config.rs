@@ -138,14 +138,19 @@ impl Config {
 
     /// The cache configuration of layer `l` (a layer that holds K/V) under the user's
     /// `kv`: a sliding layer keeps only its last `window` tokens (`sink` 0, `window` W:
-    /// the same keys the Mistral mask `pos − key_pos < W` leaves visible), with the
-    /// user's precision, group size and positions mode; a full layer takes `kv` as is.
+    /// the same keys the Mistral mask `pos − key_pos < W` leaves visible), or fewer when
+    /// the user's StreamingLLM budget is smaller (`min(W, sink + window)`: no layer holds
+    /// more rows than the user asked for), with the user's precision, group size and
+    /// positions mode; a full layer takes `kv` as is.
     pub fn layer_kv_config(&self, l: usize, kv: &KvConfig) -> KvConfig {
         match self.attention_type(l) {
             AttentionType::Full => kv.clone(),
             AttentionType::Sliding { window } => KvConfig {
                 sink: 0,
-                window: Some(window),
+                window: Some(match kv.window {
+                    Some(user) => window.min(kv.sink + user),
+                    None => window,
+                }),
                 ..kv.clone()
             },
         }

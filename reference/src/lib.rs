@@ -25,6 +25,7 @@ pub mod attention;
 pub mod config;
 pub mod ggml;
 pub mod ggml_dot;
+pub mod ggml_kdot;
 pub mod ggml_more;
 pub mod hadamard;
 pub mod kv_cache;

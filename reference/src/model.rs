@@ -15,6 +15,7 @@ use crate::attention::{attend_cached, attend_heads, head_row, softmax};
 use crate::config::{AttentionType, Config};
 use crate::ggml::GgmlType;
 use crate::ggml_dot;
+use crate::ggml_kdot;
 use crate::kv_cache::{KvConfig, LayerCache};
 use crate::order;
 use crate::rope::Rope;
@@ -28,9 +29,10 @@ use ndarray::{
 pub enum Linear {
     /// Plain f32 values.
     F32(Array2<f32>),
-    /// GGML blocks kept as stored (Q8_0, Q4_0, Q4_1), `cols / 32` blocks per row, rows
-    /// one after another: multiplied through [`ggml_dot`] with 8-bit activations, as the
-    /// engine's native path does.
+    /// GGML blocks kept as stored (Q8_0, Q4_0, Q4_1: `cols / 32` blocks per row; Q4_K,
+    /// Q6_K: `cols / 256` super-blocks), rows one after another: multiplied through
+    /// [`ggml_dot`] (8-bit activation blocks of 32) or [`ggml_kdot`] (Q8_K activations),
+    /// as the engine's native path does.
     Ggml {
         ty: GgmlType,
         cols: usize,
@@ -49,7 +51,18 @@ impl Linear {
                 assert_eq!(x.len(), *cols);
                 let row_bytes = cols / ty.block_len() * ty.block_bytes();
                 assert_eq!(bytes.len(), out.len() * row_bytes);
-                let acts = ggml_dot::quantize_acts(&x.to_vec());
+                let xs = x.to_vec();
+                if matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
+                    let acts = ggml_kdot::quantize_q8_k(&xs);
+                    for (row, o) in bytes.chunks_exact(row_bytes).zip(out) {
+                        *o = match ty {
+                            GgmlType::Q4_K => ggml_kdot::dot_q4_k(row, &acts),
+                            _ => ggml_kdot::dot_q6_k(row, &acts),
+                        };
+                    }
+                    return;
+                }
+                let acts = ggml_dot::quantize_acts(&xs);
                 for (row, o) in bytes.chunks_exact(row_bytes).zip(out) {
                     *o = match ty {
                         GgmlType::Q8_0 => ggml_dot::dot_q8_0(row, &acts),

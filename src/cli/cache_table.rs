@@ -1,11 +1,11 @@
 //! `tinygpt-cpu cache-table`: bytes a real cache holds after T tokens, per cache mode.
 
 use super::common::{human_bytes, open_model};
+use super::plot::{line_chart, Series};
 use crate::error::Error;
 use crate::eval::apply_quant_mode;
 use crate::kv_cache::{KvConfig, PositionsMode, Precision};
 use crate::outln;
-use crate::plot::{line_chart, Series};
 use clap::Args;
 use std::path::PathBuf;
 
@@ -119,7 +119,7 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
         return Err(Error::flag("--modes", "no modes given").into());
     }
     if let Some(p) = &a.plot {
-        crate::plot::check_output(p)?;
+        super::plot::check_output(p)?;
     }
     let files = open_model(&a.model)?;
     let cfg = &files.config;

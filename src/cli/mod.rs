@@ -7,6 +7,7 @@ pub mod convert;
 pub mod inspect;
 pub mod out;
 pub mod perplexity;
+pub mod plot;
 pub mod sample;
 pub mod serve;
 

@@ -1,12 +1,12 @@
 //! `tinygpt-cpu perplexity`: teacher-forced quality through the cached decode path.
 
 use super::common::{open_model, progress, CacheArgs, EngineArgs, Loaded};
+use super::plot::{line_chart, Series};
 use crate::error::Error;
 use crate::eval::{parse_modes, perplexity, read_text, PplResult, SinkReport, SINK_POSITIONS};
 use crate::generate::check_cache_rows;
 use crate::kv_cache::KvConfig;
 use crate::outln;
-use crate::plot::{line_chart, Series};
 use crate::weights::ModelFiles;
 use clap::Args;
 use std::path::PathBuf;
@@ -98,7 +98,7 @@ fn check_flags(a: &PerplexityArgs) -> crate::Result<()> {
     }
     if let Some(p) = &a.plot {
         // Before the evaluation, not after it: a bad path must not cost the results.
-        crate::plot::check_output(p)?;
+        super::plot::check_output(p)?;
     }
     Ok(())
 }

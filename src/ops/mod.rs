@@ -8,6 +8,7 @@ pub mod float_dot;
 #[cfg(target_arch = "x86_64")]
 mod float_x86;
 pub mod hadamard;
+pub mod kquant;
 pub mod matvec;
 mod portable;
 pub mod qdot;

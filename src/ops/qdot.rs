@@ -46,6 +46,7 @@ use super::simd::load8;
 use crate::dtype::DType;
 use half::f16;
 use std::sync::OnceLock;
+use tinygpt_reference::ggml_kdot::Q8K;
 use wide::{f32x8, i32x8, CmpGe, CmpLe};
 
 /// Values per block.
@@ -64,6 +65,9 @@ pub struct QuantizedActs {
     pub qsum: Vec<i32>,
     /// Codes in `[-127, 127]`, one per value.
     pub q: Vec<i8>,
+    /// The same vector as Q8_K super-blocks of 256 (for Q4_K / Q6_K weights: see
+    /// [`super::kquant`]); empty when the length is not a multiple of 256.
+    pub k: Q8K,
 }
 
 impl QuantizedActs {
@@ -117,6 +121,7 @@ impl QuantizedActs {
             self.s[b] = d * sum as f32;
             self.qsum[b] = sum;
         }
+        super::kquant::quantize_into(x, &mut self.k);
     }
 
     pub fn from_f32(x: &[f32]) -> Self {
@@ -336,6 +341,9 @@ impl Packed {
     /// Repacks row-major GGML rows (`rows × cols`, validated lengths). Rows past the end
     /// of the last group are zero (scale 0) and their results are never read.
     pub fn new(dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Packed {
+        if super::kquant::is_kquant(dtype) {
+            return Packed::new_rows(dtype, rows, cols, bytes);
+        }
         let nb = cols / QK;
         let bs = dtype.block_bytes();
         let row_bytes = nb * bs;
@@ -384,6 +392,29 @@ impl Packed {
         }
     }
 
+    /// A K-quant matrix: groups of [`GROUP`] whole rows, not interleaved
+    /// ([`super::kquant`]'s layout).
+    fn new_rows(dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Packed {
+        let nb = cols / dtype.block_len();
+        let row_bytes = super::kquant::row_bytes(dtype, nb);
+        debug_assert_eq!(bytes.len(), rows * row_bytes);
+        let group_bytes = (GROUP * row_bytes).next_multiple_of(64);
+        let groups = rows.div_ceil(GROUP);
+        let mut data = PackedBuf::zeroed(groups * group_bytes);
+        let out: &mut [u8] = data.bytes_mut();
+        for (g, src) in bytes.chunks(GROUP * row_bytes).enumerate() {
+            out[g * group_bytes..g * group_bytes + src.len()].copy_from_slice(src);
+        }
+        Packed {
+            dtype,
+            rows,
+            cols,
+            nb,
+            group_bytes,
+            data,
+        }
+    }
+
     /// Number of groups.
     pub fn groups(&self) -> usize {
         self.rows.div_ceil(GROUP)
@@ -397,6 +428,15 @@ impl Packed {
     pub fn group(&self, g: usize) -> Group<'_> {
         let all: &[u8] = self.data.bytes();
         let dst = &all[g * self.group_bytes..(g + 1) * self.group_bytes];
+        if super::kquant::is_kquant(self.dtype) {
+            return Group {
+                qs: dst,
+                d: &dst[..0],
+                m: &dst[..0],
+                nb: self.nb,
+                stream: all.len() >= STREAM_PREFETCH_BYTES,
+            };
+        }
         let qsb = qs_bytes(self.dtype);
         let nb = self.nb;
         let (qs, rest) = dst.split_at(nb * qsb);
@@ -419,6 +459,11 @@ impl Packed {
     pub fn row_bytes(&self, r: usize, out: &mut [u8]) {
         let g = self.group(r / GROUP);
         let k = r % GROUP;
+        if super::kquant::is_kquant(self.dtype) {
+            let rb = super::kquant::row_bytes(self.dtype, self.nb);
+            out.copy_from_slice(&g.qs[k * rb..(k + 1) * rb]);
+            return;
+        }
         let bs = self.dtype.block_bytes();
         let qsb = qs_bytes(self.dtype);
         for (b, blk) in out.chunks_exact_mut(bs).enumerate() {
@@ -450,6 +495,9 @@ impl Packed {
 /// be supported: see [`Kernel::is_supported`]; an unsupported one runs the scalar loop).
 pub fn dot_group(kernel: Kernel, p: &Packed, g: usize, a: &QuantizedActs, out: &mut [f32; 8]) {
     let grp = p.group(g);
+    if super::kquant::is_kquant(p.dtype) {
+        return super::kquant::group(kernel, p.dtype, &grp, a, out);
+    }
     debug_assert_eq!(grp.nb, a.blocks());
     match kernel {
         #[cfg(target_arch = "x86_64")]
@@ -495,6 +543,12 @@ pub fn dot_group_tokens(
     for (a, o) in acts.chunks(TOKENS).zip(out.chunks_mut(TOKENS)) {
         // A short last tile repeats its last token; the extra results are dropped.
         let tile: [&QuantizedActs; TOKENS] = std::array::from_fn(|j| a[j.min(a.len() - 1)]);
+        if super::kquant::is_kquant(p.dtype) {
+            let mut buf = [[0.0f32; GROUP]; TOKENS];
+            super::kquant::group_tokens(kernel, p.dtype, &grp, &tile, &mut buf);
+            o.copy_from_slice(&buf[..o.len()]);
+            continue;
+        }
         for t in &tile {
             assert_eq!(t.blocks(), grp.nb, "activation blocks vs matrix blocks");
         }
@@ -618,7 +672,7 @@ pub fn dot_group_tile(
 ) {
     debug_assert_eq!(out.len(), tile.len());
     #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx512Vnni && kernel.is_supported() {
+    if kernel == Kernel::Avx512Vnni && kernel.is_supported() && !super::kquant::is_kquant(p.dtype) {
         let grp = p.group(g);
         assert_eq!(grp.nb, tile.nb, "activation blocks vs matrix blocks");
         let view = TileView {

@@ -32,7 +32,7 @@ fn font_available() -> bool {
             }
         }
         // A closed stderr must not turn a warning into a panic.
-        let _ = crate::cli::out::err(format_args!(
+        let _ = super::out::err(format_args!(
             "warning: no TrueType font found; the chart has no labels\n"
         ));
         false

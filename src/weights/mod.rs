@@ -16,6 +16,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+mod tensors;
+pub use tensors::{LayerTensors, ModelTensors};
+
 /// Metadata key of a `.tinygpt` file holding the config.json text.
 pub const META_CONFIG: &str = "tinygpt.config";
 /// Metadata key of a `.tinygpt` file holding the tokenizer.json text.
@@ -208,7 +211,7 @@ impl std::fmt::Debug for ModelFiles {
 /// `fixtures/make_fixtures.py`), so every weight row starts on a cache line.
 #[repr(C, align(64))]
 struct Aligned<T: ?Sized>(T);
-static BUNDLED: &Aligned<[u8]> = &Aligned(*include_bytes!("../fixtures/tiny.tinygpt"));
+static BUNDLED: &Aligned<[u8]> = &Aligned(*include_bytes!("../../fixtures/tiny.tinygpt"));
 
 /// Path shown for the bundled model.
 pub const BUNDLED_NAME: &str = "<bundled tiny model>";
@@ -221,7 +224,7 @@ impl ModelFiles {
     pub fn open(path: Option<&Path>) -> Result<ModelFiles> {
         let files = Self::open_unchecked(path)?;
         files.check_layer_count()?;
-        crate::model::ModelTensors::collect(&files)?;
+        ModelTensors::collect(&files)?;
         files.check_finite()?;
         Ok(files)
     }
@@ -232,7 +235,7 @@ impl ModelFiles {
         let files =
             Self::from_tinygpt_backing(Arc::new(Backing::owned(bytes)), path, Format::Tinygpt)?;
         files.check_layer_count()?;
-        crate::model::ModelTensors::collect(&files)?;
+        ModelTensors::collect(&files)?;
         files.check_finite()?;
         Ok(files)
     }

@@ -1,0 +1,467 @@
+//! Scalar twins of the engine's K-quant dot products (Q4_K and Q6_K weights).
+//!
+//! As llama.cpp does for the K-quants, the activation vector is quantised to **Q8_K**:
+//! super-blocks of 256 values, each with an f32 scale, 256 signed 8-bit codes and the 16
+//! sums of consecutive 16-code groups (`bsums`), exactly as ggml's `quantize_row_q8_K_ref`:
+//!
+//! * `amax = max |x_j|`, `max` = the first `x_j` with `|x_j| = amax`;
+//! * `amax = 0` (also when every value is NaN): `d = 0`, every code 0;
+//! * otherwise `iscale = −127 / max`, `q_j = min(127, round_ties_even(iscale · x_j))`
+//!   (ggml's `nearest_int`: ties to even; a NaN value codes 0), and `d = 1 / iscale`
+//!   (so `d` carries the sign of `−max`: `x_j ≈ d · q_j`);
+//! * `bsums[k] = Σ_{i<16} q_{16k + i}`.
+//!
+//! Then per weight super-block the inner products are **exact integer sums** and the
+//! float part is a fixed sequence of separate f32 multiplies and adds (no fused
+//! multiply-add), one accumulator per row starting at 0, super-blocks in order:
+//!
+//! * **Q4_K** (8 sub-blocks of 32, 6-bit scale `sc_j` and min `m_j`, 4-bit codes `q`):
+//!   `isum = Σ_j sc_j · Σ_{i<32} q_{32j+i} · q8_{32j+i}`,
+//!   `msum = Σ_j m_j · (bsums[2j] + bsums[2j+1])`, then
+//!   `acc += isum as f32 · (d_w · d_x) − msum as f32 · (dmin_w · d_x)` (the difference
+//!   first, then the add).
+//! * **Q6_K** (16 sub-blocks of 16, signed 8-bit scale `sc_k`, codes `q − 32` in
+//!   `[−32, 31]`): `isum = Σ_k sc_k · Σ_{i<16} (q_{16k+i} − 32) · q8_{16k+i}`, then
+//!   `acc += isum as f32 · (d_w · d_x)`.
+//!
+//! (`d_w`, `dmin_w`: the weight super-block's f16 scales widened to f32; `d_x`: the
+//! activation super-block's scale.) Every sum fits an `i32`: for Q4_K
+//! `|isum| ≤ 8·63·32·15·128`, for Q6_K `|isum| ≤ 16·128·16·32·128`. This is the value
+//! llama.cpp's `ggml_vec_dot_q4_K_q8_K` / `ggml_vec_dot_q6_K_q8_K` compute up to the
+//! order of their float additions (which differs between its own SIMD variants); the
+//! engine's kernels (every run-time variant) follow the order above, bit for bit.
+
+use crate::ggml::f16_at;
+use crate::ggml_more::{scale_min_k4, QK_K};
+
+/// An activation vector quantised to Q8_K super-blocks of [`QK_K`] values.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Q8K {
+    /// Per super-block: the scale `d_x`.
+    pub d: Vec<f32>,
+    /// The codes, one per input value.
+    pub q: Vec<i8>,
+    /// Per 16 codes: their sum.
+    pub bsums: Vec<i16>,
+}
+
+impl Q8K {
+    /// Number of super-blocks.
+    pub fn blocks(&self) -> usize {
+        self.d.len()
+    }
+}
+
+/// ggml's `nearest_int` for the range it is used on (`|v| ≤ 127.0…`): round half to
+/// even; NaN gives 0 (as the bit trick gives for a quiet NaN).
+pub fn nearest_int(v: f32) -> i32 {
+    if v.is_nan() {
+        0
+    } else {
+        v.round_ties_even() as i32
+    }
+}
+
+/// Quantises one super-block of 256 values into `q` (256 codes) and `bsums` (16 sums);
+/// returns the scale `d`.
+pub fn quantize_q8_k_block(x: &[f32], q: &mut [i8], bsums: &mut [i16]) -> f32 {
+    assert_eq!(x.len(), QK_K);
+    let mut amax = 0.0f32;
+    let mut max = 0.0f32;
+    for &v in x {
+        let av = v.abs();
+        if av > amax {
+            amax = av;
+            max = v;
+        }
+    }
+    if amax == 0.0 {
+        q.iter_mut().for_each(|c| *c = 0);
+        bsums.iter_mut().for_each(|s| *s = 0);
+        return 0.0;
+    }
+    let iscale = -127.0f32 / max;
+    for (c, &v) in q.iter_mut().zip(x) {
+        *c = nearest_int(iscale * v).clamp(-128, 127) as i8;
+    }
+    for (s, g) in bsums.iter_mut().zip(q.chunks_exact(16)) {
+        *s = g.iter().map(|&c| c as i16).sum();
+    }
+    1.0 / iscale
+}
+
+/// Quantises `x` (length a multiple of 256) super-block by super-block.
+pub fn quantize_q8_k(x: &[f32]) -> Q8K {
+    assert_eq!(x.len() % QK_K, 0, "Q8_K needs whole super-blocks of 256");
+    let nb = x.len() / QK_K;
+    let mut out = Q8K {
+        d: vec![0.0; nb],
+        q: vec![0; x.len()],
+        bsums: vec![0; nb * 16],
+    };
+    for (b, blk) in x.chunks_exact(QK_K).enumerate() {
+        out.d[b] = quantize_q8_k_block(
+            blk,
+            &mut out.q[b * QK_K..(b + 1) * QK_K],
+            &mut out.bsums[b * 16..(b + 1) * 16],
+        );
+    }
+    out
+}
+
+/// Bytes of one Q4_K super-block.
+pub const Q4_K_BYTES: usize = 144;
+/// Bytes of one Q6_K super-block.
+pub const Q6_K_BYTES: usize = 210;
+
+/// The 256 4-bit codes of a Q4_K super-block in value order: sub-block pair `(2i, 2i+1)`
+/// reads bytes `qs[32i..32i + 32]`, low nibbles (values `64i..64i + 32`) then high
+/// nibbles (values `64i + 32..64i + 64`).
+pub fn q4_k_codes(blk: &[u8]) -> [u8; QK_K] {
+    let qs = &blk[16..144];
+    let mut out = [0u8; QK_K];
+    for i in 0..4 {
+        for l in 0..32 {
+            out[64 * i + l] = qs[32 * i + l] & 0x0F;
+            out[64 * i + 32 + l] = qs[32 * i + l] >> 4;
+        }
+    }
+    out
+}
+
+/// The integer parts of one Q4_K super-block against one Q8_K super-block:
+/// `(isum, msum)` as in the module docs.
+pub fn q4_k_isums(blk: &[u8], q8: &[i8], bsums: &[i16]) -> (i32, i32) {
+    let codes = q4_k_codes(blk);
+    let scales = &blk[4..16];
+    let (mut isum, mut msum) = (0i32, 0i32);
+    for j in 0..8 {
+        let (sc, m) = scale_min_k4(j, scales);
+        let mut s = 0i32;
+        for i in 0..32 {
+            s += codes[32 * j + i] as i32 * q8[32 * j + i] as i32;
+        }
+        isum += sc as i32 * s;
+        msum += m as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32);
+    }
+    (isum, msum)
+}
+
+/// Q4_K row · Q8_K activations.
+pub fn dot_q4_k(row: &[u8], a: &Q8K) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.blocks() * Q4_K_BYTES,
+        "one weight super-block per activation super-block"
+    );
+    let mut acc = 0.0f32;
+    for (b, blk) in row.chunks_exact(Q4_K_BYTES).enumerate() {
+        let (isum, msum) = q4_k_isums(
+            blk,
+            &a.q[b * QK_K..(b + 1) * QK_K],
+            &a.bsums[b * 16..(b + 1) * 16],
+        );
+        let d = f16_at(blk, 0);
+        let dmin = f16_at(blk, 2);
+        let dx = a.d[b];
+        acc += isum as f32 * (d * dx) - msum as f32 * (dmin * dx);
+    }
+    acc
+}
+
+/// The 256 6-bit codes of a Q6_K super-block in value order, before the −32 offset (the
+/// layout of `ggml_more::dequantize_q6_k`).
+pub fn q6_k_codes(blk: &[u8]) -> [u8; QK_K] {
+    let (ql, qh) = (&blk[0..128], &blk[128..192]);
+    let mut out = [0u8; QK_K];
+    for n in 0..2 {
+        let (ql, qh, o) = (&ql[64 * n..], &qh[32 * n..], &mut out[128 * n..]);
+        for l in 0..32 {
+            o[l] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+            o[l + 32] = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+            o[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            o[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+    out
+}
+
+/// The integer sum of one Q6_K super-block against one Q8_K super-block (module docs).
+pub fn q6_k_isum(blk: &[u8], q8: &[i8]) -> i32 {
+    let codes = q6_k_codes(blk);
+    let scales = &blk[192..208];
+    let mut isum = 0i32;
+    for k in 0..16 {
+        let mut s = 0i32;
+        for i in 0..16 {
+            s += (codes[16 * k + i] as i32 - 32) * q8[16 * k + i] as i32;
+        }
+        isum += (scales[k] as i8) as i32 * s;
+    }
+    isum
+}
+
+/// Q6_K row · Q8_K activations.
+pub fn dot_q6_k(row: &[u8], a: &Q8K) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.blocks() * Q6_K_BYTES,
+        "one weight super-block per activation super-block"
+    );
+    let mut acc = 0.0f32;
+    for (b, blk) in row.chunks_exact(Q6_K_BYTES).enumerate() {
+        let isum = q6_k_isum(blk, &a.q[b * QK_K..(b + 1) * QK_K]);
+        let d = f16_at(blk, 208);
+        acc += isum as f32 * (d * a.d[b]);
+    }
+    acc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ggml_more::{dequantize_q4_k, dequantize_q6_k};
+    use half::f16;
+
+    /// A small deterministic generator (xorshift), so the tests need no crate.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn byte(&mut self) -> u8 {
+            self.next() as u8
+        }
+        fn unit(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+    }
+
+    fn put_f16(b: &mut [u8], at: usize, v: f32) {
+        b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+    }
+
+    fn random_q4_k(rng: &mut Rng, d: f32, dmin: f32) -> Vec<u8> {
+        let mut b: Vec<u8> = (0..Q4_K_BYTES).map(|_| rng.byte()).collect();
+        put_f16(&mut b, 0, d);
+        put_f16(&mut b, 2, dmin);
+        b
+    }
+
+    fn random_q6_k(rng: &mut Rng, d: f32) -> Vec<u8> {
+        let mut b: Vec<u8> = (0..Q6_K_BYTES).map(|_| rng.byte()).collect();
+        put_f16(&mut b, 208, d);
+        b
+    }
+
+    /// The exact value of the quantised problem: `Σ w_i · (d_x q_i)` in f64 over the
+    /// dequantised weights (each an exact f32), and a bound on how far an f32 evaluation
+    /// in the documented order can be from it.
+    fn exact_and_bound(w: &[f32], a: &Q8K, terms_per_block: f64) -> (f64, f64) {
+        let mut exact = 0.0f64;
+        let mut mag = 0.0f64;
+        for (i, &wi) in w.iter().enumerate() {
+            let x = a.d[i / QK_K] as f64 * a.q[i] as f64;
+            exact += wi as f64 * x;
+            mag += (wi as f64 * x).abs();
+        }
+        // Each super-block: integer sums exact, one int→f32 rounding, the scale product
+        // (two roundings), the subtraction and the accumulation: a few ulps of the
+        // block's magnitude; the dequantised weights themselves are f32 products of the
+        // same factors (another few ulps each). 2^-24 per rounding, generously counted.
+        let eps = f32::EPSILON as f64;
+        (exact, mag * eps * (8.0 + terms_per_block) + 1e-30)
+    }
+
+    fn x_values(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| rng.unit() * scale).collect()
+    }
+
+    #[test]
+    fn q8_k_follows_ggml() {
+        // max is negative: iscale positive; codes ±127 at the extremes, ties to even.
+        let mut x = vec![0.0f32; QK_K];
+        x[0] = -127.0;
+        x[1] = 127.0;
+        x[2] = 0.5;
+        x[3] = 1.5;
+        x[4] = -2.5;
+        x[5] = f32::NAN;
+        let a = quantize_q8_k(&x);
+        assert_eq!(a.d[0], 1.0 / (-127.0f32 / -127.0));
+        assert_eq!(&a.q[..6], &[-127, 127, 0, 2, -2, 0]);
+        assert_eq!(a.bsums[0], 0);
+        // The first of two equal magnitudes sets the sign of d.
+        let mut y = vec![0.0f32; QK_K];
+        y[7] = 3.0;
+        y[9] = -3.0;
+        let b = quantize_q8_k(&y);
+        assert!(b.d[0] < 0.0);
+        assert_eq!((b.q[7], b.q[9]), (-127, 127));
+        // All zero (and all NaN): d = 0, codes 0.
+        let z = quantize_q8_k(&[0.0; 2 * QK_K]);
+        assert_eq!(z.d, vec![0.0, 0.0]);
+        assert!(z.q.iter().all(|&c| c == 0) && z.bsums.iter().all(|&s| s == 0));
+        let n = quantize_q8_k(&[f32::NAN; QK_K]);
+        assert_eq!(n.d[0], 0.0);
+    }
+
+    #[test]
+    fn q8_k_round_trips_within_half_a_step() {
+        let mut rng = Rng(0x9E3779B97F4A7C15);
+        for scale in [1e-30f32, 1e-3, 1.0, 1e4, 1e30] {
+            let x = x_values(&mut rng, 3 * QK_K, scale);
+            let a = quantize_q8_k(&x);
+            for (i, &v) in x.iter().enumerate() {
+                let d = a.d[i / QK_K];
+                let back = d * a.q[i] as f32;
+                assert!((back - v).abs() <= d.abs() * 0.5001, "{v} vs {back}");
+            }
+            for (k, s) in a.bsums.iter().enumerate() {
+                let t: i32 = a.q[16 * k..16 * k + 16].iter().map(|&c| c as i32).sum();
+                assert_eq!(*s as i32, t);
+            }
+        }
+    }
+
+    #[test]
+    fn q4_k_dot_equals_dequantised_dot_within_bound() {
+        let mut rng = Rng(0x1234_5678_9ABC_DEF1);
+        for (d, dmin, xs) in [
+            (0.01f32, 0.02f32, 1.0f32),
+            (1.0, 0.5, 1e-3),
+            (65504.0, 65504.0, 1e-6),
+            (6e-8, 6e-8, 1e4),
+            (0.0, 0.3, 1.0),
+            (0.3, 0.0, 1.0),
+        ] {
+            for nb in 1..4 {
+                let row: Vec<u8> = (0..nb)
+                    .flat_map(|_| random_q4_k(&mut rng, d, dmin))
+                    .collect();
+                let x = x_values(&mut rng, nb * QK_K, xs);
+                let a = quantize_q8_k(&x);
+                let mut w = vec![0.0f32; nb * QK_K];
+                dequantize_q4_k(&row, &mut w);
+                let (exact, bound) = exact_and_bound(&w, &a, 8.0);
+                let got = dot_q4_k(&row, &a) as f64;
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "d {d} dmin {dmin}: {got} vs {exact} (bound {bound})"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn q6_k_dot_equals_dequantised_dot_within_bound() {
+        let mut rng = Rng(0x0DDB_1A5E_5BAD_5EED);
+        for (d, xs) in [(0.01f32, 1.0f32), (65504.0, 1e-6), (6e-8, 1e4), (1.0, 1e-3)] {
+            for nb in 1..4 {
+                let row: Vec<u8> = (0..nb).flat_map(|_| random_q6_k(&mut rng, d)).collect();
+                let x = x_values(&mut rng, nb * QK_K, xs);
+                let a = quantize_q8_k(&x);
+                let mut w = vec![0.0f32; nb * QK_K];
+                dequantize_q6_k(&row, &mut w);
+                let (exact, bound) = exact_and_bound(&w, &a, 4.0);
+                let got = dot_q6_k(&row, &a) as f64;
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "d {d}: {got} vs {exact} (bound {bound})"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_code_meets_every_activation_code() {
+        // Q4_K: all 16 codes in every sub-block, scales and mins 1, d = dmin = 1, against
+        // activations whose codes are ±127 and 0: the integer sums are checked directly.
+        let mut blk = vec![0u8; Q4_K_BYTES];
+        put_f16(&mut blk, 0, 1.0);
+        put_f16(&mut blk, 2, 1.0);
+        // Scale bytes: 0..4 the scales of sub-blocks 0..4, 4..8 their mins, 8..12 the
+        // scale (low nibble) and min (high nibble) of sub-blocks 4..8.
+        let sc = [1u8; 8];
+        let mn = [2u8; 8];
+        for j in 0..4 {
+            blk[4 + j] = sc[j];
+            blk[8 + j] = mn[j];
+            blk[12 + j] = sc[4 + j] | (mn[4 + j] << 4);
+        }
+        for (i, b) in blk[16..].iter_mut().enumerate() {
+            *b = (i as u8 % 16) | ((15 - i as u8 % 16) << 4);
+        }
+        let q8: Vec<i8> = (0..QK_K).map(|i| [127i8, -127, 0, 1][i % 4]).collect();
+        let bsums: Vec<i16> = q8
+            .chunks_exact(16)
+            .map(|g| g.iter().map(|&c| c as i16).sum())
+            .collect();
+        let codes = q4_k_codes(&blk);
+        let want: i32 = codes
+            .iter()
+            .zip(&q8)
+            .map(|(&c, &q)| c as i32 * q as i32)
+            .sum();
+        let (isum, msum) = q4_k_isums(&blk, &q8, &bsums);
+        assert_eq!(isum, want);
+        assert_eq!(msum, 2 * bsums.iter().map(|&s| s as i32).sum::<i32>());
+        for v in 0..16u8 {
+            assert!(codes.contains(&v));
+        }
+        // Q6_K: every 6-bit code, scales ±127 and ±1.
+        let mut rng = Rng(77);
+        let mut b6 = random_q6_k(&mut rng, 1.0);
+        for (k, s) in b6[192..208].iter_mut().enumerate() {
+            *s = [127i8, -128, 1, -1][k % 4] as u8;
+        }
+        for (i, b) in b6[..128].iter_mut().enumerate() {
+            // Both nibbles of ql[i] are i mod 16 and the qh fields of half 0 are 0 and 1,
+            // of half 1 2 and 3: all 64 codes occur.
+            *b = (i as u8 & 0x0F) | ((i as u8 & 0x0F) << 4);
+        }
+        for i in 0..64 {
+            b6[128 + i] = (i as u8 >> 4) * 0x55;
+        }
+        let codes6 = q6_k_codes(&b6);
+        for v in 0..64u8 {
+            assert!(codes6.contains(&v), "code {v}");
+        }
+        let want6: i32 = (0..16)
+            .map(|k| {
+                (b6[192 + k] as i8) as i32
+                    * (0..16)
+                        .map(|i| (codes6[16 * k + i] as i32 - 32) * q8[16 * k + i] as i32)
+                        .sum::<i32>()
+            })
+            .sum();
+        assert_eq!(q6_k_isum(&b6, &q8), want6);
+    }
+
+    #[test]
+    fn constant_blocks() {
+        // Q6_K codes all 32 + 1 (value +1), scale 1, d 1: the dot is Σ d_x·q8.
+        let mut b6 = vec![0u8; Q6_K_BYTES];
+        b6[0..128].fill(0x11); // low nibbles 1
+        b6[128..192].fill(0xAA); // high bits 2 → +32
+        b6[192..208].fill(1);
+        put_f16(&mut b6, 208, 1.0);
+        let x = vec![0.25f32; QK_K];
+        let a = quantize_q8_k(&x);
+        let want: i32 = a.q.iter().map(|&c| c as i32).sum();
+        assert_eq!(dot_q6_k(&b6, &a), want as f32 * a.d[0]);
+        assert!((dot_q6_k(&b6, &a) - 64.0).abs() < 1e-4);
+        // Q4_K: codes 0 everywhere, mins 1, dmin 1: the dot is −Σ x (through the bsums).
+        let mut b4 = vec![0u8; Q4_K_BYTES];
+        put_f16(&mut b4, 2, 1.0);
+        for j in 0..4 {
+            b4[8 + j] = 1;
+            b4[12 + j] = 1 << 4;
+        }
+        let got = dot_q4_k(&b4, &a);
+        assert!((got + 64.0).abs() < 1e-4, "{got}");
+    }
+}

@@ -1,0 +1,303 @@
+//! K-quant weights (Q4_K, Q6_K) multiplied natively against Q8_K activations.
+//!
+//! Numerics are exactly those of `tinygpt_reference::ggml_kdot` (read its header; also
+//! docs/design.md §2.2): per weight super-block of 256 values, exact integer sums, then
+//! one row accumulator updated with separate f32 multiplies and adds
+//! (Q4_K: `acc += isum·(d_w·d_x) − msum·(dmin_w·d_x)`, Q6_K: `acc += isum·(d_w·d_x)`).
+//! Every variant equals the reference twin bit for bit (`tests/kquant_dispatch.rs`).
+//!
+//! # Layout
+//!
+//! [`super::qdot::Packed`] keeps a K-quant matrix in groups of [`GROUP`] rows as for the
+//! other block types, but the rows of a group are **not** interleaved: each group is its
+//! eight rows' super-blocks exactly as in the file, one row after another (each row
+//! `cols / 256 · block_bytes` long), padded to 64 bytes. The kernels walk one row at a
+//! time (a 144- or 210-byte super-block already fills several vectors).
+//!
+//! # Variants
+//!
+//! * `scalar`: the reference's loops (`ggml_kdot::dot_q4_k` / `dot_q6_k`) per row;
+//! * `avx2` (and `avx512vnni`, which runs the AVX2 code for these types): `vpmaddubsw`
+//!   of the unsigned codes (Q4_K 0..15, Q6_K 0..63 before its −32) with the signed
+//!   activation codes, `vpmaddwd` with the sub-block scales, summed in 32-bit lanes;
+//!   Q6_K's `−32` is applied as `−32 · Σ_k sc_k · bsums_k`. Same integers, same floats;
+//! * `portable` and `neon-dotprod`: **fall back to the scalar variant** for these types
+//!   (correct, not fast; a `wide`/`sdot` version is a follow-up).
+//!
+//! The multi-token kernels unpack each weight super-block once for [`TOKENS`] tokens;
+//! every token's value is the one-token value, bit for bit.
+
+use super::qdot::{Group, Kernel, QuantizedActs, GROUP, TOKENS};
+use crate::dtype::DType;
+use tinygpt_reference::ggml_kdot::{self, Q8K};
+use tinygpt_reference::ggml_more::QK_K;
+
+/// Whether `dtype` is multiplied by this module's kernels.
+pub fn is_kquant(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4_K | DType::Q6_K)
+}
+
+/// Bytes of one row of `nb` super-blocks.
+pub fn row_bytes(dtype: DType, nb: usize) -> usize {
+    nb * dtype.block_bytes()
+}
+
+/// Quantises `x` into `k` when its length is a whole number of super-blocks (else `k`
+/// is left empty: no K-quant matrix can have that many columns). The engine's Q8_K is the
+/// reference's, block by block.
+pub fn quantize_into(x: &[f32], k: &mut Q8K) {
+    if !x.len().is_multiple_of(QK_K) || x.is_empty() {
+        k.d.clear();
+        k.q.clear();
+        k.bsums.clear();
+        return;
+    }
+    let nb = x.len() / QK_K;
+    k.d.resize(nb, 0.0);
+    k.q.resize(x.len(), 0);
+    k.bsums.resize(nb * 16, 0);
+    for (b, blk) in x.chunks_exact(QK_K).enumerate() {
+        k.d[b] = ggml_kdot::quantize_q8_k_block(
+            blk,
+            &mut k.q[b * QK_K..(b + 1) * QK_K],
+            &mut k.bsums[b * 16..(b + 1) * 16],
+        );
+    }
+}
+
+/// Whether `kernel` has a SIMD K-quant path here (else the scalar one runs).
+#[cfg(target_arch = "x86_64")]
+fn use_avx2(kernel: Kernel) -> bool {
+    matches!(kernel, Kernel::Avx2 | Kernel::Avx512Vnni) && Kernel::Avx2.is_supported()
+}
+
+/// `out[k] = row (8g + k) · a` for a K-quant group (see [`super::qdot::dot_group`]).
+pub fn group(kernel: Kernel, dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; GROUP]) {
+    let rb = row_bytes(dtype, g.nb);
+    assert_eq!(
+        a.k.blocks(),
+        g.nb,
+        "Q8_K activation super-blocks vs matrix super-blocks"
+    );
+    for (k, o) in out.iter_mut().enumerate() {
+        let row = &g.qs[k * rb..(k + 1) * rb];
+        *o = row_dots::<1>(kernel, dtype, row, &[&a.k])[0];
+    }
+}
+
+/// `out[t][k] = row (8g + k) · acts[t]` for [`TOKENS`] tokens, each super-block unpacked
+/// once for all of them (see [`super::qdot::dot_group_tokens`]).
+pub fn group_tokens(
+    kernel: Kernel,
+    dtype: DType,
+    g: &Group,
+    acts: &[&QuantizedActs; TOKENS],
+    out: &mut [[f32; GROUP]; TOKENS],
+) {
+    let rb = row_bytes(dtype, g.nb);
+    let ks: [&Q8K; TOKENS] = std::array::from_fn(|t| &acts[t].k);
+    for k in &ks {
+        assert_eq!(
+            k.blocks(),
+            g.nb,
+            "Q8_K activation super-blocks vs matrix super-blocks"
+        );
+    }
+    for r in 0..GROUP {
+        let row = &g.qs[r * rb..(r + 1) * rb];
+        let v = row_dots::<TOKENS>(kernel, dtype, row, &ks);
+        for (o, vt) in out.iter_mut().zip(v) {
+            o[r] = vt;
+        }
+    }
+}
+
+/// One row against `T` tokens (block counts checked by the callers).
+#[inline]
+fn row_dots<const T: usize>(kernel: Kernel, dtype: DType, row: &[u8], ks: &[&Q8K; T]) -> [f32; T] {
+    #[cfg(target_arch = "x86_64")]
+    if use_avx2(kernel) {
+        // SAFETY: AVX2 (with FMA and F16C) was detected at run time in `use_avx2`; `row`
+        // holds `ks[t].blocks()` super-blocks of `dtype` and every token as many
+        // (asserted by the callers; the kernels assert the lengths again).
+        return unsafe {
+            match dtype {
+                DType::Q4_K => avx2::q4_k_row::<T>(row, ks),
+                _ => avx2::q6_k_row::<T>(row, ks),
+            }
+        };
+    }
+    let _ = kernel;
+    std::array::from_fn(|t| match dtype {
+        DType::Q4_K => ggml_kdot::dot_q4_k(row, ks[t]),
+        _ => ggml_kdot::dot_q6_k(row, ks[t]),
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! AVX2 K-quant rows: integer sums in 32-bit lanes, reduced once per super-block,
+    //! then the reference's float steps in scalar f32 (separate multiply and add).
+
+    use super::{Q8K, QK_K};
+    use half::f16;
+    use std::arch::x86_64::*;
+    use tinygpt_reference::ggml_kdot::{Q4_K_BYTES, Q6_K_BYTES};
+    use tinygpt_reference::ggml_more::scale_min_k4;
+
+    #[inline(always)]
+    fn f16_at(b: &[u8], at: usize) -> f32 {
+        f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+    }
+
+    /// The eight 32-bit lanes summed (exact: integer addition).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn hsum(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// Q4_K row · `T` tokens.
+    ///
+    /// # Safety
+    /// AVX2 must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q4_k_row<const T: usize>(row: &[u8], ks: &[&Q8K; T]) -> [f32; T] {
+        let nb = row.len() / Q4_K_BYTES;
+        assert_eq!(row.len(), nb * Q4_K_BYTES);
+        for k in ks {
+            assert!(k.q.len() >= nb * QK_K && k.d.len() >= nb && k.bsums.len() >= nb * 16);
+        }
+        let m4 = _mm256_set1_epi8(0x0F);
+        let mut acc = [0.0f32; T];
+        for b in 0..nb {
+            let blk = &row[b * Q4_K_BYTES..(b + 1) * Q4_K_BYTES];
+            let mut sc = [0i16; 8];
+            let mut mn = [0i32; 8];
+            for j in 0..8 {
+                let (s, m) = scale_min_k4(j, &blk[4..16]);
+                sc[j] = s as i16;
+                mn[j] = m as i32;
+            }
+            let mut lo = [_mm256_setzero_si256(); 4];
+            let mut hi = [_mm256_setzero_si256(); 4];
+            for j in 0..4 {
+                // SAFETY: bytes 16 + 32j .. 48 + 32j are inside the 144-byte block.
+                let w = unsafe { _mm256_loadu_si256(blk.as_ptr().add(16 + 32 * j).cast()) };
+                lo[j] = _mm256_and_si256(w, m4);
+                hi[j] = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+            }
+            let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+            for (t, k) in ks.iter().enumerate() {
+                let q8 = k.q[b * QK_K..(b + 1) * QK_K].as_ptr();
+                let mut s = _mm256_setzero_si256();
+                for j in 0..4 {
+                    // SAFETY: 64j .. 64j + 64 is inside the token's 256 codes (asserted).
+                    let (xl, xh) = unsafe {
+                        (
+                            _mm256_loadu_si256(q8.add(64 * j).cast()),
+                            _mm256_loadu_si256(q8.add(64 * j + 32).cast()),
+                        )
+                    };
+                    // Pair sums ≤ 2·15·128: no saturation.
+                    let pl = _mm256_maddubs_epi16(lo[j], xl);
+                    let ph = _mm256_maddubs_epi16(hi[j], xh);
+                    s = _mm256_add_epi32(
+                        s,
+                        _mm256_add_epi32(
+                            _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])),
+                            _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])),
+                        ),
+                    );
+                }
+                let isum = hsum(s);
+                let bs = &k.bsums[b * 16..(b + 1) * 16];
+                let mut msum = 0i32;
+                for j in 0..8 {
+                    msum += mn[j] * (bs[2 * j] as i32 + bs[2 * j + 1] as i32);
+                }
+                let dx = k.d[b];
+                acc[t] += isum as f32 * (d * dx) - msum as f32 * (dmin * dx);
+            }
+        }
+        acc
+    }
+
+    /// Q6_K row · `T` tokens.
+    ///
+    /// # Safety
+    /// AVX2 must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q6_k_row<const T: usize>(row: &[u8], ks: &[&Q8K; T]) -> [f32; T] {
+        let nb = row.len() / Q6_K_BYTES;
+        assert_eq!(row.len(), nb * Q6_K_BYTES);
+        for k in ks {
+            assert!(k.q.len() >= nb * QK_K && k.d.len() >= nb && k.bsums.len() >= nb * 16);
+        }
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m30 = _mm256_set1_epi8(0x30);
+        let mut acc = [0.0f32; T];
+        for b in 0..nb {
+            let blk = &row[b * Q6_K_BYTES..(b + 1) * Q6_K_BYTES];
+            let sc: [i16; 16] = std::array::from_fn(|k| blk[192 + k] as i8 as i16);
+            // codes[4n + t]: values 128n + 32t .. 128n + 32t + 32, unsigned 0..63.
+            let mut codes = [_mm256_setzero_si256(); 8];
+            for n in 0..2 {
+                // SAFETY: ql 64n..64n + 64 and qh 128 + 32n..160 + 32n are inside the
+                // 210-byte block.
+                let (ql0, ql1, qh) = unsafe {
+                    let p = blk.as_ptr();
+                    (
+                        _mm256_loadu_si256(p.add(64 * n).cast()),
+                        _mm256_loadu_si256(p.add(64 * n + 32).cast()),
+                        _mm256_loadu_si256(p.add(128 + 32 * n).cast()),
+                    )
+                };
+                // 16-bit shifts move bits across byte edges only outside the 0x30 mask.
+                codes[4 * n] = _mm256_or_si256(
+                    _mm256_and_si256(ql0, m4),
+                    _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
+                );
+                codes[4 * n + 1] = _mm256_or_si256(
+                    _mm256_and_si256(ql1, m4),
+                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
+                );
+                codes[4 * n + 2] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                    _mm256_and_si256(qh, m30),
+                );
+                codes[4 * n + 3] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
+                );
+            }
+            // Scales of each 32-value run: lanes 0..8 its first 16 values, 8..16 the rest.
+            let scv: [__m256i; 8] = std::array::from_fn(|i| {
+                _mm256_setr_m128i(_mm_set1_epi16(sc[2 * i]), _mm_set1_epi16(sc[2 * i + 1]))
+            });
+            let d = f16_at(blk, 208);
+            for (t, k) in ks.iter().enumerate() {
+                let q8 = k.q[b * QK_K..(b + 1) * QK_K].as_ptr();
+                let mut s = _mm256_setzero_si256();
+                for i in 0..8 {
+                    // SAFETY: 32i .. 32i + 32 is inside the token's 256 codes (asserted).
+                    let x = unsafe { _mm256_loadu_si256(q8.add(32 * i).cast()) };
+                    // Pair sums ≤ 2·63·128: no saturation.
+                    let p = _mm256_maddubs_epi16(codes[i], x);
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scv[i]));
+                }
+                let bs = &k.bsums[b * 16..(b + 1) * 16];
+                let mut off = 0i32;
+                for (c, &bsum) in sc.iter().zip(bs) {
+                    off += *c as i32 * bsum as i32;
+                }
+                let isum = hsum(s) - 32 * off;
+                acc[t] += isum as f32 * (d * k.d[b]);
+            }
+        }
+        acc
+    }
+}
