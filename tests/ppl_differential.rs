@@ -3,8 +3,10 @@
 //! 4 query heads over 2 KV heads) and SmolLM2-135M (head_dim 64, 9 query heads over 3 KV
 //! heads, 30 layers; f32 weights so that the weights are not a source of difference).
 //!
-//! Error budgets (design §2.4, §6). The two implementations sum in different orders, so
-//! their K/V values differ in the last bits; under KIVI a value next to a code boundary
+//! Error budgets (design §2.4, §6). This test runs the machine's default KIVI kernels
+//! (`avx512` here), which add their partial sums in other orders than the `portable` ones
+//! the reference writes out (under `portable` the two are bit-identical:
+//! `tests/ref_exact.rs`), so their K/V values differ in the last bits; under KIVI a value next to a code boundary
 //! then rounds the other way in one of them, a whole quantisation step, and the difference
 //! cascades through later layers and tokens. The budget therefore grows with the step:
 //!

@@ -243,3 +243,238 @@ fn bundled_model_kivi_caches_are_identical() {
         assert_identical(&engine, &reference, &kv, &toks, "bundled");
     }
 }
+
+/// The engine in a pool of `n` threads (2: the decode team).
+fn pool(n: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build()
+        .unwrap()
+}
+
+/// Runs `toks` through the reference once and the engine on 1 and 2 threads, comparing
+/// the logits bit for bit at every step (so perplexity and greedy choices agree too), then
+/// a greedy continuation of `greedy` tokens from the first 8: identical ids.
+fn assert_identical_threads(
+    engine: &Model,
+    reference: &tinygpt_reference::Model,
+    kv: &KvConfig,
+    toks: &[u32],
+    greedy_n: usize,
+    what: &str,
+) {
+    let (p1, p2) = (pool(1), pool(2));
+    let mut r = ReferenceRun::new(reference, kv);
+    let mut e1 = EngineRun::new(engine, kv);
+    let mut e2 = EngineRun::new(engine, kv);
+    let name = kv.quant_name();
+    let window = kv.window.map_or("dense".to_string(), |w| {
+        format!("sink {} window {w} {}", kv.sink, kv.positions.name())
+    });
+    for (pos, &t) in toks.iter().enumerate() {
+        let want = bits(r.forward(t, pos).unwrap());
+        for (threads, p, e) in [(1, &p1, &mut e1), (2, &p2, &mut e2)] {
+            let got = p.install(|| bits(e.forward(t, pos).unwrap()));
+            if got != want {
+                let i = got.iter().zip(&want).position(|(x, y)| x != y).unwrap();
+                panic!(
+                    "{what} {name} G{} {window}, {threads} thread(s): logits differ at step {pos}, logit {i}: engine {} reference {}",
+                    kv.group_size,
+                    f32::from_bits(got[i]),
+                    f32::from_bits(want[i])
+                );
+            }
+        }
+    }
+    if greedy_n > 0 {
+        let prompt = &toks[..8];
+        let g_r = greedy(&mut ReferenceRun::new(reference, kv), prompt, greedy_n);
+        let g_e = p2.install(|| greedy(&mut EngineRun::new(engine, kv), prompt, greedy_n));
+        assert_eq!(g_e.ids, g_r.ids, "{what} {name} {window}: greedy ids");
+    }
+    eprintln!(
+        "{what} {name} G{} {window}: identical over {} tokens",
+        kv.group_size,
+        toks.len()
+    );
+}
+
+/// SmolLM2 (head_dim 64, GQA 3, 30 layers) with f32 weights: every cache precision and the
+/// KIVI variations, 40 tokens (K groups of 16 and 32 complete; StreamingLLM with a
+/// 24-row window evicts from token 28), engine on 1 and 2 threads; native (Q4_1) weights
+/// and YOCO sharing on a few modes. The CI cut (~3 min on 2 cores) of
+/// [`smollm2_full_matrix`].
+#[test]
+fn smollm2_cache_modes_are_identical() {
+    portable();
+    let Some(p) = smollm2_path() else { return };
+    run_smollm2(&p, 40, &smollm2_modes(false), 8, false);
+}
+
+/// The full matrix (every mode × dense / StreamingLLM in both position modes, 128
+/// tokens). Run by hand:
+/// `cargo test --release --test ref_exact -- --ignored --nocapture`.
+#[test]
+#[ignore = "slow (the scalar reference on SmolLM2, ~100 modes); run by hand"]
+fn smollm2_full_matrix() {
+    portable();
+    let Some(p) = smollm2_path() else { return };
+    run_smollm2(&p, 128, &smollm2_modes(true), 24, true);
+}
+
+fn smollm2_modes(full: bool) -> Vec<KvConfig> {
+    use tinygpt_cpu::kv_cache::KvRotation;
+    let mut out = Vec::new();
+    let windows: &[(Option<usize>, PositionsMode)] = if full {
+        &[
+            (None, PositionsMode::Original),
+            (Some(24), PositionsMode::Original),
+            (Some(24), PositionsMode::Cache),
+        ]
+    } else {
+        &[(None, PositionsMode::Original)]
+    };
+    let mut kivi = vec![];
+    for precision in Precision::ALL {
+        kivi.push(KvConfig {
+            precision,
+            ..KvConfig::default()
+        });
+    }
+    kivi.extend([
+        KvConfig {
+            precision: Precision::Int8,
+            v_precision: Some(Precision::Int4),
+            ..KvConfig::default()
+        },
+        KvConfig {
+            precision: Precision::Int2,
+            residual: 32,
+            ..KvConfig::default()
+        },
+        KvConfig {
+            precision: Precision::Int4,
+            key_rope: KeyRope::Pre,
+            group_size: 16,
+            ..KvConfig::default()
+        },
+    ]);
+    if full {
+        kivi.extend([
+            KvConfig {
+                precision: Precision::Int4,
+                group_size: 16,
+                residual: 8,
+                ..KvConfig::default()
+            },
+            KvConfig {
+                precision: Precision::Int8,
+                group_size: 64,
+                ..KvConfig::default()
+            },
+            KvConfig {
+                precision: Precision::Int4,
+                rotation: KvRotation::None,
+                ..KvConfig::default()
+            },
+        ]);
+    }
+    if full {
+        for g in [16, 32, 64] {
+            for precision in [Precision::Int8, Precision::Int4, Precision::Int2] {
+                kivi.push(KvConfig {
+                    precision,
+                    group_size: g,
+                    residual: 16,
+                    ..KvConfig::default()
+                });
+                kivi.push(KvConfig {
+                    precision,
+                    group_size: g,
+                    key_rope: KeyRope::Pre,
+                    rotation: KvRotation::None,
+                    ..KvConfig::default()
+                });
+            }
+        }
+    }
+    for kv in kivi {
+        for &(window, positions) in windows {
+            out.push(KvConfig {
+                sink: if window.is_some() { 4 } else { 0 },
+                window,
+                positions,
+                ..kv.clone()
+            });
+        }
+    }
+    if !full {
+        // StreamingLLM in both position modes, int4.
+        for positions in [PositionsMode::Original, PositionsMode::Cache] {
+            out.push(KvConfig {
+                precision: Precision::Int4,
+                sink: 4,
+                window: Some(24),
+                positions,
+                ..KvConfig::default()
+            });
+        }
+    }
+    out
+}
+
+fn run_smollm2(path: &std::path::Path, n: usize, modes: &[KvConfig], greedy_n: usize, full: bool) {
+    let files = ModelFiles::open(Some(path)).unwrap();
+    let toks = tokens(&files, n);
+    let t0 = std::time::Instant::now();
+    {
+        let engine = Model::load(&files, WeightsDType::F32).unwrap();
+        let reference = reference_model(&files, WeightsDType::F32).unwrap();
+        for (i, kv) in modes.iter().enumerate() {
+            // Greedy runs on every fifth mode (each costs the reference greedy_n tokens).
+            let g = if i % 5 == 0 { greedy_n } else { 0 };
+            assert_identical_threads(&engine, &reference, kv, &toks, g, "smollm2 f32");
+        }
+    }
+    // Native Q4_1 weights (integer block dots with 8-bit activations, design §2.2).
+    {
+        let engine = Model::load(&files, WeightsDType::Native).unwrap();
+        let reference = reference_model(&files, WeightsDType::Native).unwrap();
+        let precisions: &[Precision] = if full {
+            &Precision::ALL
+        } else {
+            &[Precision::Fp32, Precision::Int4]
+        };
+        for &precision in precisions {
+            let kv = KvConfig {
+                precision,
+                ..KvConfig::default()
+            };
+            assert_identical_threads(&engine, &reference, &kv, &toks, 0, "smollm2 native");
+        }
+    }
+    // YOCO: the upper 10 of 30 layers read layer 19's K/V.
+    {
+        let mut shared = ModelFiles::open(Some(path)).unwrap();
+        shared.config.num_kv_shared_layers = 10;
+        let engine = Model::load(&shared, WeightsDType::F32).unwrap();
+        let reference = reference_model(&shared, WeightsDType::F32).unwrap();
+        let precisions: &[Precision] = if full {
+            &Precision::ALL
+        } else {
+            &[Precision::Int4]
+        };
+        for &precision in precisions {
+            let kv = KvConfig {
+                precision,
+                ..KvConfig::default()
+            };
+            assert_identical_threads(&engine, &reference, &kv, &toks, 0, "smollm2 yoco");
+        }
+    }
+    eprintln!(
+        "smollm2: {} f32 modes, native, YOCO in {:.0?}",
+        modes.len(),
+        t0.elapsed()
+    );
+}

@@ -177,9 +177,18 @@ pub fn matvec_view<D: Dimension>(
     let (rows, cols) = w.dim();
     assert_eq!((out.len(), x.len()), (rows, cols), "matvec shapes");
     let x: Vec<f32> = x.iter().copied().collect();
+    let mut buf = Vec::new();
     for (o, out_o) in out.into_iter().enumerate() {
-        let row: Vec<f32> = w.row(o).iter().copied().collect();
-        *out_o = order::dot8(&row, &x);
+        let row = w.row(o);
+        let row = match row.as_slice() {
+            Some(r) => r,
+            None => {
+                buf.clear();
+                buf.extend(row.iter().copied());
+                &buf
+            }
+        };
+        *out_o = order::dot8(row, &x);
     }
 }
 
