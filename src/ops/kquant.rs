@@ -1,5 +1,6 @@
 //! Weights in super-blocks of 256 (the K-quants Q4_K, Q5_K, Q6_K, and IQ4_XS) multiplied
-//! natively against Q8_K activations.
+//! natively against Q8_K activations; and Q5_1, kept in the same whole-row layout but read
+//! against the 8-bit blocks of 32 with Q4_1's steps (`ggml_dot::dot_q5_1`).
 //!
 //! Numerics are exactly those of `tinygpt_reference::ggml_kdot` (read its header; also
 //! docs/design.md §2.2): per weight super-block of 256 values, exact integer sums, then
