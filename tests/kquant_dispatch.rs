@@ -402,3 +402,61 @@ fn mixed_block_types_in_one_product_equal_their_own_matvec() {
         }
     }
 }
+
+fn q5_1_case() -> impl Strategy<Value = (usize, usize, Vec<u8>, Vec<u16>, Vec<f32>)> {
+    (1usize..20, 1usize..10).prop_flat_map(|(rows, nb)| {
+        (
+            Just(rows),
+            Just(nb),
+            code_bytes(rows * nb * 24),
+            prop::collection::vec(scale(), 2 * rows * nb),
+            acts(nb * 32),
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(cfg())]
+
+    /// Q5_1 (kept as whole rows, read against the 8-bit blocks of 32 as Q4_1): every
+    /// variant, one token and several, equals `ggml_dot::dot_q5_1` bit for bit.
+    #[test]
+    fn q5_1_equals_its_twin_for_every_variant_and_token(
+        (rows, nb, raw, scales, x) in q5_1_case(),
+        ntok in 1usize..7,
+    ) {
+        use tinygpt_reference::ggml_dot;
+        let mut bytes = raw.clone();
+        for (b, blk) in bytes.chunks_exact_mut(24).enumerate() {
+            blk[0..2].copy_from_slice(&scales[2 * b].to_le_bytes());
+            blk[2..4].copy_from_slice(&scales[2 * b + 1].to_le_bytes());
+        }
+        let p = Packed::new(DType::Q5_1, rows, nb * 32, &bytes);
+        let n = nb * 32;
+        let xs: Vec<Vec<f32>> = (0..ntok)
+            .map(|t| (0..n).map(|i| x[(i + 13 * t) % n] * (1.0 + t as f32)).collect())
+            .collect();
+        let eas: Vec<QuantizedActs> = xs.iter().map(|x| QuantizedActs::from_f32(x)).collect();
+        let ras: Vec<_> = xs.iter().map(|x| ggml_dot::quantize_acts(x)).collect();
+        let refs: Vec<&QuantizedActs> = eas.iter().collect();
+        let rb = nb * 24;
+        for k in Kernel::supported() {
+            for g in 0..rows.div_ceil(GROUP) {
+                let mut one = [0.0f32; GROUP];
+                qdot::dot_group(k, &p, g, &eas[0], &mut one);
+                let mut many = vec![[0.0f32; GROUP]; ntok];
+                qdot::dot_group_tokens(k, &p, g, &refs, &mut many);
+                for j in 0..(rows - g * GROUP).min(GROUP) {
+                    let r = g * GROUP + j;
+                    let row = &bytes[r * rb..(r + 1) * rb];
+                    let want = ggml_dot::dot_q5_1(row, &ras[0]);
+                    prop_assert!(bits_eq(one[j], want), "{} row {r}: {} vs {want}", k.name(), one[j]);
+                    for (t, m) in many.iter().enumerate() {
+                        let want = ggml_dot::dot_q5_1(row, &ras[t]);
+                        prop_assert!(bits_eq(m[j], want), "{} token {t} row {r}", k.name());
+                    }
+                }
+            }
+        }
+    }
+}

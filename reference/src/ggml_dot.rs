@@ -145,3 +145,39 @@ pub fn dot_q4_1(row: &[u8], a: &QuantizedActs) -> f32 {
     }
     acc
 }
+
+/// The 32 five-bit codes of a Q5_1 block (24 bytes: `d`, `m`, `qh: u32`, 16 nibble
+/// bytes) in value order: nibbles as Q4_1's, bit `j` of `qh` on top of value `j`.
+pub fn q5_1_codes(blk: &[u8]) -> [u8; QK] {
+    let qh = u32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]);
+    let mut out = [0u8; QK];
+    for j in 0..16 {
+        let q = blk[8 + j];
+        out[j] = (q & 0x0F) | ((((qh >> j) & 1) as u8) << 4);
+        out[j + 16] = (q >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+    }
+    out
+}
+
+/// Q5_1 row · quantised activations: Q4_1's steps over 5-bit codes,
+/// `acc += isum · (d_w · d_x) + m_w · s_x` (as ggml's `ggml_vec_dot_q5_1_q8_1`, with `d_x`
+/// and `s_x` kept in f32 as for Q4_1).
+pub fn dot_q5_1(row: &[u8], a: &QuantizedActs) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.d.len() * 24,
+        "one weight block per activation block"
+    );
+    let mut acc = 0.0f32;
+    for (blk, x) in row.chunks_exact(24).zip(a.blocks()) {
+        let dw = f16_at(blk, 0);
+        let mw = f16_at(blk, 2);
+        let codes = q5_1_codes(blk);
+        let mut isum = 0i32;
+        for (&c, &q) in codes.iter().zip(x.q) {
+            isum += c as i32 * q as i32;
+        }
+        acc += isum as f32 * (dw * x.d) + mw * x.s;
+    }
+    acc
+}

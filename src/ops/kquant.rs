@@ -1,5 +1,6 @@
 //! Weights in super-blocks of 256 (the K-quants Q4_K, Q5_K, Q6_K, and IQ4_XS) multiplied
-//! natively against Q8_K activations.
+//! natively against Q8_K activations; and Q5_1, kept in the same whole-row layout but read
+//! against the 8-bit blocks of 32 with Q4_1's steps (`ggml_dot::dot_q5_1`).
 //!
 //! Numerics are exactly those of `tinygpt_reference::ggml_kdot` (read its header; also
 //! docs/design.md §2.2): per weight super-block of 256 values, exact integer sums, then
@@ -41,7 +42,13 @@ pub fn is_kquant(dtype: DType) -> bool {
     )
 }
 
-/// Bytes of one row of `nb` super-blocks.
+/// Whether a [`super::qdot::Packed`] of `dtype` keeps whole rows (this module's layout and
+/// kernels): the Q8_K-read types and Q5_1 (which reads the 8-bit blocks of 32, as Q4_1).
+pub fn is_row_packed(dtype: DType) -> bool {
+    is_kquant(dtype) || dtype == DType::Q5_1
+}
+
+/// Bytes of one row of `nb` (super-)blocks.
 pub fn row_bytes(dtype: DType, nb: usize) -> usize {
     nb * dtype.block_bytes()
 }
@@ -78,6 +85,13 @@ fn use_avx2(kernel: Kernel) -> bool {
 /// `out[k] = row (8g + k) · a` for a K-quant group (see [`super::qdot::dot_group`]).
 pub fn group(kernel: Kernel, dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; GROUP]) {
     let rb = row_bytes(dtype, g.nb);
+    if dtype == DType::Q5_1 {
+        assert_eq!(a.blocks(), g.nb, "activation blocks vs matrix blocks");
+        for (k, o) in out.iter_mut().enumerate() {
+            *o = q5_1_dots::<1>(kernel, &g.qs[k * rb..(k + 1) * rb], &[a])[0];
+        }
+        return;
+    }
     assert_eq!(
         a.k.blocks(),
         g.nb,
@@ -99,6 +113,18 @@ pub fn group_tokens(
     out: &mut [[f32; GROUP]; TOKENS],
 ) {
     let rb = row_bytes(dtype, g.nb);
+    if dtype == DType::Q5_1 {
+        for a in acts {
+            assert_eq!(a.blocks(), g.nb, "activation blocks vs matrix blocks");
+        }
+        for r in 0..GROUP {
+            let v = q5_1_dots::<TOKENS>(kernel, &g.qs[r * rb..(r + 1) * rb], acts);
+            for (o, vt) in out.iter_mut().zip(v) {
+                o[r] = vt;
+            }
+        }
+        return;
+    }
     let ks: [&Q8K; TOKENS] = std::array::from_fn(|t| &acts[t].k);
     for k in &ks {
         assert_eq!(
@@ -114,6 +140,34 @@ pub fn group_tokens(
             o[r] = vt;
         }
     }
+}
+
+/// One Q5_1 row against `T` tokens' 8-bit blocks of 32 (block counts checked by the
+/// callers): `tinygpt_reference::ggml_dot::dot_q5_1`'s steps.
+#[inline]
+fn q5_1_dots<const T: usize>(kernel: Kernel, row: &[u8], acts: &[&QuantizedActs; T]) -> [f32; T] {
+    #[cfg(target_arch = "x86_64")]
+    if use_avx2(kernel) {
+        // SAFETY: AVX2 (with FMA and F16C) was detected at run time in `use_avx2`; every
+        // token has as many blocks as the row (asserted by the callers and again inside).
+        return unsafe { avx2::q5_1_row::<T>(row, acts) };
+    }
+    let _ = kernel;
+    std::array::from_fn(|t| {
+        let a = acts[t];
+        let mut acc = 0.0f32;
+        for (b, blk) in row.chunks_exact(24).enumerate() {
+            let codes = tinygpt_reference::ggml_dot::q5_1_codes(blk);
+            let mut isum = 0i32;
+            for (c, &q) in codes.iter().zip(&a.q[b * 32..(b + 1) * 32]) {
+                isum += *c as i32 * q as i32;
+            }
+            let dw = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+            let mw = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+            acc += isum as f32 * (dw * a.d[b]) + mw * a.s[b];
+        }
+        acc
+    })
 }
 
 /// One row against `T` tokens (block counts checked by the callers).
@@ -304,6 +358,56 @@ mod avx2 {
                     s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[ib])));
                 }
                 acc[t] += hsum(s) as f32 * (d * k.d[b]);
+            }
+        }
+        acc
+    }
+
+    /// Q5_1 row · `T` tokens' 8-bit blocks of 32: the 32 five-bit codes of a block in one
+    /// vector (nibbles, then each `qh` bit spread to its byte as 0x10), `vpmaddubsw` with
+    /// the activation codes, summed exactly; the float steps as the twin.
+    ///
+    /// # Safety
+    /// AVX2 must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q5_1_row<const T: usize>(
+        row: &[u8],
+        acts: &[&super::QuantizedActs; T],
+    ) -> [f32; T] {
+        let nb = row.len() / 24;
+        assert_eq!(row.len(), nb * 24);
+        for a in acts {
+            assert!(a.q.len() >= nb * 32 && a.d.len() >= nb && a.s.len() >= nb);
+        }
+        let m4 = _mm_set1_epi8(0x0F);
+        // Byte j of the spread: byte j / 8 of qh, tested against bit j % 8.
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        );
+        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [0.0f32; T];
+        for b in 0..nb {
+            let blk = &row[b * 24..(b + 1) * 24];
+            // SAFETY: bytes 8..24 are inside the 24-byte block.
+            let qs = unsafe { _mm_loadu_si128(blk.as_ptr().add(8).cast()) };
+            let nib = _mm256_setr_m128i(
+                _mm_and_si128(qs, m4),
+                _mm_and_si128(_mm_srli_epi16(qs, 4), m4),
+            );
+            let qh = u32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]);
+            let h = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), spread);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bits), bits);
+            let codes = _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+            let dw = f16_at(blk, 0);
+            let mw = f16_at(blk, 2);
+            for (t, a) in acts.iter().enumerate() {
+                // SAFETY: 32 codes of block b are inside `a.q` (asserted).
+                let x = unsafe { _mm256_loadu_si256(a.q.as_ptr().add(32 * b).cast()) };
+                // Pair sums ≤ 2·31·127: no saturation.
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones);
+                acc[t] += hsum(p) as f32 * (dw * a.d[b]) + mw * a.s[b];
             }
         }
         acc

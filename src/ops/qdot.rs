@@ -401,7 +401,7 @@ impl Packed {
     /// Repacks row-major GGML rows (`rows × cols`, validated lengths). Rows past the end
     /// of the last group are zero (scale 0) and their results are never read.
     pub fn new(dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Packed {
-        if super::kquant::is_kquant(dtype) {
+        if super::kquant::is_row_packed(dtype) {
             return Packed::new_rows(dtype, rows, cols, bytes);
         }
         let nb = cols / QK;
@@ -488,7 +488,7 @@ impl Packed {
     pub fn group(&self, g: usize) -> Group<'_> {
         let all: &[u8] = self.data.bytes();
         let dst = &all[g * self.group_bytes..(g + 1) * self.group_bytes];
-        if super::kquant::is_kquant(self.dtype) {
+        if super::kquant::is_row_packed(self.dtype) {
             return Group {
                 qs: dst,
                 d: &dst[..0],
@@ -519,7 +519,7 @@ impl Packed {
     pub fn row_bytes(&self, r: usize, out: &mut [u8]) {
         let g = self.group(r / GROUP);
         let k = r % GROUP;
-        if super::kquant::is_kquant(self.dtype) {
+        if super::kquant::is_row_packed(self.dtype) {
             let rb = super::kquant::row_bytes(self.dtype, self.nb);
             out.copy_from_slice(&g.qs[k * rb..(k + 1) * rb]);
             return;
@@ -555,7 +555,7 @@ impl Packed {
 /// be supported: see [`Kernel::is_supported`]; an unsupported one runs the scalar loop).
 pub fn dot_group(kernel: Kernel, p: &Packed, g: usize, a: &QuantizedActs, out: &mut [f32; 8]) {
     let grp = p.group(g);
-    if super::kquant::is_kquant(p.dtype) {
+    if super::kquant::is_row_packed(p.dtype) {
         return super::kquant::group(kernel, p.dtype, &grp, a, out);
     }
     debug_assert_eq!(grp.nb, a.blocks());
@@ -603,7 +603,7 @@ pub fn dot_group_tokens(
     for (a, o) in acts.chunks(TOKENS).zip(out.chunks_mut(TOKENS)) {
         // A short last tile repeats its last token; the extra results are dropped.
         let tile: [&QuantizedActs; TOKENS] = std::array::from_fn(|j| a[j.min(a.len() - 1)]);
-        if super::kquant::is_kquant(p.dtype) {
+        if super::kquant::is_row_packed(p.dtype) {
             let mut buf = [[0.0f32; GROUP]; TOKENS];
             super::kquant::group_tokens(kernel, p.dtype, &grp, &tile, &mut buf);
             o.copy_from_slice(&buf[..o.len()]);
@@ -732,7 +732,10 @@ pub fn dot_group_tile(
 ) {
     debug_assert_eq!(out.len(), tile.len());
     #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx512Vnni && kernel.is_supported() && !super::kquant::is_kquant(p.dtype) {
+    if kernel == Kernel::Avx512Vnni
+        && kernel.is_supported()
+        && !super::kquant::is_row_packed(p.dtype)
+    {
         let grp = p.group(g);
         assert_eq!(grp.nb, tile.nb, "activation blocks vs matrix blocks");
         let view = TileView {
