@@ -610,7 +610,7 @@ pub fn attend_stored<P: EvictionPolicy + Clone>(
     let AttnScratch { tables, heads } = scratch;
     let parallel = cfg.n_kv_heads > 1
         && layer.len() * cfg.n_heads * hd >= PARALLEL_MIN_WORK
-        && rayon::current_num_threads() > 1;
+        && crate::team::threads() > 1;
     if parallel {
         heads
             .par_iter_mut()

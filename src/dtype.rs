@@ -17,7 +17,9 @@
 //! | Q4_0 | 32           | 18          | f16 scale `d`, 16 bytes of nibbles; x = d·(q − 8) |
 //! | Q4_1 | 32           | 20          | f16 `d`, f16 min `m`, 16 bytes of nibbles; x = d·q + m |
 //! | Q4_K | 256          | 144         | `reference/src/ggml_more.rs` (kernels: `ops::kquant`) |
+//! | Q5_K | 256          | 176         | `reference/src/ggml_more.rs` (kernels: `ops::kquant`) |
 //! | Q6_K | 256          | 210         | `reference/src/ggml_more.rs` (kernels: `ops::kquant`) |
+//! | IQ4_XS | 256        | 136         | `reference/src/ggml_more.rs` (kernels: `ops::kquant`) |
 //!
 //! The engine's own dequantisers are in [`crate::dequant`].
 

@@ -176,6 +176,125 @@ pub fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("TINYGPT_TEAM").map_or(true, |v| v != "off"))
 }
 
+thread_local! {
+    /// Set while [`solo`] runs: the calling thread computes alone.
+    static SOLO: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The threads a parallel region may use here: the current rayon pool's, or 1 inside
+/// [`solo`]. The kernels ask this, not rayon, before they split work.
+pub fn threads() -> usize {
+    match SOLO.with(Cell::get) {
+        true => 1,
+        false => rayon::current_num_threads(),
+    }
+}
+
+/// Runs `f` with every kernel on the calling thread ([`threads`] is 1 inside): the pool's
+/// other threads stay asleep.
+pub fn solo<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SOLO.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SOLO.with(|s| s.replace(true)));
+    f()
+}
+
+/// Whether decode steps choose between the team and one thread by their measured step
+/// times ([`Pace`]). Off unless [`set_adaptive`] turned it on (the CLI does when
+/// `--threads` is not given); `TINYGPT_ADAPTIVE=off` keeps it off.
+pub fn adaptive() -> bool {
+    ADAPTIVE.load(Ordering::Relaxed)
+}
+
+static ADAPTIVE: AtomicBool = AtomicBool::new(false);
+
+/// Turns the adaptive thread choice on or off for the process (see [`adaptive`]).
+pub fn set_adaptive(on: bool) {
+    let env_off = std::env::var("TINYGPT_ADAPTIVE").is_ok_and(|v| v == "off");
+    ADAPTIVE.store(on && !env_off, Ordering::Relaxed);
+}
+
+/// How a decode step runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Every thread of the pool, as a team.
+    Team,
+    /// The calling thread alone ([`solo`]).
+    Solo,
+}
+
+/// The adaptive choice between [`Mode::Team`] and [`Mode::Solo`] for one sequence's
+/// decode steps: both modes give the same values bit for bit, so the choice is speed only.
+///
+/// It keeps an exponential average of each mode's step time (weight 1/2 for the newest)
+/// and runs the faster one, except that every [`PROBE_EVERY`]-th step runs the other mode
+/// to keep its average current: on a calm machine the team wins; when another process
+/// takes a core, a team step waits for its descheduled member and one thread wins, and the
+/// probe notices when the core comes back. A step's first run of each mode only warms
+/// up (its time counts nothing). Step times grow slowly with the context, so two averages
+/// taken a few steps apart compare like for like.
+#[derive(Debug, Clone, Default)]
+pub struct Pace {
+    steps: u64,
+    /// steps run in each mode: team, solo
+    runs: [u64; 2],
+    team: Option<f64>,
+    solo: Option<f64>,
+    warm: [bool; 2],
+}
+
+/// One step in this many runs the mode that is not the faster one.
+pub const PROBE_EVERY: u64 = 16;
+
+impl Pace {
+    /// The mode of the next step.
+    pub fn next(&self) -> Mode {
+        let (team, solo) = match (self.team, self.solo) {
+            // Measure both first: team, team, solo, solo (the first of each warms up).
+            (None, _) => return Mode::Team,
+            (_, None) => return Mode::Solo,
+            (Some(t), Some(s)) => (t, s),
+        };
+        let best = match team <= solo {
+            true => Mode::Team,
+            false => Mode::Solo,
+        };
+        match (self.steps.is_multiple_of(PROBE_EVERY), best) {
+            (false, m) => m,
+            (true, Mode::Team) => Mode::Solo,
+            (true, Mode::Solo) => Mode::Team,
+        }
+    }
+
+    /// Records how long a step in `mode` took.
+    pub fn record(&mut self, mode: Mode, took: Duration) {
+        self.steps += 1;
+        let i = (mode == Mode::Solo) as usize;
+        self.runs[i] += 1;
+        if !self.warm[i] {
+            self.warm[i] = true;
+            return;
+        }
+        let t = took.as_secs_f64();
+        let avg = match mode {
+            Mode::Team => &mut self.team,
+            Mode::Solo => &mut self.solo,
+        };
+        *avg = Some(avg.map_or(t, |a| 0.5 * (a + t)));
+    }
+}
+
+impl Pace {
+    /// Steps run so far as a team and alone.
+    pub fn runs(&self) -> (u64, u64) {
+        (self.runs[0], self.runs[1])
+    }
+}
+
 /// Runs `f` once on every thread of the current rayon pool, as one team; returns each
 /// member's result in member order. Inside `f` use only serial kernels: a nested
 /// parallel region could wait on a thread that is spinning at the barrier.
@@ -370,5 +489,40 @@ mod tests {
             })
         }));
         assert!(r.is_err());
+    }
+
+    /// Feeds `pace` steps whose time is `team` / `solo` microseconds by mode; returns the
+    /// modes chosen.
+    fn feed(pace: &mut Pace, steps: usize, team: u64, solo: u64) -> Vec<Mode> {
+        (0..steps)
+            .map(|_| {
+                let m = pace.next();
+                let us = if m == Mode::Team { team } else { solo };
+                pace.record(m, Duration::from_micros(us));
+                m
+            })
+            .collect()
+    }
+
+    #[test]
+    fn pace_measures_both_then_runs_the_faster_and_probes_the_other() {
+        let mut p = Pace::default();
+        let first = feed(&mut p, 4, 100, 300);
+        assert_eq!(first, [Mode::Team, Mode::Team, Mode::Solo, Mode::Solo]);
+        let next = feed(&mut p, 64, 100, 300);
+        let solo = next.iter().filter(|&&m| m == Mode::Solo).count();
+        assert_eq!(solo, 64 / PROBE_EVERY as usize, "{next:?}");
+        // The machine gets busy: team steps now take 500 µs; the pace turns to one thread
+        // at the next team step, probing the team every PROBE_EVERY steps.
+        let busy = feed(&mut p, 64, 500, 300);
+        let team = busy.iter().filter(|&&m| m == Mode::Team).count();
+        assert!(team <= 64 / PROBE_EVERY as usize + 2, "{busy:?}");
+        assert_eq!(busy[32..].iter().filter(|&&m| m == Mode::Team).count(), 2);
+        // Calm again: the first team probe brings the team back.
+        let calm = feed(&mut p, 64, 100, 300);
+        let solo_late = calm[32..].iter().filter(|&&m| m == Mode::Solo).count();
+        assert_eq!(solo_late, 2, "{calm:?}");
+        let (t, s) = p.runs();
+        assert_eq!(t + s, 196);
     }
 }

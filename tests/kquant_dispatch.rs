@@ -1,4 +1,4 @@
-//! Q4_K and Q6_K weights through every kernel variant this CPU supports
+//! Q4_K, Q5_K, Q6_K and IQ4_XS weights through every kernel variant this CPU supports
 //! (`qdot::Kernel::supported`), against the scalar twins in the reference crate
 //! (`tinygpt_reference::ggml_kdot`), bit for bit: odd row counts (partial row groups), 1 to
 //! 4 super-blocks per row, random and extreme code bytes (every byte 0x00, 0xFF, 0x80),
@@ -65,12 +65,14 @@ fn acts(n: usize) -> impl Strategy<Value = Vec<f32>> {
 }
 
 /// Rows of super-blocks from raw bytes, with the f16 scale fields set from `scales`
-/// (Q4_K: `d`, `dmin`; Q6_K: `d`).
+/// (Q4_K, Q5_K: `d`, `dmin`; Q6_K, IQ4_XS: `d`).
 fn rows_bytes(dtype: DType, blocks: usize, raw: &[u8], scales: &[u16]) -> Vec<u8> {
     let bb = dtype.block_bytes();
     let mut out = raw[..blocks * bb].to_vec();
     for (b, blk) in out.chunks_exact_mut(bb).enumerate() {
-        if dtype == DType::Q4_K {
+        if dtype == DType::IQ4_XS {
+            blk[0..2].copy_from_slice(&scales[2 * b].to_le_bytes());
+        } else if dtype != DType::Q6_K {
             blk[0..2].copy_from_slice(&scales[2 * b].to_le_bytes());
             blk[2..4].copy_from_slice(&scales[2 * b + 1].to_le_bytes());
         } else {
@@ -83,6 +85,8 @@ fn rows_bytes(dtype: DType, blocks: usize, raw: &[u8], scales: &[u16]) -> Vec<u8
 fn reference_row(dtype: DType, row: &[u8], a: &Q8K) -> f32 {
     match dtype {
         DType::Q4_K => ggml_kdot::dot_q4_k(row, a),
+        DType::Q5_K => ggml_kdot::dot_q5_k(row, a),
+        DType::IQ4_XS => ggml_kdot::dot_iq4_xs(row, a),
         _ => ggml_kdot::dot_q6_k(row, a),
     }
 }
@@ -97,7 +101,12 @@ fn bits_eq(got: f32, want: f32) -> bool {
 
 fn case() -> impl Strategy<Value = (DType, usize, usize, Vec<u8>, Vec<u16>, Vec<f32>)> {
     (
-        prop_oneof![Just(DType::Q4_K), Just(DType::Q6_K)],
+        prop_oneof![
+            Just(DType::Q4_K),
+            Just(DType::Q5_K),
+            Just(DType::Q6_K),
+            Just(DType::IQ4_XS)
+        ],
         1usize..20,
         1usize..5,
     )
@@ -199,7 +208,7 @@ proptest! {
 /// stay exact in every variant.
 #[test]
 fn saturating_extremes_stay_exact() {
-    for dtype in [DType::Q4_K, DType::Q6_K] {
+    for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_XS] {
         for fill in [0xFFu8, 0x00, 0x80, 0x7F] {
             let nb = 3;
             let rows = 9;
@@ -249,7 +258,7 @@ fn batched_kquant_matmul_equals_one_token_matvec() {
         s ^= s << 17;
         s
     };
-    for dtype in [DType::Q4_K, DType::Q6_K] {
+    for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_XS] {
         let blocks = rows * cols / QK_K;
         let raw: Vec<u8> = (0..blocks * dtype.block_bytes())
             .map(|_| next() as u8)
@@ -289,6 +298,105 @@ fn batched_kquant_matmul_equals_one_token_matvec() {
                         let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], &ra);
                         assert_eq!(one[r].to_bits(), want.to_bits(), "{dtype} row {r}");
                     }
+                }
+            }
+        }
+    }
+}
+
+/// One product over a K-quant and a 32-block matrix together (`matvec_many`, `matmul_many`:
+/// the input is quantised once into both forms) gives each matrix exactly its own
+/// `matvec`; a product over float or 32-block matrices alone leaves the Q8_K form out and
+/// one over K-quants alone the 32-block form (`quantized_forms`).
+#[test]
+fn mixed_block_types_in_one_product_equal_their_own_matvec() {
+    use tinygpt_cpu::ops::matvec::quantized_forms;
+    use tinygpt_cpu::ops::qdot::ActsForms;
+    use tinygpt_cpu::ops::{matmul_many, matvec_many};
+    let cols = 512;
+    let mut s = 0x1234_5678_9ABC_DEF0u64;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let mut mk = |dtype: DType, rows: usize| {
+        let n = rows * cols / dtype.block_len() * dtype.block_bytes();
+        let mut bytes: Vec<u8> = (0..n).map(|_| next() as u8).collect();
+        // Sane f16 scales at the start of every block (and Q6_K's at its end).
+        for blk in bytes.chunks_exact_mut(dtype.block_bytes()) {
+            let h = f16::from_f32(0.01).to_le_bytes();
+            match dtype {
+                DType::Q6_K => blk[208..210].copy_from_slice(&h),
+                DType::Q4_K | DType::Q5_K => {
+                    blk[0..2].copy_from_slice(&h);
+                    blk[2..4].copy_from_slice(&h);
+                }
+                _ => blk[0..2].copy_from_slice(&h),
+            }
+        }
+        Matrix::from_tensor(&Tensor {
+            name: "w".into(),
+            dtype,
+            shape: vec![rows, cols],
+            data: TensorBytes::owned(&bytes),
+        })
+    };
+    let a = mk(DType::Q4_K, 37);
+    let b = mk(DType::Q8_0, 21);
+    let c = mk(DType::Q6_K, 16);
+    assert_eq!(
+        quantized_forms(&[&a]),
+        ActsForms {
+            q8_0: false,
+            q8_k: true
+        }
+    );
+    assert_eq!(
+        quantized_forms(&[&b]),
+        ActsForms {
+            q8_0: true,
+            q8_k: false
+        }
+    );
+    assert_eq!(quantized_forms(&[&a, &b]), ActsForms::ALL);
+    let ntok = 5;
+    let xs: Vec<f32> = (0..ntok * cols)
+        .map(|_| (next() % 20001) as f32 / 1e4 - 1.0)
+        .collect();
+    let mats = [&a, &b, &c];
+    for threads in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let mut outs: Vec<Vec<f32>> = mats.iter().map(|m| vec![f32::NAN; m.rows]).collect();
+        {
+            let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+            pool.install(|| matvec_many(&mats, &xs[..cols], &mut refs));
+        }
+        let mut batched: Vec<Vec<f32>> =
+            mats.iter().map(|m| vec![f32::NAN; ntok * m.rows]).collect();
+        {
+            let mut refs: Vec<&mut [f32]> = batched.iter_mut().map(|o| &mut o[..]).collect();
+            pool.install(|| matmul_many(&mats, &xs, ntok, &mut refs));
+        }
+        for (i, m) in mats.iter().enumerate() {
+            for t in 0..ntok {
+                let mut one = vec![0.0f32; m.rows];
+                matvec(m, &xs[t * cols..(t + 1) * cols], &mut one);
+                if t == 0 {
+                    for r in 0..m.rows {
+                        assert_eq!(outs[i][r].to_bits(), one[r].to_bits(), "many {i} row {r}");
+                    }
+                }
+                for r in 0..m.rows {
+                    assert_eq!(
+                        batched[i][t * m.rows + r].to_bits(),
+                        one[r].to_bits(),
+                        "batched threads={threads} matrix {i} token {t} row {r}"
+                    );
                 }
             }
         }

@@ -234,16 +234,15 @@ fn smollm2_engine_and_reference_perplexity_agree() {
     run_table(&p, 96, &kvs);
 }
 
-/// The tiny Qwen2 (q/k/v biases, head_dim 32, MQA) and Qwen3 (per-head q/k norms before
-/// RoPE, head_dim ≠ hidden/heads: 64 with GQA 2, 256 with MQA) GGUF fixtures
-/// (fixtures/make_gguf_archs.py; the tiny Gemma 3 is not here yet: its bf16 cache run
-/// differs by 4.5e-5, over the 2e-5 float budget, not yet looked into):
-/// the architecture-specific steps happen before the cache,
+/// The tiny Qwen2 (q/k/v biases, head_dim 32, MQA), Qwen3 (per-head q/k norms before
+/// RoPE, head_dim ≠ hidden/heads: 64 with GQA 2, 256 with MQA) and Gemma 3 (sandwich
+/// norms, GeGLU, sliding layers of window 8 with their own RoPE base) GGUF fixtures
+/// (fixtures/make_gguf_archs.py): the architecture-specific steps happen before the cache,
 /// so every cache mode must agree with the reference as on a Llama. 160 tokens, sink 4 +
 /// window 40.
 #[test]
-fn qwen_gguf_engine_and_reference_perplexity_agree() {
-    for arch in ["qwen2", "qwen3", "qwen3-hd256-mqa"] {
+fn gguf_archs_engine_and_reference_perplexity_agree() {
+    for arch in ["qwen2", "qwen3", "qwen3-hd256-mqa", "gemma3"] {
         let kvs: Vec<KvConfig> = caches(40)
             .into_iter()
             .filter(|kv| kv.positions == PositionsMode::Original)

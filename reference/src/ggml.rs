@@ -149,7 +149,9 @@ impl GgmlType {
                 | GgmlType::Q4_0
                 | GgmlType::Q4_1
                 | GgmlType::Q4_K
+                | GgmlType::Q5_K
                 | GgmlType::Q6_K
+                | GgmlType::IQ4_XS
         )
     }
 

@@ -1,4 +1,5 @@
-//! Scalar twins of the engine's K-quant dot products (Q4_K and Q6_K weights).
+//! Scalar twins of the engine's dot products over super-blocks of 256 (Q4_K, Q5_K, Q6_K
+//! and IQ4_XS weights).
 //!
 //! As llama.cpp does for the K-quants, the activation vector is quantised to **Q8_K**:
 //! super-blocks of 256 values, each with an f32 scale, 256 signed 8-bit codes and the 16
@@ -20,19 +21,25 @@
 //!   `msum = Σ_j m_j · (bsums[2j] + bsums[2j+1])`, then
 //!   `acc += isum as f32 · (d_w · d_x) − msum as f32 · (dmin_w · d_x)` (the difference
 //!   first, then the add).
+//! * **Q5_K**: as Q4_K over 5-bit codes (a fifth bit from `qh`), same float steps.
 //! * **Q6_K** (16 sub-blocks of 16, signed 8-bit scale `sc_k`, codes `q − 32` in
 //!   `[−32, 31]`): `isum = Σ_k sc_k · Σ_{i<16} (q_{16k+i} − 32) · q8_{16k+i}`, then
 //!   `acc += isum as f32 · (d_w · d_x)`.
 //!
+//! * **IQ4_XS** (8 sub-blocks of 32, 6-bit scale `ls_j`, codes the IQ4 levels `K[n]`):
+//!   `isum = Σ_j (ls_j − 32) · Σ_{i<32} K[n_{32j+i}] · q8_{32j+i}`, then
+//!   `acc += isum as f32 · (d_w · d_x)`.
+//!
 //! (`d_w`, `dmin_w`: the weight super-block's f16 scales widened to f32; `d_x`: the
 //! activation super-block's scale.) Every sum fits an `i32`: for Q4_K
-//! `|isum| ≤ 8·63·32·15·128`, for Q6_K `|isum| ≤ 16·128·16·32·128`. This is the value
+//! `|isum| ≤ 8·63·32·31·128` (Q5_K), for Q6_K `|isum| ≤ 16·128·16·32·128`, for IQ4_XS
+//! `|isum| ≤ 8·32·32·127·128`. This is the value
 //! llama.cpp's `ggml_vec_dot_q4_K_q8_K` / `ggml_vec_dot_q6_K_q8_K` compute up to the
 //! order of their float additions (which differs between its own SIMD variants); the
 //! engine's kernels (every run-time variant) follow the order above, bit for bit.
 
 use crate::ggml::f16_at;
-use crate::ggml_more::{scale_min_k4, QK_K};
+use crate::ggml_more::{scale_min_k4, IQ4_VALUES, QK_K};
 
 /// An activation vector quantised to Q8_K super-blocks of [`QK_K`] values.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -111,6 +118,8 @@ pub fn quantize_q8_k(x: &[f32]) -> Q8K {
 
 /// Bytes of one Q4_K super-block.
 pub const Q4_K_BYTES: usize = 144;
+/// Bytes of one Q5_K super-block.
+pub const Q5_K_BYTES: usize = 176;
 /// Bytes of one Q6_K super-block.
 pub const Q6_K_BYTES: usize = 210;
 
@@ -132,8 +141,32 @@ pub fn q4_k_codes(blk: &[u8]) -> [u8; QK_K] {
 /// The integer parts of one Q4_K super-block against one Q8_K super-block:
 /// `(isum, msum)` as in the module docs.
 pub fn q4_k_isums(blk: &[u8], q8: &[i8], bsums: &[i16]) -> (i32, i32) {
-    let codes = q4_k_codes(blk);
-    let scales = &blk[4..16];
+    k4_isums(&q4_k_codes(blk), &blk[4..16], q8, bsums)
+}
+
+/// The 256 5-bit codes of a Q5_K super-block in value order: Q4_K's nibbles (from
+/// `qs = blk[48..176]`) topped by a fifth bit from `qh = blk[16..48]`: for sub-block pair
+/// `i`, bit `2i` of `qh[l]` for value `64i + l` and bit `2i + 1` for value `64i + 32 + l`.
+pub fn q5_k_codes(blk: &[u8]) -> [u8; QK_K] {
+    let (qh, qs) = (&blk[16..48], &blk[48..176]);
+    let mut out = [0u8; QK_K];
+    for i in 0..4 {
+        for l in 0..32 {
+            out[64 * i + l] = (qs[32 * i + l] & 0x0F) | (((qh[l] >> (2 * i)) & 1) << 4);
+            out[64 * i + 32 + l] = (qs[32 * i + l] >> 4) | (((qh[l] >> (2 * i + 1)) & 1) << 4);
+        }
+    }
+    out
+}
+
+/// The integer parts of one Q5_K super-block against one Q8_K super-block (as Q4_K's,
+/// over 5-bit codes).
+pub fn q5_k_isums(blk: &[u8], q8: &[i8], bsums: &[i16]) -> (i32, i32) {
+    k4_isums(&q5_k_codes(blk), &blk[4..16], q8, bsums)
+}
+
+/// `(isum, msum)` of a Q4_K / Q5_K super-block given its codes and 12 scale bytes.
+fn k4_isums(codes: &[u8; QK_K], scales: &[u8], q8: &[i8], bsums: &[i16]) -> (i32, i32) {
     let (mut isum, mut msum) = (0i32, 0i32);
     for j in 0..8 {
         let (sc, m) = scale_min_k4(j, scales);
@@ -149,14 +182,25 @@ pub fn q4_k_isums(blk: &[u8], q8: &[i8], bsums: &[i16]) -> (i32, i32) {
 
 /// Q4_K row · Q8_K activations.
 pub fn dot_q4_k(row: &[u8], a: &Q8K) -> f32 {
+    dot_k4(row, a, Q4_K_BYTES, q4_k_isums)
+}
+
+/// Q5_K row · Q8_K activations (Q4_K's float steps).
+pub fn dot_q5_k(row: &[u8], a: &Q8K) -> f32 {
+    dot_k4(row, a, Q5_K_BYTES, q5_k_isums)
+}
+
+type K4Isums = fn(&[u8], &[i8], &[i16]) -> (i32, i32);
+
+fn dot_k4(row: &[u8], a: &Q8K, bytes: usize, isums: K4Isums) -> f32 {
     assert_eq!(
         row.len(),
-        a.blocks() * Q4_K_BYTES,
+        a.blocks() * bytes,
         "one weight super-block per activation super-block"
     );
     let mut acc = 0.0f32;
-    for (b, blk) in row.chunks_exact(Q4_K_BYTES).enumerate() {
-        let (isum, msum) = q4_k_isums(
+    for (b, blk) in row.chunks_exact(bytes).enumerate() {
+        let (isum, msum) = isums(
             blk,
             &a.q[b * QK_K..(b + 1) * QK_K],
             &a.bsums[b * 16..(b + 1) * 16],
@@ -199,6 +243,48 @@ pub fn q6_k_isum(blk: &[u8], q8: &[i8]) -> i32 {
         isum += (scales[k] as i8) as i32 * s;
     }
     isum
+}
+
+/// Bytes of one IQ4_XS super-block.
+pub const IQ4_XS_BYTES: usize = 136;
+
+/// The 6-bit scale `ls` of sub-block `ib` (0..8) of an IQ4_XS super-block: low 4 bits
+/// from `scales_l` (`blk[4..8]`), two high bits from `scales_h` (`blk[2..4]`).
+pub fn iq4_xs_scale(blk: &[u8], ib: usize) -> i32 {
+    let scales_h = u16::from_le_bytes([blk[2], blk[3]]);
+    ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) as i32
+        | ((((scales_h >> (2 * ib)) & 3) as i32) << 4)
+}
+
+/// The integer sum of one IQ4_XS super-block against one Q8_K super-block (module docs).
+pub fn iq4_xs_isum(blk: &[u8], q8: &[i8]) -> i32 {
+    let qs = &blk[8..136];
+    let mut isum = 0i32;
+    for ib in 0..8 {
+        let mut s = 0i32;
+        for j in 0..16 {
+            let q = qs[16 * ib + j];
+            s += IQ4_VALUES[(q & 0x0F) as usize] as i32 * q8[32 * ib + j] as i32;
+            s += IQ4_VALUES[(q >> 4) as usize] as i32 * q8[32 * ib + 16 + j] as i32;
+        }
+        isum += (iq4_xs_scale(blk, ib) - 32) * s;
+    }
+    isum
+}
+
+/// IQ4_XS row · Q8_K activations.
+pub fn dot_iq4_xs(row: &[u8], a: &Q8K) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.blocks() * IQ4_XS_BYTES,
+        "one weight super-block per activation super-block"
+    );
+    let mut acc = 0.0f32;
+    for (b, blk) in row.chunks_exact(IQ4_XS_BYTES).enumerate() {
+        let isum = iq4_xs_isum(blk, &a.q[b * QK_K..(b + 1) * QK_K]);
+        acc += isum as f32 * (f16_at(blk, 0) * a.d[b]);
+    }
+    acc
 }
 
 /// Q6_K row · Q8_K activations.
@@ -351,6 +437,74 @@ mod tests {
                 assert!(
                     (got - exact).abs() <= bound,
                     "d {d} dmin {dmin}: {got} vs {exact} (bound {bound})"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn q5_k_dot_equals_dequantised_dot_within_bound() {
+        let mut rng = Rng(0xFEED_F00D_1234_0001);
+        for (d, dmin, xs) in [
+            (0.01f32, 0.02f32, 1.0f32),
+            (65504.0, 65504.0, 1e-6),
+            (6e-8, 6e-8, 1e4),
+            (0.3, 0.0, 1.0),
+        ] {
+            for nb in 1..4 {
+                let row: Vec<u8> = (0..nb)
+                    .flat_map(|_| {
+                        let mut b: Vec<u8> = (0..Q5_K_BYTES).map(|_| rng.byte()).collect();
+                        put_f16(&mut b, 0, d);
+                        put_f16(&mut b, 2, dmin);
+                        b
+                    })
+                    .collect();
+                let x = x_values(&mut rng, nb * QK_K, xs);
+                let a = quantize_q8_k(&x);
+                let mut w = vec![0.0f32; nb * QK_K];
+                crate::ggml_more::dequantize_q5_k(&row, &mut w);
+                let (exact, bound) = exact_and_bound(&w, &a, 8.0);
+                let got = dot_q5_k(&row, &a) as f64;
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "d {d} dmin {dmin}: {got} vs {exact} (bound {bound})"
+                );
+            }
+        }
+        // Every 5-bit code occurs when qh is all ones and all zeros over the nibbles.
+        let mut blk = vec![0u8; Q5_K_BYTES];
+        for (i, b) in blk[48..].iter_mut().enumerate() {
+            *b = (i as u8 % 16) | ((i as u8 % 16) << 4);
+        }
+        blk[16..32].fill(0xFF);
+        let codes = q5_k_codes(&blk);
+        for v in 0..32u8 {
+            assert!(codes.contains(&v), "code {v}");
+        }
+    }
+
+    #[test]
+    fn iq4_xs_dot_equals_dequantised_dot_within_bound() {
+        let mut rng = Rng(0xABCD_EF01_2345_6789);
+        for (d, xs) in [(0.01f32, 1.0f32), (65504.0, 1e-6), (6e-8, 1e4), (1.0, 1e-3)] {
+            for nb in 1..4 {
+                let row: Vec<u8> = (0..nb)
+                    .flat_map(|_| {
+                        let mut b: Vec<u8> = (0..IQ4_XS_BYTES).map(|_| rng.byte()).collect();
+                        put_f16(&mut b, 0, d);
+                        b
+                    })
+                    .collect();
+                let x = x_values(&mut rng, nb * QK_K, xs);
+                let a = quantize_q8_k(&x);
+                let mut w = vec![0.0f32; nb * QK_K];
+                crate::ggml_more::dequantize_iq4_xs(&row, &mut w);
+                let (exact, bound) = exact_and_bound(&w, &a, 4.0);
+                let got = dot_iq4_xs(&row, &a) as f64;
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "d {d}: {got} vs {exact} (bound {bound})"
                 );
             }
         }

@@ -30,7 +30,7 @@ pub enum Linear {
     /// Plain f32 values.
     F32(Array2<f32>),
     /// GGML blocks kept as stored (Q8_0, Q4_0, Q4_1: `cols / 32` blocks per row; Q4_K,
-    /// Q6_K: `cols / 256` super-blocks), rows one after another: multiplied through
+    /// Q5_K, Q6_K, IQ4_XS: `cols / 256` super-blocks), rows one after another: multiplied through
     /// [`ggml_dot`] (8-bit activation blocks of 32) or [`ggml_kdot`] (Q8_K activations),
     /// as the engine's native path does.
     Ggml {
@@ -52,11 +52,16 @@ impl Linear {
                 let row_bytes = cols / ty.block_len() * ty.block_bytes();
                 assert_eq!(bytes.len(), out.len() * row_bytes);
                 let xs = x.to_vec();
-                if matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
+                if matches!(
+                    ty,
+                    GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS
+                ) {
                     let acts = ggml_kdot::quantize_q8_k(&xs);
                     for (row, o) in bytes.chunks_exact(row_bytes).zip(out) {
                         *o = match ty {
                             GgmlType::Q4_K => ggml_kdot::dot_q4_k(row, &acts),
+                            GgmlType::Q5_K => ggml_kdot::dot_q5_k(row, &acts),
+                            GgmlType::IQ4_XS => ggml_kdot::dot_iq4_xs(row, &acts),
                             _ => ggml_kdot::dot_q6_k(row, &acts),
                         };
                     }

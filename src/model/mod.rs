@@ -122,6 +122,8 @@ pub struct Session {
     /// One token's activations, kept from step to step (a decode step's buffers; a
     /// multi-token step allocates its own).
     bufs: StepBufs,
+    /// The adaptive thread choice of this sequence's decode steps.
+    pace: team::Pace,
     pub logits: Vec<f32>,
     /// When set, `probs[l]` holds the last step's attention weights, `(n_heads, stored)`,
     /// for every model layer (a shared layer's over the rows of the cache it reads).
@@ -139,6 +141,12 @@ fn matrix(t: &Tensor, want: WeightsDType) -> Matrix {
 }
 
 impl Session {
+    /// The adaptive thread choice of this sequence's decode steps (how many ran as a team
+    /// and alone: [`team::Pace::runs`]).
+    pub fn pace(&self) -> &team::Pace {
+        &self.pace
+    }
+
     /// Rows held by the layer that holds the most (a sliding layer holds at most its
     /// window, a full one what the StreamingLLM flags allow).
     pub fn stored_tokens(&self) -> usize {
@@ -252,6 +260,7 @@ impl Model {
             cache: new_cache(c, kv),
             scratch: AttnScratch::new(c, kv),
             bufs: StepBufs::new(c, 1),
+            pace: team::Pace::default(),
             logits: vec![0.0; c.vocab_size],
             record_probs: false,
             probs: vec![Vec::new(); c.n_layers],
@@ -264,11 +273,31 @@ impl Model {
     /// in the current rayon pool it runs as a decode team ([`crate::team`]; same values
     /// bit for bit; `TINYGPT_TEAM=off` turns it off), so it must not be called from inside
     /// a parallel region of that pool.
+    ///
+    /// With [`team::adaptive`] on (the CLI's default when `--threads` is not given), each
+    /// step runs either as the team or on the calling thread alone, whichever the
+    /// session's measured step times say is faster just now ([`team::Pace`]): a team
+    /// whose member lost its core to another process is slower than one thread.
     pub fn forward(&self, s: &mut Session, token: u32, pos: usize) -> Result<()> {
-        if rayon::current_num_threads() > 1 && team::enabled() {
-            self.check_token(token)?;
-            return team_step::run_step(self, s, token, pos);
+        if team::threads() == 1 || !team::enabled() {
+            return self.forward_rows(s, token, pos);
         }
+        self.check_token(token)?;
+        let mode = match team::adaptive() {
+            true => s.pace.next(),
+            false => team::Mode::Team,
+        };
+        let t0 = std::time::Instant::now();
+        let result = match mode {
+            team::Mode::Team => team_step::run_step(self, s, token, pos),
+            team::Mode::Solo => team::solo(|| self.forward_rows(s, token, pos)),
+        };
+        s.pace.record(mode, t0.elapsed());
+        result
+    }
+
+    /// [`forward`](Self::forward) as rows (one sequence, one token).
+    fn forward_rows(&self, s: &mut Session, token: u32, pos: usize) -> Result<()> {
         let mut steps = [SeqStep {
             session: s,
             tokens: &[token],

@@ -214,7 +214,7 @@ impl Exec for Rows<'_, '_> {
             Ok(())
         };
         let (steps, replay) = (&mut *self.steps, &mut self.replay);
-        if steps.len() > 1 && rayon::current_num_threads() > 1 {
+        if steps.len() > 1 && crate::team::threads() > 1 {
             steps
                 .par_iter_mut()
                 .zip(replay.par_iter_mut())

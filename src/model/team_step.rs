@@ -14,7 +14,7 @@ use crate::attention::{
 use crate::config::Config;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
-use crate::ops::matvec::{needs_quantized_input, row_part, row_parts, rows_into};
+use crate::ops::matvec::{quantized_forms, row_part, row_parts, rows_into};
 use crate::ops::qdot::QuantizedActs;
 use crate::ops::{self, Matrix};
 use crate::team::{self, Member, SharedCell, SharedSlice};
@@ -251,8 +251,9 @@ fn quantize_for<'a>(
     x: &[f32],
     acts: &'a mut QuantizedActs,
 ) -> Option<&'a QuantizedActs> {
-    needs_quantized_input(mats).then(|| {
-        acts.quantize(x);
+    let forms = quantized_forms(mats);
+    forms.any().then(|| {
+        acts.quantize_forms(x, forms);
         &*acts
     })
 }

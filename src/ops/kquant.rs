@@ -1,9 +1,10 @@
-//! K-quant weights (Q4_K, Q6_K) multiplied natively against Q8_K activations.
+//! Weights in super-blocks of 256 (the K-quants Q4_K, Q5_K, Q6_K, and IQ4_XS) multiplied
+//! natively against Q8_K activations.
 //!
 //! Numerics are exactly those of `tinygpt_reference::ggml_kdot` (read its header; also
 //! docs/design.md §2.2): per weight super-block of 256 values, exact integer sums, then
 //! one row accumulator updated with separate f32 multiplies and adds
-//! (Q4_K: `acc += isum·(d_w·d_x) − msum·(dmin_w·d_x)`, Q6_K: `acc += isum·(d_w·d_x)`).
+//! (Q4_K, Q5_K: `acc += isum·(d_w·d_x) − msum·(dmin_w·d_x)`, Q6_K: `acc += isum·(d_w·d_x)`).
 //! Every variant equals the reference twin bit for bit (`tests/kquant_dispatch.rs`).
 //!
 //! # Layout
@@ -18,7 +19,7 @@
 //!
 //! * `scalar`: the reference's loops (`ggml_kdot::dot_q4_k` / `dot_q6_k`) per row;
 //! * `avx2` (and `avx512vnni`, which runs the AVX2 code for these types): `vpmaddubsw`
-//!   of the unsigned codes (Q4_K 0..15, Q6_K 0..63 before its −32) with the signed
+//!   of the unsigned codes (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 before its −32) with the signed
 //!   activation codes, `vpmaddwd` with the sub-block scales, summed in 32-bit lanes;
 //!   Q6_K's `−32` is applied as `−32 · Σ_k sc_k · bsums_k`. Same integers, same floats;
 //! * `portable` and `neon-dotprod`: **fall back to the scalar variant** for these types
@@ -34,7 +35,10 @@ use tinygpt_reference::ggml_more::QK_K;
 
 /// Whether `dtype` is multiplied by this module's kernels.
 pub fn is_kquant(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_K | DType::Q6_K)
+    matches!(
+        dtype,
+        DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS
+    )
 }
 
 /// Bytes of one row of `nb` super-blocks.
@@ -122,7 +126,9 @@ fn row_dots<const T: usize>(kernel: Kernel, dtype: DType, row: &[u8], ks: &[&Q8K
         // (asserted by the callers; the kernels assert the lengths again).
         return unsafe {
             match dtype {
-                DType::Q4_K => avx2::q4_k_row::<T>(row, ks),
+                DType::Q4_K => avx2::k4_row::<T, false>(row, ks),
+                DType::Q5_K => avx2::k4_row::<T, true>(row, ks),
+                DType::IQ4_XS => avx2::iq4_xs_row::<T>(row, ks),
                 _ => avx2::q6_k_row::<T>(row, ks),
             }
         };
@@ -130,6 +136,8 @@ fn row_dots<const T: usize>(kernel: Kernel, dtype: DType, row: &[u8], ks: &[&Q8K
     let _ = kernel;
     std::array::from_fn(|t| match dtype {
         DType::Q4_K => ggml_kdot::dot_q4_k(row, ks[t]),
+        DType::Q5_K => ggml_kdot::dot_q5_k(row, ks[t]),
+        DType::IQ4_XS => ggml_kdot::dot_iq4_xs(row, ks[t]),
         _ => ggml_kdot::dot_q6_k(row, ks[t]),
     })
 }
@@ -142,8 +150,11 @@ mod avx2 {
     use super::{Q8K, QK_K};
     use half::f16;
     use std::arch::x86_64::*;
-    use tinygpt_reference::ggml_kdot::{Q4_K_BYTES, Q6_K_BYTES};
+    use tinygpt_reference::ggml_kdot::{
+        iq4_xs_scale, IQ4_XS_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
+    };
     use tinygpt_reference::ggml_more::scale_min_k4;
+    use tinygpt_reference::ggml_more::IQ4_VALUES;
 
     #[inline(always)]
     fn f16_at(b: &[u8], at: usize) -> f32 {
@@ -160,21 +171,23 @@ mod avx2 {
         _mm_cvtsi128_si32(s)
     }
 
-    /// Q4_K row · `T` tokens.
+    /// Q4_K (`FIVE = false`) or Q5_K (`FIVE = true`) row · `T` tokens.
     ///
     /// # Safety
     /// AVX2 must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q4_k_row<const T: usize>(row: &[u8], ks: &[&Q8K; T]) -> [f32; T] {
-        let nb = row.len() / Q4_K_BYTES;
-        assert_eq!(row.len(), nb * Q4_K_BYTES);
+    pub unsafe fn k4_row<const T: usize, const FIVE: bool>(row: &[u8], ks: &[&Q8K; T]) -> [f32; T] {
+        let bytes = if FIVE { Q5_K_BYTES } else { Q4_K_BYTES };
+        let qs_at = if FIVE { 48 } else { 16 };
+        let nb = row.len() / bytes;
+        assert_eq!(row.len(), nb * bytes);
         for k in ks {
             assert!(k.q.len() >= nb * QK_K && k.d.len() >= nb && k.bsums.len() >= nb * 16);
         }
         let m4 = _mm256_set1_epi8(0x0F);
         let mut acc = [0.0f32; T];
         for b in 0..nb {
-            let blk = &row[b * Q4_K_BYTES..(b + 1) * Q4_K_BYTES];
+            let blk = &row[b * bytes..(b + 1) * bytes];
             let mut sc = [0i16; 8];
             let mut mn = [0i32; 8];
             for j in 0..8 {
@@ -184,11 +197,28 @@ mod avx2 {
             }
             let mut lo = [_mm256_setzero_si256(); 4];
             let mut hi = [_mm256_setzero_si256(); 4];
+            // Q5_K's fifth bits: byte l of `qh` tops value 64j + l (bit 2j) and
+            // 64j + 32 + l (bit 2j + 1).
+            let qh = if FIVE {
+                // SAFETY: bytes 16..48 are inside the 176-byte block.
+                unsafe { _mm256_loadu_si256(blk.as_ptr().add(16).cast()) }
+            } else {
+                _mm256_setzero_si256()
+            };
+            let top = |bit: i32| {
+                let m = _mm256_set1_epi8((1u8 << bit) as i8);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, m), m);
+                _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+            };
             for j in 0..4 {
-                // SAFETY: bytes 16 + 32j .. 48 + 32j are inside the 144-byte block.
-                let w = unsafe { _mm256_loadu_si256(blk.as_ptr().add(16 + 32 * j).cast()) };
+                // SAFETY: bytes qs_at + 32j .. qs_at + 32j + 32 are inside the block.
+                let w = unsafe { _mm256_loadu_si256(blk.as_ptr().add(qs_at + 32 * j).cast()) };
                 lo[j] = _mm256_and_si256(w, m4);
                 hi[j] = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                if FIVE {
+                    lo[j] = _mm256_or_si256(lo[j], top(2 * j as i32));
+                    hi[j] = _mm256_or_si256(hi[j], top(2 * j as i32 + 1));
+                }
             }
             let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
             for (t, k) in ks.iter().enumerate() {
@@ -202,7 +232,7 @@ mod avx2 {
                             _mm256_loadu_si256(q8.add(64 * j + 32).cast()),
                         )
                     };
-                    // Pair sums ≤ 2·15·128: no saturation.
+                    // Pair sums ≤ 2·31·128: no saturation.
                     let pl = _mm256_maddubs_epi16(lo[j], xl);
                     let ph = _mm256_maddubs_epi16(hi[j], xh);
                     s = _mm256_add_epi32(
@@ -221,6 +251,59 @@ mod avx2 {
                 }
                 let dx = k.d[b];
                 acc[t] += isum as f32 * (d * dx) - msum as f32 * (dmin * dx);
+            }
+        }
+        acc
+    }
+
+    /// IQ4_XS row · `T` tokens: the levels looked up with `vpshufb`, then signed × signed
+    /// byte products as `|w| · (q8 · sign w)` (pair sums ≤ 2·127·127).
+    ///
+    /// # Safety
+    /// AVX2 must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn iq4_xs_row<const T: usize>(row: &[u8], ks: &[&Q8K; T]) -> [f32; T] {
+        let nb = row.len() / IQ4_XS_BYTES;
+        assert_eq!(row.len(), nb * IQ4_XS_BYTES);
+        for k in ks {
+            assert!(k.q.len() >= nb * QK_K && k.d.len() >= nb);
+        }
+        let m4 = _mm256_set1_epi8(0x0F);
+        // SAFETY: IQ4_VALUES is 16 bytes; unaligned load.
+        let table =
+            _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(IQ4_VALUES.as_ptr().cast()) });
+        let mut acc = [0.0f32; T];
+        for b in 0..nb {
+            let blk = &row[b * IQ4_XS_BYTES..(b + 1) * IQ4_XS_BYTES];
+            // w[ib]: sub-block ib's 32 levels in value order, as |w| and w.
+            let mut wabs = [_mm256_setzero_si256(); 8];
+            let mut wsgn = [_mm256_setzero_si256(); 8];
+            for p in 0..4 {
+                // SAFETY: bytes 8 + 32p .. 40 + 32p are inside the 136-byte block.
+                let q = unsafe { _mm256_loadu_si256(blk.as_ptr().add(8 + 32 * p).cast()) };
+                let lo = _mm256_and_si256(q, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                // Sub-block 2p: low nibbles of bytes 0..16 then their high nibbles.
+                let a = _mm256_permute2x128_si256(lo, hi, 0x20);
+                let c = _mm256_permute2x128_si256(lo, hi, 0x31);
+                for (i, v) in [(2 * p, a), (2 * p + 1, c)] {
+                    let w = _mm256_shuffle_epi8(table, v);
+                    wabs[i] = _mm256_abs_epi8(w);
+                    wsgn[i] = w;
+                }
+            }
+            let sc: [i16; 8] = std::array::from_fn(|ib| (iq4_xs_scale(blk, ib) - 32) as i16);
+            let d = f16_at(blk, 0);
+            for (t, k) in ks.iter().enumerate() {
+                let q8 = k.q[b * QK_K..(b + 1) * QK_K].as_ptr();
+                let mut s = _mm256_setzero_si256();
+                for ib in 0..8 {
+                    // SAFETY: 32ib .. 32ib + 32 is inside the token's 256 codes (asserted).
+                    let x = unsafe { _mm256_loadu_si256(q8.add(32 * ib).cast()) };
+                    let p = _mm256_maddubs_epi16(wabs[ib], _mm256_sign_epi8(x, wsgn[ib]));
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[ib])));
+                }
+                acc[t] += hsum(s) as f32 * (d * k.d[b]);
             }
         }
         acc

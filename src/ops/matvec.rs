@@ -17,7 +17,7 @@
 //! ([`crate::ops::simd::reduce8`]).
 
 use super::float_dot::{self, tail, FloatRows, RB};
-use super::qdot::{self, ActsTile, Packed, QuantizedActs, GROUP};
+use super::qdot::{self, ActsForms, ActsTile, Packed, QuantizedActs, GROUP};
 use super::simd::{load8, Elem};
 use crate::dequant::dequantize_into;
 use crate::dtype::DType;
@@ -205,7 +205,12 @@ struct Input<'a> {
 
 impl<'a> Input<'a> {
     fn new(x: &'a [f32], mats: &[&Matrix]) -> Self {
-        let q = needs_quantized_input(mats).then(|| QuantizedActs::from_f32(x));
+        let forms = quantized_forms(mats);
+        let q = forms.any().then(|| {
+            let mut a = QuantizedActs::default();
+            a.quantize_forms(x, forms);
+            a
+        });
         Input { x, q }
     }
 
@@ -260,7 +265,14 @@ pub fn row_part(mats: &[&Matrix], k: usize, parts: usize, mut f: impl FnMut(usiz
 
 /// Whether any of `mats` reads 8-bit quantised activations.
 pub fn needs_quantized_input(mats: &[&Matrix]) -> bool {
-    mats.iter().any(|m| m.dtype.is_quantized())
+    quantized_forms(mats).any()
+}
+
+/// The quantised forms of their input that `mats` read (Q8_0-style blocks of 32 and/or
+/// Q8_K super-blocks): quantise with [`QuantizedActs::quantize_forms`].
+pub fn quantized_forms(mats: &[&Matrix]) -> ActsForms {
+    mats.iter()
+        .fold(ActsForms::default(), |f, m| f.union(ActsForms::of(m.dtype)))
 }
 
 /// Weights above this many bytes are assumed to come from DRAM on every token (they do
@@ -284,7 +296,7 @@ pub fn matvec_many(mats: &[&Matrix], x: &[f32], outs: &mut [&mut [f32]]) {
     debug_assert_eq!(mats.len(), outs.len());
     let input = Input::new(x, mats);
     let work: usize = mats.iter().map(|m| m.rows * m.cols).sum();
-    let threads = rayon::current_num_threads();
+    let threads = crate::team::threads();
     if work < PAR_MIN_WORK || threads == 1 {
         for (m, o) in mats.iter().zip(outs.iter_mut()) {
             input.rows(m, 0, o);
@@ -348,7 +360,7 @@ const TOKEN_TILE: usize = 64;
 /// Tokens per [`matmul`] task: at most [`TOKEN_TILE`], small enough that every thread
 /// gets a tile, a multiple of `MT`.
 fn token_tile(n_tokens: usize) -> usize {
-    let threads = rayon::current_num_threads();
+    let threads = crate::team::threads();
     n_tokens
         .div_ceil(threads)
         .clamp(MT, TOKEN_TILE)
@@ -440,14 +452,15 @@ fn matmul_quantized(mats: &[&Matrix], xs: &[f32], out: Vec<Vec<&mut [f32]>>) {
     let cols = mats[0].cols;
     debug_assert!(mats.iter().all(|m| m.cols == cols));
     let n = xs.len() / cols;
-    let threads = rayon::current_num_threads();
+    let threads = crate::team::threads();
     let work: usize = mats.iter().map(|m| m.rows * cols * n).sum();
     let parallel = work >= PAR_MIN_WORK && threads > 1;
     // The quantised tokens go into buffers this thread keeps from one product to the next
     // (a serve step runs a few hundred products; their allocations showed in profiles).
     let mut acts = ACTS.with(|a| std::mem::take(&mut *a.borrow_mut()));
     acts.resize_with(n, QuantizedActs::default);
-    let quantize = |(a, x): (&mut QuantizedActs, &[f32])| a.quantize(x);
+    let forms = quantized_forms(mats);
+    let quantize = |(a, x): (&mut QuantizedActs, &[f32])| a.quantize_forms(x, forms);
     // In parallel only when it pays: a serve step's 16 tokens take microseconds, less than
     // waking the other threads.
     if parallel && n * cols >= PAR_MIN_QUANT {
@@ -547,7 +560,7 @@ fn for_each_token_tile(
 ) {
     let n = xs.len() / cols;
     let tt = token_tile(n);
-    if weights * n < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
+    if weights * n < PAR_MIN_WORK || crate::team::threads() == 1 {
         xs.chunks(tt * cols)
             .zip(out.chunks_mut(tt * rows))
             .for_each(body);

@@ -70,11 +70,72 @@ pub struct QuantizedActs {
     pub k: Q8K,
 }
 
+/// Which quantised forms of an activation vector the matrices reading it need: 8-bit
+/// blocks of 32 (Q8_0, Q4_0, Q4_1) and/or Q8_K super-blocks (Q4_K, Q5_K, Q6_K, IQ4_XS).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ActsForms {
+    pub q8_0: bool,
+    pub q8_k: bool,
+}
+
+impl ActsForms {
+    /// Both forms.
+    pub const ALL: ActsForms = ActsForms {
+        q8_0: true,
+        q8_k: true,
+    };
+
+    /// The form a matrix of `dtype` reads (none for float types).
+    pub fn of(dtype: DType) -> ActsForms {
+        let k = super::kquant::is_kquant(dtype);
+        ActsForms {
+            q8_0: dtype.is_quantized() && !k,
+            q8_k: k,
+        }
+    }
+
+    /// Both sets of forms.
+    pub fn union(self, o: ActsForms) -> ActsForms {
+        ActsForms {
+            q8_0: self.q8_0 || o.q8_0,
+            q8_k: self.q8_k || o.q8_k,
+        }
+    }
+
+    /// Whether any form is needed.
+    pub fn any(self) -> bool {
+        self.q8_0 || self.q8_k
+    }
+}
+
 impl QuantizedActs {
-    /// Quantises `x` (length a multiple of 32): same rounding as the reference twin
-    /// (`round` half away from zero, then clamped to ±127; NaN codes 0), eight lanes at
-    /// a time.
+    /// Quantises `x` (length a multiple of 32) into both forms ([`ActsForms::ALL`]).
     pub fn quantize(&mut self, x: &[f32]) {
+        self.quantize_forms(x, ActsForms::ALL);
+    }
+
+    /// Quantises `x` into the forms `forms` names; the others are left empty (a kernel
+    /// that would read them asserts their lengths). The Q8_K form exists only when the
+    /// length is a multiple of 256.
+    pub fn quantize_forms(&mut self, x: &[f32], forms: ActsForms) {
+        if forms.q8_0 {
+            self.quantize_q8_0(x);
+        } else {
+            self.d.clear();
+            self.s.clear();
+            self.qsum.clear();
+            self.q.clear();
+        }
+        if forms.q8_k {
+            super::kquant::quantize_into(x, &mut self.k);
+        } else {
+            super::kquant::quantize_into(&[], &mut self.k);
+        }
+    }
+
+    /// The 8-bit blocks of 32: same rounding as the reference twin (`round` half away
+    /// from zero, then clamped to ±127; NaN codes 0), eight lanes at a time.
+    fn quantize_q8_0(&mut self, x: &[f32]) {
         debug_assert_eq!(x.len() % QK, 0);
         let nb = x.len() / QK;
         self.d.resize(nb, 0.0);
@@ -121,7 +182,6 @@ impl QuantizedActs {
             self.s[b] = d * sum as f32;
             self.qsum[b] = sum;
         }
-        super::kquant::quantize_into(x, &mut self.k);
     }
 
     pub fn from_f32(x: &[f32]) -> Self {

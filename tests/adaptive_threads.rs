@@ -1,0 +1,73 @@
+//! The adaptive thread choice (`tinygpt_cpu::team::Pace`): decode steps that switch
+//! between the team and one thread give the same logits bit for bit as one thread all
+//! along, and both modes really run. Its own test binary: `set_adaptive` is process-wide.
+
+mod common;
+use common::*;
+use tinygpt_cpu::kv_cache::{KvConfig, Precision};
+use tinygpt_cpu::model::{Model, WeightsDType};
+use tinygpt_cpu::team;
+use tinygpt_cpu::weights::ModelFiles;
+
+const STEPS: usize = 70;
+
+fn logits(
+    model: &Model,
+    kv: &KvConfig,
+    threads: usize,
+    feed: &[u32],
+) -> (Vec<Vec<f32>>, (u64, u64)) {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("thread pool");
+    pool.install(|| {
+        let mut s = model.session(kv);
+        let out = feed
+            .iter()
+            .enumerate()
+            .map(|(pos, &t)| {
+                model.forward(&mut s, t, pos).expect("forward");
+                s.logits.clone()
+            })
+            .collect();
+        (out, s.pace().runs())
+    })
+}
+
+#[test]
+fn switching_between_team_and_one_thread_changes_no_bit() {
+    team::set_adaptive(true);
+    for dir in [None, Some(fixtures().join("yoco"))] {
+        let files = ModelFiles::open(dir.as_deref()).expect("model");
+        let model = Model::load(&files, WeightsDType::Native).expect("load");
+        let feed: Vec<u32> = (0..STEPS as u32)
+            .map(|i| (i * 7 + 1) % model.cfg.vocab_size as u32)
+            .collect();
+        for kv in [
+            KvConfig::default(),
+            KvConfig {
+                precision: Precision::Int4,
+                group_size: 8,
+                sink: 4,
+                window: Some(20),
+                ..KvConfig::default()
+            },
+        ] {
+            let (one, _) = logits(&model, &kv, 1, &feed);
+            let (two, (team_steps, solo_steps)) = logits(&model, &kv, 2, &feed);
+            // Both modes ran: the probe alone runs the slower one every 16 steps.
+            assert!(
+                team_steps >= 4 && solo_steps >= 4,
+                "team {team_steps}, solo {solo_steps}"
+            );
+            assert_eq!(team_steps + solo_steps, STEPS as u64);
+            for (pos, (a, b)) in one.iter().zip(&two).enumerate() {
+                assert!(
+                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{dir:?} {kv:?}: adaptive 2-thread step {pos} differs from 1 thread"
+                );
+            }
+        }
+    }
+}
