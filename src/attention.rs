@@ -940,11 +940,15 @@ mod tests {
 
     /// Fused attention vs the unfused (dequantise-then-dot) twin, and vs the reference:
     /// max |a − b| over outputs and softmax weights, relative to the vector's largest
-    /// magnitude (at least 1). Same value as tests/kv_cache.rs's `ENGINE_VS_REFERENCE`.
-    /// Folding the scales changes the summation order, so bit equality is not expected;
-    /// the observed worst case over the sweep below is printed (about 2e-6 when written).
+    /// magnitude (at least 1). Folding the scales changes the summation order, so the
+    /// fused path and its unfused twin are not bit-equal; the observed worst case over the
+    /// sweep below is printed (about 2e-6 when written). The reference computes the
+    /// `portable` kernels' order (`tinygpt_reference::order`): under
+    /// `TINYGPT_KV_KERNEL=portable` it is bit-identical (checked below); the other KIVI
+    /// kernels add in other orders, hence the budget (same value as tests/kv_cache.rs's
+    /// `ENGINE_VS_REFERENCE`).
     const FUSED_VS_UNFUSED: f32 = 1e-5;
-    const ENGINE_VS_REFERENCE: f32 = 1e-5;
+    const ENGINE_VS_REFERENCE: f32 = 3e-5;
 
     fn test_config(n_heads: usize, n_kv_heads: usize, hd: usize, sliding: Option<usize>) -> Config {
         Config {
@@ -1074,6 +1078,11 @@ mod tests {
                 out_f.iter().all(|x| x.is_finite()),
                 "{c:?} pos={pos}: non-finite"
             );
+            if crate::ops::simd::kv_kernel() == crate::ops::simd::KvKernel::Portable {
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&out_f), bits(&out_r), "{c:?} pos={pos}: output");
+                assert_eq!(bits(&p_f), bits(&p_r), "{c:?} pos={pos}: weights");
+            }
             let eu = max_rel_err(&out_f, &out_u).max(max_rel_err(&p_f, &p_u));
             let er = max_rel_err(&out_f, &out_r).max(max_rel_err(&p_f, &p_r));
             assert!(
