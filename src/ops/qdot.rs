@@ -553,6 +553,7 @@ impl Packed {
 
 /// `out[k] = row (8g + k) · a` for the group's eight rows, with kernel `k` (which must
 /// be supported: see [`Kernel::is_supported`]; an unsupported one runs the scalar loop).
+#[inline]
 pub fn dot_group(kernel: Kernel, p: &Packed, g: usize, a: &QuantizedActs, out: &mut [f32; 8]) {
     let grp = p.group(g);
     if super::kquant::is_row_packed(p.dtype) {
