@@ -1,18 +1,18 @@
 #!/usr/bin/env python3
-"""Re-quantises SmolLM2-135M-Instruct into other GGML types with llama.cpp's own quantiser
-(`llama_model_quantize` through llama-cpp-python), for docs/eval/quant-types.md and
-tests/dequant_types.rs.
+"""Re-quantises SmolLM2-135M-Instruct with llama.cpp's own quantiser
+(`llama_model_quantize` through llama-cpp-python) in its `--pure` mode: every tensor that
+can be gets the base type. SmolLM2's 576-wide rows cannot be K-quants, so in Q2_K_pure and
+Q3_K_S_pure the 30 `ffn_down` matrices (1536 wide) are Q2_K / Q3_K and the others fall
+back to Q4_0 — the only SmolLM2 files with Q2_K tensors (llama.cpp's Q2_K mix makes them
+Q3_K), for docs/eval/quant-types.md. The usual mixes: scripts/requant-smollm2.py.
 
-    python3 scripts/requant-smollm2.py [TYPE ...]
+    python3 scripts/requant-smollm2-pure.py [TYPE ...]
 
 Source: the Q4_1 file of scripts/fetch-smollm2.sh (re-quantised, `allow_requantize`).
 Output: $TINYGPT_CACHE/requant/SmolLM2-135M-Instruct.TYPE.gguf (default cache
-~/.cache/tinygpt-cpu); files already there are kept. TYPE is a llama.cpp file type (Q8_0,
-Q6_K, Q5_K_M, Q4_K_M, Q3_K_M, Q2_K, IQ4_NL, IQ4_XS, ...) or one with the suffix `_pure`
-(llama.cpp's `--pure`: every tensor that can be gets the base type; SmolLM2's 576-wide
-rows cannot be K-quants, so in Q2_K_pure / Q3_K_S_pure the 30 `ffn_down` matrices, 1536
-wide, are Q2_K / Q3_K and the others fall back to a 32-wide type). Default: every type
-the eval page lists. Exits 2 with a message when llama-cpp-python is absent.
+~/.cache/tinygpt-cpu); files already there are kept. TYPE is a llama.cpp file type with
+the suffix `_pure` (default: Q2_K_pure Q3_K_S_pure). Exits 2 with a message when
+llama-cpp-python is absent.
 """
 import os
 import sys
@@ -20,10 +20,10 @@ import sys
 try:
     import llama_cpp
 except ImportError:
-    sys.exit(print("skipped: llama-cpp-python is not installed (pip install llama-cpp-python)") or 2)
+    print("skipped: llama-cpp-python is not installed (pip install llama-cpp-python)")
+    sys.exit(2)
 
-DEFAULT = ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS",
-           "Q2_K_pure", "Q3_K_S_pure"]
+DEFAULT = ["Q2_K_pure", "Q3_K_S_pure"]
 
 
 def main():
@@ -34,8 +34,9 @@ def main():
     out_dir = os.path.join(cache, "requant")
     os.makedirs(out_dir, exist_ok=True)
     for name in sys.argv[1:] or DEFAULT:
-        pure = name.endswith("_pure")
-        base = name[: -len("_pure")] if pure else name
+        if not name.endswith("_pure"):
+            sys.exit(f"{name}: expected TYPE_pure (the mixes: scripts/requant-smollm2.py)")
+        base = name[: -len("_pure")]
         ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{base}", None)
         if ftype is None:
             sys.exit(f"{name}: not a llama.cpp file type")
@@ -46,7 +47,7 @@ def main():
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = ftype
         params.allow_requantize = True
-        params.pure = pure
+        params.pure = True
         params.nthread = 1
         part = out + ".part"
         rc = llama_cpp.llama_model_quantize(src.encode(), part.encode(), params)
