@@ -16,6 +16,8 @@
 //! | Q8_0 | 32           | 34          | f16 scale `d`, 32 × i8; x = d·q               |
 //! | Q4_0 | 32           | 18          | f16 scale `d`, 16 bytes of nibbles; x = d·(q − 8) |
 //! | Q4_1 | 32           | 20          | f16 `d`, f16 min `m`, 16 bytes of nibbles; x = d·q + m |
+//! | Q2_K | 256          | 84          | `reference/src/ggml_more.rs` (kernels: `ops::kquant_low`) |
+//! | Q3_K | 256          | 110         | `reference/src/ggml_more.rs` (kernels: `ops::kquant_low`) |
 //! | Q4_K | 256          | 144         | `reference/src/ggml_more.rs` (kernels: `ops::kquant`) |
 //! | Q5_K | 256          | 176         | `reference/src/ggml_more.rs` (kernels: `ops::kquant`) |
 //! | Q6_K | 256          | 210         | `reference/src/ggml_more.rs` (kernels: `ops::kquant`) |

@@ -1,4 +1,4 @@
-//! Q4_K, Q5_K, Q6_K and IQ4_XS weights through every kernel variant this CPU supports
+//! Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS weights through every kernel variant this CPU supports
 //! (`qdot::Kernel::supported`), against the scalar twins in the reference crate
 //! (`tinygpt_reference::ggml_kdot`), bit for bit: odd row counts (partial row groups), 1 to
 //! 4 super-blocks per row, random and extreme code bytes (every byte 0x00, 0xFF, 0x80),
@@ -65,12 +65,17 @@ fn acts(n: usize) -> impl Strategy<Value = Vec<f32>> {
 }
 
 /// Rows of super-blocks from raw bytes, with the f16 scale fields set from `scales`
-/// (Q4_K, Q5_K: `d`, `dmin`; Q6_K, IQ4_XS: `d`).
+/// (Q4_K, Q5_K, Q2_K: `d`, `dmin`; Q6_K, IQ4_XS, Q3_K: `d`).
 fn rows_bytes(dtype: DType, blocks: usize, raw: &[u8], scales: &[u16]) -> Vec<u8> {
     let bb = dtype.block_bytes();
     let mut out = raw[..blocks * bb].to_vec();
     for (b, blk) in out.chunks_exact_mut(bb).enumerate() {
-        if dtype == DType::IQ4_XS {
+        if dtype == DType::Q2_K {
+            blk[80..82].copy_from_slice(&scales[2 * b].to_le_bytes());
+            blk[82..84].copy_from_slice(&scales[2 * b + 1].to_le_bytes());
+        } else if dtype == DType::Q3_K {
+            blk[108..110].copy_from_slice(&scales[2 * b].to_le_bytes());
+        } else if dtype == DType::IQ4_XS {
             blk[0..2].copy_from_slice(&scales[2 * b].to_le_bytes());
         } else if dtype != DType::Q6_K {
             blk[0..2].copy_from_slice(&scales[2 * b].to_le_bytes());
@@ -84,6 +89,8 @@ fn rows_bytes(dtype: DType, blocks: usize, raw: &[u8], scales: &[u16]) -> Vec<u8
 
 fn reference_row(dtype: DType, row: &[u8], a: &Q8K) -> f32 {
     match dtype {
+        DType::Q2_K => ggml_kdot::dot_q2_k(row, a),
+        DType::Q3_K => ggml_kdot::dot_q3_k(row, a),
         DType::Q4_K => ggml_kdot::dot_q4_k(row, a),
         DType::Q5_K => ggml_kdot::dot_q5_k(row, a),
         DType::IQ4_XS => ggml_kdot::dot_iq4_xs(row, a),
@@ -102,6 +109,8 @@ fn bits_eq(got: f32, want: f32) -> bool {
 fn case() -> impl Strategy<Value = (DType, usize, usize, Vec<u8>, Vec<u16>, Vec<f32>)> {
     (
         prop_oneof![
+            Just(DType::Q2_K),
+            Just(DType::Q3_K),
             Just(DType::Q4_K),
             Just(DType::Q5_K),
             Just(DType::Q6_K),
@@ -208,7 +217,14 @@ proptest! {
 /// stay exact in every variant.
 #[test]
 fn saturating_extremes_stay_exact() {
-    for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_XS] {
+    for dtype in [
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::IQ4_XS,
+    ] {
         for fill in [0xFFu8, 0x00, 0x80, 0x7F] {
             let nb = 3;
             let rows = 9;
@@ -258,7 +274,14 @@ fn batched_kquant_matmul_equals_one_token_matvec() {
         s ^= s << 17;
         s
     };
-    for dtype in [DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::IQ4_XS] {
+    for dtype in [
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::IQ4_XS,
+    ] {
         let blocks = rows * cols / QK_K;
         let raw: Vec<u8> = (0..blocks * dtype.block_bytes())
             .map(|_| next() as u8)
@@ -329,6 +352,11 @@ fn mixed_block_types_in_one_product_equal_their_own_matvec() {
             let h = f16::from_f32(0.01).to_le_bytes();
             match dtype {
                 DType::Q6_K => blk[208..210].copy_from_slice(&h),
+                DType::Q3_K => blk[108..110].copy_from_slice(&h),
+                DType::Q2_K => {
+                    blk[80..82].copy_from_slice(&h);
+                    blk[82..84].copy_from_slice(&h);
+                }
                 DType::Q4_K | DType::Q5_K => {
                     blk[0..2].copy_from_slice(&h);
                     blk[2..4].copy_from_slice(&h);
@@ -346,6 +374,8 @@ fn mixed_block_types_in_one_product_equal_their_own_matvec() {
     let a = mk(DType::Q4_K, 37);
     let b = mk(DType::Q8_0, 21);
     let c = mk(DType::Q6_K, 16);
+    let d = mk(DType::Q2_K, 9);
+    let e = mk(DType::Q3_K, 11);
     assert_eq!(
         quantized_forms(&[&a]),
         ActsForms {
@@ -365,7 +395,7 @@ fn mixed_block_types_in_one_product_equal_their_own_matvec() {
     let xs: Vec<f32> = (0..ntok * cols)
         .map(|_| (next() % 20001) as f32 / 1e4 - 1.0)
         .collect();
-    let mats = [&a, &b, &c];
+    let mats = [&a, &b, &c, &d, &e];
     for threads in [1, 2, 3] {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)

@@ -1,6 +1,6 @@
 //! The K-quant numerics against ggml itself: `fixtures/kdot_cases.json` holds activations
 //! quantised by ggml's `quantize_row_q8_K` and ggml's `ggml_vec_dot_{q4_K,q5_K,q6_K,
-//! iq4_xs}_q8_K` (dispatched and `_generic`) of random valid weight rows, taken from the
+//! iq4_xs,q2_K,q3_K}_q8_K` (dispatched and `_generic`) of random valid weight rows, taken from the
 //! libggml-cpu bundled with llama-cpp-python (`fixtures/make_kdot_cases.py`). Our Q8_K
 //! (engine and reference) equals ggml's byte for byte; our dot products (every kernel
 //! variant) equal ggml's up to the order of the float additions (ggml's own variants
@@ -36,7 +36,10 @@ fn dtype(name: &str) -> DType {
         "Q4_K" => DType::Q4_K,
         "Q5_K" => DType::Q5_K,
         "Q6_K" => DType::Q6_K,
-        _ => DType::IQ4_XS,
+        "Q2_K" => DType::Q2_K,
+        "Q3_K" => DType::Q3_K,
+        "IQ4_XS" => DType::IQ4_XS,
+        other => panic!("unknown type {other}"),
     }
 }
 
@@ -46,7 +49,7 @@ fn q8_k_and_dots_follow_ggml() {
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let cases = v["cases"].as_array().unwrap();
-    assert_eq!(cases.len(), 36);
+    assert_eq!(cases.len(), 54);
     for (i, c) in cases.iter().enumerate() {
         let ty = dtype(c["type"].as_str().unwrap());
         let x: Vec<f32> = hex(c["x"].as_str().unwrap())
@@ -73,6 +76,8 @@ fn q8_k_and_dots_follow_ggml() {
             DType::Q4_K => ggml_kdot::dot_q4_k(&w, &want_q),
             DType::Q5_K => ggml_kdot::dot_q5_k(&w, &want_q),
             DType::Q6_K => ggml_kdot::dot_q6_k(&w, &want_q),
+            DType::Q2_K => ggml_kdot::dot_q2_k(&w, &want_q),
+            DType::Q3_K => ggml_kdot::dot_q3_k(&w, &want_q),
             _ => ggml_kdot::dot_iq4_xs(&w, &want_q),
         };
         for key in ["dot", "dot_generic"] {

@@ -149,6 +149,8 @@ impl GgmlType {
                 | GgmlType::Q4_0
                 | GgmlType::Q4_1
                 | GgmlType::Q5_1
+                | GgmlType::Q2_K
+                | GgmlType::Q3_K
                 | GgmlType::Q4_K
                 | GgmlType::Q5_K
                 | GgmlType::Q6_K

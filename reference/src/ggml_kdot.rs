@@ -1,5 +1,5 @@
-//! Scalar twins of the engine's dot products over super-blocks of 256 (Q4_K, Q5_K, Q6_K
-//! and IQ4_XS weights).
+//! Scalar twins of the engine's dot products over super-blocks of 256 (Q2_K, Q3_K, Q4_K,
+//! Q5_K, Q6_K and IQ4_XS weights).
 //!
 //! As llama.cpp does for the K-quants, the activation vector is quantised to **Q8_K**:
 //! super-blocks of 256 values, each with an f32 scale, 256 signed 8-bit codes and the 16
@@ -30,16 +30,38 @@
 //!   `isum = Σ_j (ls_j − 32) · Σ_{i<32} K[n_{32j+i}] · q8_{32j+i}`, then
 //!   `acc += isum as f32 · (d_w · d_x)`.
 //!
+//! * **Q2_K** (16 sub-blocks of 16, 4-bit scale `sc_k` = low nibble and 4-bit min `m_k`
+//!   = high nibble of `scales[k]`, 2-bit codes `q` in `[0, 3]`):
+//!   `isum = Σ_k sc_k · Σ_{i<16} q_{16k+i} · q8_{16k+i}`, `msum = Σ_k m_k · bsums[k]`,
+//!   then Q4_K's float steps:
+//!   `acc += isum as f32 · (d_w · d_x) − msum as f32 · (dmin_w · d_x)`.
+//! * **Q3_K** (16 sub-blocks of 16, signed 6-bit scale `s_k` in `[−32, 31]`, codes in
+//!   `[−4, 3]`: the 2-bit code minus 4 where the `hmask` bit is clear):
+//!   `isum = Σ_k s_k · Σ_{i<16} q_{16k+i} · q8_{16k+i}`, then
+//!   `acc += isum as f32 · (d_w · d_x)`.
+//!
 //! (`d_w`, `dmin_w`: the weight super-block's f16 scales widened to f32; `d_x`: the
 //! activation super-block's scale.) Every sum fits an `i32`: for Q4_K
 //! `|isum| ≤ 8·63·32·31·128` (Q5_K), for Q6_K `|isum| ≤ 16·128·16·32·128`, for IQ4_XS
-//! `|isum| ≤ 8·32·32·127·128`. This is the value
+//! `|isum| ≤ 8·32·32·127·128`, for Q2_K `|isum| ≤ 16·15·16·3·128` and
+//! `|msum| ≤ 16·15·16·128`, for Q3_K `|isum| ≤ 16·32·16·4·128`.
+//!
+//! This is the value
 //! llama.cpp's `ggml_vec_dot_q4_K_q8_K` / `ggml_vec_dot_q6_K_q8_K` compute up to the
 //! order of their float additions (which differs between its own SIMD variants); the
 //! engine's kernels (every run-time variant) follow the order above, bit for bit.
+//!
+//! For Q2_K this is the formula of llama.cpp's generic `ggml_vec_dot_q2_K_q8_K` (one
+//! integer `isum` and `summs` per super-block, `sumf += dall·isum − dmin·summs` with
+//! `dall = d_x·d_w`, `dmin = d_x·dmin_w`) with every product rounded separately; a build
+//! of it that fuses a multiply into the subtraction differs in the last bits (7 of the 9
+//! Q2_K goldens of `tests/kquant_ggml.rs` are bit-equal to the bundled libggml's generic
+//! value). llama.cpp's Q3_K (generic and SIMD) keeps the integer sum in 8 lanes and
+//! adds `d · lane` per lane to 8 float sums, summed at the end: the same integers, a
+//! different rounding of the float part.
 
 use crate::ggml::f16_at;
-use crate::ggml_more::{scale_min_k4, IQ4_VALUES, QK_K};
+use crate::ggml_more::{q3_k_scales, scale_min_k4, IQ4_VALUES, QK_K};
 
 /// An activation vector quantised to Q8_K super-blocks of [`QK_K`] values.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -299,6 +321,117 @@ pub fn dot_q6_k(row: &[u8], a: &Q8K) -> f32 {
         let isum = q6_k_isum(blk, &a.q[b * QK_K..(b + 1) * QK_K]);
         let d = f16_at(blk, 208);
         acc += isum as f32 * (d * a.d[b]);
+    }
+    acc
+}
+
+/// Bytes of one Q2_K super-block.
+pub const Q2_K_BYTES: usize = 84;
+/// Bytes of one Q3_K super-block.
+pub const Q3_K_BYTES: usize = 110;
+
+/// The 256 2-bit codes of a Q2_K or Q3_K super-block in value order (`qs` = the 64 code
+/// bytes): value `128n + 32j + l` is bits `2j..2j + 2` of `qs[32n + l]` (the layout of
+/// `ggml_more::dequantize_q2_k`).
+pub fn two_bit_codes(qs: &[u8]) -> [u8; QK_K] {
+    let mut out = [0u8; QK_K];
+    for n in 0..2 {
+        for j in 0..4 {
+            for l in 0..32 {
+                out[128 * n + 32 * j + l] = (qs[32 * n + l] >> (2 * j)) & 3;
+            }
+        }
+    }
+    out
+}
+
+/// The integer parts of one Q2_K super-block against one Q8_K super-block (module docs):
+/// `(isum, msum)` with `isum = Σ_k (scales[k] & 15) · Σ_i q · q8` and
+/// `msum = Σ_k (scales[k] >> 4) · bsums[k]`.
+pub fn q2_k_isums(blk: &[u8], q8: &[i8], bsums: &[i16]) -> (i32, i32) {
+    let codes = two_bit_codes(&blk[16..80]);
+    let scales = &blk[0..16];
+    let (mut isum, mut msum) = (0i32, 0i32);
+    for k in 0..16 {
+        let mut s = 0i32;
+        for i in 0..16 {
+            s += codes[16 * k + i] as i32 * q8[16 * k + i] as i32;
+        }
+        isum += (scales[k] & 0x0F) as i32 * s;
+        msum += (scales[k] >> 4) as i32 * bsums[k] as i32;
+    }
+    (isum, msum)
+}
+
+/// Q2_K row · Q8_K activations: `acc += isum · (d_w · d_x) − msum · (dmin_w · d_x)`.
+pub fn dot_q2_k(row: &[u8], a: &Q8K) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.blocks() * Q2_K_BYTES,
+        "one weight super-block per activation super-block"
+    );
+    let mut acc = 0.0f32;
+    for (b, blk) in row.chunks_exact(Q2_K_BYTES).enumerate() {
+        let (isum, msum) = q2_k_isums(
+            blk,
+            &a.q[b * QK_K..(b + 1) * QK_K],
+            &a.bsums[b * 16..(b + 1) * 16],
+        );
+        let d = f16_at(blk, 80);
+        let dmin = f16_at(blk, 82);
+        let dx = a.d[b];
+        acc += isum as f32 * (d * dx) - msum as f32 * (dmin * dx);
+    }
+    acc
+}
+
+/// The 256 signed 3-bit codes (`−4..=3`) of a Q3_K super-block in value order: the 2-bit
+/// code of [`two_bit_codes`] (from `qs = blk[32..96]`), minus 4 unless bit `4n + j` of
+/// `hmask[l]` (`hmask = blk[0..32]`) is set, for value `128n + 32j + l`.
+pub fn q3_k_codes(blk: &[u8]) -> [i8; QK_K] {
+    let low = two_bit_codes(&blk[32..96]);
+    let hmask = &blk[0..32];
+    let mut out = [0i8; QK_K];
+    for n in 0..2 {
+        for j in 0..4 {
+            for (l, &h) in hmask.iter().enumerate() {
+                let v = 128 * n + 32 * j + l;
+                let high = (h >> (4 * n + j)) & 1;
+                out[v] = low[v] as i8 - if high == 1 { 0 } else { 4 };
+            }
+        }
+    }
+    out
+}
+
+/// The integer sum of one Q3_K super-block against one Q8_K super-block (module docs):
+/// `Σ_k s_k · Σ_i q · q8` with the signed 6-bit scales `s_k` of
+/// `ggml_more::q3_k_scales`.
+pub fn q3_k_isum(blk: &[u8], q8: &[i8]) -> i32 {
+    let codes = q3_k_codes(blk);
+    let scales = q3_k_scales(&blk[96..108]);
+    let mut isum = 0i32;
+    for k in 0..16 {
+        let mut s = 0i32;
+        for i in 0..16 {
+            s += codes[16 * k + i] as i32 * q8[16 * k + i] as i32;
+        }
+        isum += scales[k] * s;
+    }
+    isum
+}
+
+/// Q3_K row · Q8_K activations: `acc += isum · (d_w · d_x)`.
+pub fn dot_q3_k(row: &[u8], a: &Q8K) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.blocks() * Q3_K_BYTES,
+        "one weight super-block per activation super-block"
+    );
+    let mut acc = 0.0f32;
+    for (b, blk) in row.chunks_exact(Q3_K_BYTES).enumerate() {
+        let isum = q3_k_isum(blk, &a.q[b * QK_K..(b + 1) * QK_K]);
+        acc += isum as f32 * (f16_at(blk, 108) * a.d[b]);
     }
     acc
 }
@@ -593,6 +726,107 @@ mod tests {
             })
             .sum();
         assert_eq!(q6_k_isum(&b6, &q8), want6);
+    }
+
+    #[test]
+    fn q2_k_and_q3_k_dots_equal_dequantised_dots_within_bound() {
+        let mut rng = Rng(0x2233_4455_6677_8899);
+        for (d, dmin, xs) in [
+            (0.01f32, 0.02f32, 1.0f32),
+            (65504.0, 65504.0, 1e-6),
+            (6e-8, 6e-8, 1e4),
+            (0.3, 0.0, 1.0),
+            (-0.5, -0.25, 1e-3),
+        ] {
+            for nb in 1..4 {
+                let mut row2 = Vec::new();
+                let mut row3 = Vec::new();
+                for _ in 0..nb {
+                    let mut b: Vec<u8> = (0..Q2_K_BYTES).map(|_| rng.byte()).collect();
+                    put_f16(&mut b, 80, d);
+                    put_f16(&mut b, 82, dmin);
+                    row2.extend(b);
+                    let mut b: Vec<u8> = (0..Q3_K_BYTES).map(|_| rng.byte()).collect();
+                    put_f16(&mut b, 108, d);
+                    row3.extend(b);
+                }
+                let x = x_values(&mut rng, nb * QK_K, xs);
+                let a = quantize_q8_k(&x);
+                let mut w = vec![0.0f32; nb * QK_K];
+                crate::ggml_more::dequantize_q2_k(&row2, &mut w);
+                let (exact, bound) = exact_and_bound(&w, &a, 8.0);
+                let got = dot_q2_k(&row2, &a) as f64;
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "Q2_K d {d} dmin {dmin}: {got} vs {exact} (bound {bound})"
+                );
+                crate::ggml_more::dequantize_q3_k(&row3, &mut w);
+                let (exact, bound) = exact_and_bound(&w, &a, 4.0);
+                let got = dot_q3_k(&row3, &a) as f64;
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "Q3_K d {d}: {got} vs {exact} (bound {bound})"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn q2_k_and_q3_k_every_code() {
+        // qs byte i holds the four 2-bit fields i, i + 1, i + 2, i + 3 (mod 4): every
+        // code in every pass; hmask alternates in pairs of bytes so each 3-bit code occurs.
+        let mut b3 = vec![0u8; Q3_K_BYTES];
+        for (i, b) in b3[32..96].iter_mut().enumerate() {
+            let f = |k: usize| ((i + k) % 4) as u8;
+            *b = f(0) | (f(1) << 2) | (f(2) << 4) | (f(3) << 6);
+        }
+        for (l, h) in b3[0..32].iter_mut().enumerate() {
+            *h = if (l / 2) % 2 == 0 { 0x55 } else { 0xAA };
+        }
+        let c3 = q3_k_codes(&b3);
+        for v in -4i8..=3 {
+            assert!(c3.contains(&v), "Q3_K code {v}");
+        }
+        let c2 = two_bit_codes(&b3[32..96]);
+        for v in 0..4u8 {
+            assert!(c2.contains(&v));
+        }
+        // Integer sums against a direct evaluation, scales at their extremes.
+        let q8: Vec<i8> = (0..QK_K).map(|i| [127i8, -128, 0, 1, -1][i % 5]).collect();
+        let bsums: Vec<i16> = q8
+            .chunks_exact(16)
+            .map(|g| g.iter().map(|&c| c as i16).sum())
+            .collect();
+        let mut b2 = vec![0u8; Q2_K_BYTES];
+        b2[16..80].copy_from_slice(&b3[32..96]);
+        for (k, s) in b2[0..16].iter_mut().enumerate() {
+            *s = [0xFFu8, 0x0F, 0xF0, 0x00, 0x3C][k % 5];
+        }
+        let (isum, msum) = q2_k_isums(&b2, &q8, &bsums);
+        let want: i32 = (0..QK_K)
+            .map(|i| (b2[i / 16] & 15) as i32 * c2[i] as i32 * q8[i] as i32)
+            .sum();
+        let want_m: i32 = (0..16).map(|k| (b2[k] >> 4) as i32 * bsums[k] as i32).sum();
+        assert_eq!((isum, msum), (want, want_m));
+        // Q3_K scales all −32 (bytes 0x00), all 31 (0xFF), and mixed.
+        for (p, pattern) in [[0x00u8; 3], [0xFF; 3], [0x00, 0xFF, 0x5A]]
+            .iter()
+            .enumerate()
+        {
+            for (k, s) in b3[96..108].iter_mut().enumerate() {
+                *s = pattern[k % 3];
+            }
+            let sc = q3_k_scales(&b3[96..108]);
+            match p {
+                0 => assert!(sc.iter().all(|&s| s == -32)),
+                1 => assert!(sc.iter().all(|&s| s == 31)),
+                _ => {}
+            }
+            let want3: i32 = (0..QK_K)
+                .map(|i| sc[i / 16] * c3[i] as i32 * q8[i] as i32)
+                .sum();
+            assert_eq!(q3_k_isum(&b3, &q8), want3);
+        }
     }
 
     #[test]

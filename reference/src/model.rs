@@ -29,8 +29,9 @@ use ndarray::{
 pub enum Linear {
     /// Plain f32 values.
     F32(Array2<f32>),
-    /// GGML blocks kept as stored (Q8_0, Q4_0, Q4_1: `cols / 32` blocks per row; Q4_K,
-    /// Q5_K, Q6_K, IQ4_XS: `cols / 256` super-blocks), rows one after another: multiplied through
+    /// GGML blocks kept as stored (Q8_0, Q4_0, Q4_1, Q5_1: `cols / 32` blocks per row;
+    /// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS: `cols / 256` super-blocks), rows one after
+    /// another: multiplied through
     /// [`ggml_dot`] (8-bit activation blocks of 32) or [`ggml_kdot`] (Q8_K activations),
     /// as the engine's native path does.
     Ggml {
@@ -54,11 +55,18 @@ impl Linear {
                 let xs = x.to_vec();
                 if matches!(
                     ty,
-                    GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS
+                    GgmlType::Q2_K
+                        | GgmlType::Q3_K
+                        | GgmlType::Q4_K
+                        | GgmlType::Q5_K
+                        | GgmlType::Q6_K
+                        | GgmlType::IQ4_XS
                 ) {
                     let acts = ggml_kdot::quantize_q8_k(&xs);
                     for (row, o) in bytes.chunks_exact(row_bytes).zip(out) {
                         *o = match ty {
+                            GgmlType::Q2_K => ggml_kdot::dot_q2_k(row, &acts),
+                            GgmlType::Q3_K => ggml_kdot::dot_q3_k(row, &acts),
                             GgmlType::Q4_K => ggml_kdot::dot_q4_k(row, &acts),
                             GgmlType::Q5_K => ggml_kdot::dot_q5_k(row, &acts),
                             GgmlType::IQ4_XS => ggml_kdot::dot_iq4_xs(row, &acts),

@@ -39,7 +39,7 @@ pub fn is_kquant(dtype: DType) -> bool {
     matches!(
         dtype,
         DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS
-    )
+    ) || super::kquant_low::is_low(dtype)
 }
 
 /// Whether a [`super::qdot::Packed`] of `dtype` keeps whole rows (this module's layout and
@@ -173,6 +173,9 @@ fn q5_1_dots<const T: usize>(kernel: Kernel, row: &[u8], acts: &[&QuantizedActs;
 /// One row against `T` tokens (block counts checked by the callers).
 #[inline]
 fn row_dots<const T: usize>(kernel: Kernel, dtype: DType, row: &[u8], ks: &[&Q8K; T]) -> [f32; T] {
+    if super::kquant_low::is_low(dtype) {
+        return super::kquant_low::row_dots::<T>(kernel, dtype, row, ks);
+    }
     #[cfg(target_arch = "x86_64")]
     if use_avx2(kernel) {
         // SAFETY: AVX2 (with FMA and F16C) was detected at run time in `use_avx2`; `row`

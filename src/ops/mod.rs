@@ -9,6 +9,7 @@ pub mod float_dot;
 mod float_x86;
 pub mod hadamard;
 pub mod kquant;
+pub mod kquant_low;
 pub mod matvec;
 mod portable;
 pub mod qdot;

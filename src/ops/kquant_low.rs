@@ -1,0 +1,221 @@
+//! Q2_K and Q3_K weights (super-blocks of 256, 2- and 3-bit codes in sub-blocks of 16)
+//! multiplied natively against Q8_K activations: the row kernels [`super::kquant`]
+//! dispatches to for these two types (same whole-row layout, same callers).
+//!
+//! Numerics are exactly those of `tinygpt_reference::ggml_kdot::{dot_q2_k, dot_q3_k}`
+//! (read its header; also docs/design.md §2.2): per weight super-block exact integer sums,
+//! then one row accumulator updated with separate f32 multiplies and adds
+//! (Q2_K: `acc += isum·(d_w·d_x) − msum·(dmin_w·d_x)`, Q3_K: `acc += isum·(d_w·d_x)`).
+//! Every variant equals the twin bit for bit (`tests/kquant_dispatch.rs`).
+//!
+//! # Variants
+//!
+//! * `scalar`: the twin's loops per row;
+//! * `avx2` (and `avx512vnni`, which runs the AVX2 code for these types): the 64 code
+//!   bytes as two vectors, each 2-bit field shifted down and masked (plus Q3_K's `hmask`
+//!   bit as `+4`, so the codes are unsigned `0..=7`), `vpmaddubsw` with the signed
+//!   activation codes, `vpmaddwd` with the sub-block scales (lanes 0–7 one sub-block of
+//!   16, lanes 8–15 the next), summed in 32-bit lanes. Q2_K's mins come in as
+//!   `Σ_k m_k · bsums_k`, Q3_K's `−4` as `−4 · Σ_k s_k · bsums_k`: the same integers;
+//! * `portable` and `neon-dotprod`: **fall back to the scalar variant** for these types.
+//!
+//! The multi-token form unpacks each weight super-block once for `T` tokens; every
+//! token's value is the one-token value, bit for bit.
+
+use super::qdot::Kernel;
+use crate::dtype::DType;
+use tinygpt_reference::ggml_kdot::{self, Q8K};
+
+/// Whether `dtype` is one of this module's types.
+pub fn is_low(dtype: DType) -> bool {
+    matches!(dtype, DType::Q2_K | DType::Q3_K)
+}
+
+/// One Q2_K or Q3_K row against `T` tokens' Q8_K activations (each token with as many
+/// super-blocks as the row: checked by the callers, and again by the kernels).
+#[inline]
+pub fn row_dots<const T: usize>(
+    kernel: Kernel,
+    dtype: DType,
+    row: &[u8],
+    ks: &[&Q8K; T],
+) -> [f32; T] {
+    debug_assert!(is_low(dtype));
+    #[cfg(target_arch = "x86_64")]
+    if matches!(kernel, Kernel::Avx2 | Kernel::Avx512Vnni) && Kernel::Avx2.is_supported() {
+        // SAFETY: AVX2 (with FMA and F16C) was detected at run time just above; the
+        // kernels assert the row and activation lengths.
+        return unsafe {
+            if dtype == DType::Q2_K {
+                avx2::q2_k_row::<T>(row, ks)
+            } else {
+                avx2::q3_k_row::<T>(row, ks)
+            }
+        };
+    }
+    let _ = kernel;
+    std::array::from_fn(|t| {
+        if dtype == DType::Q2_K {
+            ggml_kdot::dot_q2_k(row, ks[t])
+        } else {
+            ggml_kdot::dot_q3_k(row, ks[t])
+        }
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! AVX2 Q2_K / Q3_K rows: integer sums in 32-bit lanes, reduced once per
+    //! super-block, then the twin's float steps in scalar f32 (separate multiply and add).
+
+    use super::Q8K;
+    use half::f16;
+    use std::arch::x86_64::*;
+    use tinygpt_reference::ggml_kdot::{Q2_K_BYTES, Q3_K_BYTES};
+    use tinygpt_reference::ggml_more::{q3_k_scales, QK_K};
+
+    #[inline(always)]
+    fn f16_at(b: &[u8], at: usize) -> f32 {
+        f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+    }
+
+    /// The eight 32-bit lanes summed (exact: integer addition).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn hsum(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// The eight 32-value runs of a super-block's 2-bit codes (`qs`: 64 bytes), unsigned:
+    /// run `4n + j` is bits `2j..2j + 2` of bytes `32n..32n + 32`.
+    ///
+    /// # Safety
+    /// AVX2 must be available; `qs` holds at least 64 bytes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn two_bit_runs(qs: &[u8]) -> [__m256i; 8] {
+        assert!(qs.len() >= 64);
+        let m3 = _mm256_set1_epi8(3);
+        let mut out = [_mm256_setzero_si256(); 8];
+        for n in 0..2 {
+            // SAFETY: bytes 32n..32n + 32 are inside `qs` (asserted).
+            let q = unsafe { _mm256_loadu_si256(qs.as_ptr().add(32 * n).cast()) };
+            // 16-bit shifts by ≤ 6 move bits across byte edges only above the mask.
+            out[4 * n] = _mm256_and_si256(q, m3);
+            out[4 * n + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 2), m3);
+            out[4 * n + 2] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m3);
+            out[4 * n + 3] = _mm256_and_si256(_mm256_srli_epi16(q, 6), m3);
+        }
+        out
+    }
+
+    /// Scale vectors of the eight runs: lanes 0..8 the first sub-block of 16, 8..16 the
+    /// second.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn run_scales(sc: &[i16; 16]) -> [__m256i; 8] {
+        std::array::from_fn(|i| {
+            _mm256_setr_m128i(_mm_set1_epi16(sc[2 * i]), _mm_set1_epi16(sc[2 * i + 1]))
+        })
+    }
+
+    /// `Σ_i runs[i] · q8[32i..32i + 32]`, each pair of 16-bit products weighted by its
+    /// sub-block's scale, as eight 32-bit lanes.
+    ///
+    /// # Safety
+    /// AVX2 must be available; `q8` points at 256 readable codes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn weighted(runs: &[__m256i; 8], scv: &[__m256i; 8], q8: *const i8) -> __m256i {
+        let mut s = _mm256_setzero_si256();
+        for i in 0..8 {
+            // SAFETY: 32i .. 32i + 32 is inside the 256 codes (the caller's contract).
+            let x = unsafe { _mm256_loadu_si256(q8.add(32 * i).cast()) };
+            // Codes ≤ 7: pair sums ≤ 2·7·128, no saturation.
+            let p = _mm256_maddubs_epi16(runs[i], x);
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scv[i]));
+        }
+        s
+    }
+
+    /// Q2_K row · `T` tokens.
+    ///
+    /// # Safety
+    /// AVX2 must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q2_k_row<const T: usize>(row: &[u8], ks: &[&Q8K; T]) -> [f32; T] {
+        let nb = row.len() / Q2_K_BYTES;
+        assert_eq!(row.len(), nb * Q2_K_BYTES);
+        for k in ks {
+            assert!(k.q.len() >= nb * QK_K && k.d.len() >= nb && k.bsums.len() >= nb * 16);
+        }
+        let mut acc = [0.0f32; T];
+        for b in 0..nb {
+            let blk = &row[b * Q2_K_BYTES..(b + 1) * Q2_K_BYTES];
+            // SAFETY: bytes 16..80 are the 64 code bytes.
+            let runs = unsafe { two_bit_runs(&blk[16..80]) };
+            let sc: [i16; 16] = std::array::from_fn(|k| (blk[k] & 0x0F) as i16);
+            let scv = run_scales(&sc);
+            let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
+            for (t, k) in ks.iter().enumerate() {
+                // SAFETY: the token holds nb·256 codes (asserted).
+                let s = unsafe { weighted(&runs, &scv, k.q[b * QK_K..].as_ptr()) };
+                let bs = &k.bsums[b * 16..(b + 1) * 16];
+                let mut msum = 0i32;
+                for (kk, &bsum) in bs.iter().enumerate() {
+                    msum += (blk[kk] >> 4) as i32 * bsum as i32;
+                }
+                let dx = k.d[b];
+                acc[t] += hsum(s) as f32 * (d * dx) - msum as f32 * (dmin * dx);
+            }
+        }
+        acc
+    }
+
+    /// Q3_K row · `T` tokens: codes `+ 4` (unsigned `0..=7`), the offset removed as
+    /// `−4 · Σ_k s_k · bsums_k`.
+    ///
+    /// # Safety
+    /// AVX2 must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q3_k_row<const T: usize>(row: &[u8], ks: &[&Q8K; T]) -> [f32; T] {
+        let nb = row.len() / Q3_K_BYTES;
+        assert_eq!(row.len(), nb * Q3_K_BYTES);
+        for k in ks {
+            assert!(k.q.len() >= nb * QK_K && k.d.len() >= nb && k.bsums.len() >= nb * 16);
+        }
+        let mut acc = [0.0f32; T];
+        for b in 0..nb {
+            let blk = &row[b * Q3_K_BYTES..(b + 1) * Q3_K_BYTES];
+            // SAFETY: bytes 32..96 are the 64 code bytes.
+            let mut runs = unsafe { two_bit_runs(&blk[32..96]) };
+            // SAFETY: bytes 0..32 (hmask) are inside the 110-byte block.
+            let hm = unsafe { _mm256_loadu_si256(blk.as_ptr().cast()) };
+            for (m, r) in runs.iter_mut().enumerate() {
+                // Run m = 4n + j takes bit m of hmask[l]: set means no −4, i.e. +4 here.
+                let bit = _mm256_set1_epi8((1u8 << m) as i8);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+                *r = _mm256_or_si256(*r, _mm256_and_si256(set, _mm256_set1_epi8(4)));
+            }
+            let s32 = q3_k_scales(&blk[96..108]);
+            let sc: [i16; 16] = std::array::from_fn(|k| s32[k] as i16);
+            let scv = run_scales(&sc);
+            let d = f16_at(blk, 108);
+            for (t, k) in ks.iter().enumerate() {
+                // SAFETY: the token holds nb·256 codes (asserted).
+                let s = unsafe { weighted(&runs, &scv, k.q[b * QK_K..].as_ptr()) };
+                let bs = &k.bsums[b * 16..(b + 1) * 16];
+                let mut off = 0i32;
+                for (&c, &bsum) in s32.iter().zip(bs) {
+                    off += c * bsum as i32;
+                }
+                let isum = hsum(s) - 4 * off;
+                acc[t] += isum as f32 * (d * k.d[b]);
+            }
+        }
+        acc
+    }
+}
