@@ -9,6 +9,8 @@ pub mod float_dot;
 mod float_x86;
 pub mod hadamard;
 pub mod kquant;
+#[cfg(target_arch = "aarch64")]
+mod kquant_neon;
 pub mod matvec;
 mod portable;
 pub mod qdot;
