@@ -49,6 +49,7 @@ use crate::kv_cache::{EvictionPolicy, KvConfig, LayerKv, PositionsMode};
 use crate::ops::hadamard;
 use crate::ops::simd::{load8, reduce8, store8};
 use rayon::prelude::*;
+use std::ops::Range;
 use wide::f32x8;
 
 /// Work (stored rows × query heads × head_dim) below which heads run sequentially.
@@ -651,19 +652,7 @@ pub fn attend_heads<P: EvictionPolicy + Clone>(
 ) {
     let (hd, group) = (cfg.head_dim, cfg.group());
     debug_assert_eq!(out.len(), heads.len() * group * hd);
-    let step = Step {
-        layer,
-        hd,
-        n: layer.len(),
-        half: rope.half(),
-        score_scale: cfg.score_scale(),
-        visible: &tables.visible,
-        rot: match tables.rot {
-            Rotation::None => None,
-            Rotation::BySlot => Some((&tables.slot_cos[..], &tables.slot_sin[..], false)),
-            Rotation::ById => Some((&tables.id_cos[..], &tables.id_sin[..], true)),
-        },
-    };
+    let step = Step::new(cfg, rope, layer, tables);
     let rotated = layer.config().rotates(hd);
     for (i, (hs, oh)) in heads.iter_mut().zip(out.chunks_mut(group * hd)).enumerate() {
         let h = h0 + i;
@@ -679,6 +668,114 @@ pub fn attend_heads<P: EvictionPolicy + Clone>(
             hadamard::rotate_heads(oh, hd);
         }
     }
+}
+
+/// Whether a decode team splits each KV head's attention between its members
+/// ([`score_rows`], then [`mix_query_head`]) instead of giving each member whole KV heads
+/// ([`attend_heads`]). The results are the same bit for bit either way; only the balance
+/// between members (and one more sync per layer) differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttnSplit {
+    /// When it pays: at least [`SPLIT_MIN_ROWS`] stored rows, and whole KV heads would
+    /// leave the members unevenly loaded (the KV heads are not a multiple of the team
+    /// size, e.g. SmolLM2's 3 or Gemma 3's 1 on 2 threads).
+    #[default]
+    Auto,
+    /// Always (tests).
+    Always,
+    /// Never (tests, A/B runs).
+    Never,
+}
+
+/// Stored rows from which [`AttnSplit::Auto`] splits a KV head. Below it attention is a
+/// small part of the step and one more sync per layer costs about what the balance gains.
+pub const SPLIT_MIN_ROWS: usize = 256;
+
+impl AttnSplit {
+    /// Whether a team of `members` splits a layer of `n_kv_heads` KV heads holding
+    /// `stored` rows.
+    pub fn splits(self, n_kv_heads: usize, members: usize, stored: usize) -> bool {
+        match self {
+            AttnSplit::Always => true,
+            AttnSplit::Never => false,
+            AttnSplit::Auto => {
+                members > 1 && !n_kv_heads.is_multiple_of(members) && stored >= SPLIT_MIN_ROWS
+            }
+        }
+    }
+}
+
+/// Raw scores (before the `1/√d` scale) of KV head `h`'s query heads against stored rows
+/// `rows` of a step [`prepare_step`] has prepared: `out[j * stride + i - rows.start]` for
+/// query head `j` of the group and row `i`. Each row's score is bit for bit the one
+/// [`attend_heads`] computes, whatever the range (the kernels' contract), so a decode
+/// team can score one KV head in several ranges. `hs` is the caller's scratch (only its
+/// `fold`, `block` and `params` are used).
+#[allow(clippy::too_many_arguments)]
+pub fn score_rows<P: EvictionPolicy + Clone>(
+    cfg: &Config,
+    rope: &RopeTable,
+    layer: &LayerKv<P>,
+    tables: &StepTables,
+    h: usize,
+    rows: Range<usize>,
+    hs: &mut HeadScratch,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let (hd, group) = (cfg.head_dim, cfg.group());
+    debug_assert!(rows.end <= layer.len() && rows.len() <= stride);
+    debug_assert!(out.len() >= (group - 1) * stride + rows.len());
+    let step = Step::new(cfg, rope, layer, tables);
+    hs.fold.resize(group * hd, 0.0);
+    hs.block.resize(BLOCK * hd, 0.0);
+    hs.params.resize(2 * hd, 0.0);
+    let qh = &tables.q[h * group * hd..(h + 1) * group * hd];
+    let scratch = (&mut hs.fold[..], &mut hs.block[..], &mut hs.params[..]);
+    score_range(&step, h, qh, rows, scratch, out, stride);
+}
+
+/// One query head of KV head `h`, after [`score_rows`]: `p` (its raw scores over every
+/// stored row) becomes its softmax weights in place, and `out` (`head_dim`) its attention
+/// output — bit for bit what [`attend_heads`] computes for that query head (each query's
+/// sum of values does not depend on how many queries share the kernel call).
+pub fn mix_query_head<P: EvictionPolicy + Clone>(
+    cfg: &Config,
+    rope: &RopeTable,
+    layer: &LayerKv<P>,
+    tables: &StepTables,
+    h: usize,
+    p: &mut [f32],
+    out: &mut [f32],
+) {
+    let (hd, n) = (cfg.head_dim, layer.len());
+    debug_assert!(p.len() == n && out.len() == hd);
+    let step = Step::new(cfg, rope, layer, tables);
+    weigh(&step, p);
+    out.fill(0.0);
+    let mut bias = [0.0f32];
+    step.layer.for_each_value_run(h, |run| {
+        run.rows.axpy_rows(&p[run.first..], n, out, &mut bias);
+    });
+    if bias[0] != 0.0 {
+        out.iter_mut().for_each(|x| *x += bias[0]);
+    }
+    if layer.config().rotates(hd) {
+        hadamard::rotate_heads(out, hd);
+    }
+}
+
+/// The size of the scratch a decode team resizes before its members share
+/// [`HeadScratch::probs`] out by rows: `(group, stored)` scores of each KV head.
+pub fn size_probs(heads: &mut [HeadScratch], group: usize, stored: usize) {
+    for hs in heads {
+        hs.probs.resize(group * stored, 0.0);
+    }
+}
+
+/// The `(group, stored)` scores (then weights) buffer of a KV head's scratch.
+pub fn probs_mut(hs: &mut HeadScratch) -> &mut [f32] {
+    &mut hs.probs
 }
 
 /// How stored keys are rotated at read time.
@@ -749,6 +846,25 @@ struct Step<'a, P> {
     rot: Option<(&'a [f32], &'a [f32], bool)>,
 }
 
+impl<'a, P: EvictionPolicy + Clone> Step<'a, P> {
+    fn new(cfg: &Config, rope: &RopeTable, layer: &'a LayerKv<P>, tables: &'a StepTables) -> Self {
+        let hd = cfg.head_dim;
+        Step {
+            layer,
+            hd,
+            n: layer.len(),
+            half: rope.half(),
+            score_scale: cfg.score_scale(),
+            visible: &tables.visible,
+            rot: match tables.rot {
+                Rotation::None => None,
+                Rotation::BySlot => Some((&tables.slot_cos[..], &tables.slot_sin[..], false)),
+                Rotation::ById => Some((&tables.id_cos[..], &tables.id_sin[..], true)),
+            },
+        }
+    }
+}
+
 /// One KV head: scores of its query heads `qh` (`(group, head_dim)`, rotated) against
 /// the stored keys, softmax, and the weighted sum of the values into `oh`.
 fn attend_head<P: EvictionPolicy + Clone>(
@@ -766,31 +882,6 @@ fn attend_head<P: EvictionPolicy + Clone>(
     hs.params.resize(2 * hd, 0.0);
     hs.vbias.clear();
     hs.vbias.resize(group, 0.0);
-    score_head(step, h, qh, hs);
-    for scores in hs.probs.chunks_exact_mut(n) {
-        scores.iter_mut().for_each(|x| *x *= step.score_scale);
-        // Mistral sliding window: hidden keys get weight 0.
-        for (x, &vis) in scores.iter_mut().zip(step.visible) {
-            if !vis {
-                *x = f32::NEG_INFINITY;
-            }
-        }
-        softmax(scores);
-    }
-    mix_head(step, h, hs, oh);
-}
-
-/// Raw scores `q·k` of KV head `h`'s query heads into `hs.probs` (`(group, stored)`),
-/// straight from storage: through each run's fused kernel, or (keys rotated at read
-/// time) rebuilt [`BLOCK`] rows at a time, rotated by their slots or positions, scored.
-fn score_head<P: EvictionPolicy + Clone>(
-    step: &Step<'_, P>,
-    h: usize,
-    qh: &[f32],
-    hs: &mut HeadScratch,
-) {
-    let (hd, n, half) = (step.hd, step.n, step.half);
-    let unrotate = step.layer.config().rotates(hd);
     let HeadScratch {
         probs,
         fold,
@@ -798,9 +889,53 @@ fn score_head<P: EvictionPolicy + Clone>(
         params,
         ..
     } = hs;
-    step.layer.for_each_key_run(h, |run| {
-        debug_assert!(run.first + run.rows.len() <= n);
-        let out = &mut probs[run.first..];
+    let scratch = (
+        fold.as_mut_slice(),
+        block.as_mut_slice(),
+        params.as_mut_slice(),
+    );
+    score_range(step, h, qh, 0..n, scratch, probs, n);
+    for scores in hs.probs.chunks_exact_mut(n) {
+        weigh(step, scores);
+    }
+    mix_head(step, h, hs, oh);
+}
+
+/// One query head's raw scores over the stored rows scaled, masked by the sliding window
+/// and turned into softmax weights, in place.
+fn weigh<P>(step: &Step<'_, P>, scores: &mut [f32]) {
+    scores.iter_mut().for_each(|x| *x *= step.score_scale);
+    // Mistral sliding window: hidden keys get weight 0.
+    for (x, &vis) in scores.iter_mut().zip(step.visible) {
+        if !vis {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+    softmax(scores);
+}
+
+/// Raw scores `q·k` of KV head `h`'s query heads against stored rows `span`:
+/// `out[j * stride + i - span.start]` for query `j` and row `i`, straight from storage:
+/// through each run's fused kernel, or (keys rotated at read time) rebuilt [`BLOCK`] rows
+/// at a time, rotated by their slots or positions, scored. A row's score does not depend
+/// on `span` (the kernels' contract, [`crate::kv_cache`]'s `KeyRun::dot_rows`): a decode
+/// team may score one KV head in several ranges. Scratch: `(fold, block, params)` as in
+/// [`HeadScratch`], sized.
+fn score_range<P: EvictionPolicy + Clone>(
+    step: &Step<'_, P>,
+    h: usize,
+    qh: &[f32],
+    span: Range<usize>,
+    (fold, block, params): (&mut [f32], &mut [f32], &mut [f32]),
+    out: &mut [f32],
+    stride: usize,
+) {
+    let (hd, half) = (step.hd, step.half);
+    let unrotate = step.layer.config().rotates(hd);
+    let n = stride;
+    step.layer.for_each_key_run_in(h, span.clone(), |run| {
+        debug_assert!(run.first >= span.start && run.first + run.rows.len() <= span.end);
+        let out = &mut out[run.first - span.start..];
         let Some((c, s, by_id)) = step.rot else {
             run.rows.dot_rows(qh, fold, out, n);
             return;
@@ -1006,6 +1141,50 @@ mod tests {
         rotation: KvRotation,
     }
 
+    /// [`score_rows`] over random cuts of every KV head's rows (any length, not only the
+    /// team's multiples of 16), then [`mix_query_head`] per query head: the output and the
+    /// weights, `(n_heads, stored)`, of a prepared step.
+    fn split_attend(
+        cfg: &Config,
+        rope: &RopeTable,
+        layer: &LayerKv,
+        tables: &StepTables,
+        rng: &mut ChaCha8Rng,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (hd, group, n) = (cfg.head_dim, cfg.group(), layer.len());
+        let mut probs = vec![f32::NAN; cfg.n_heads * n];
+        let mut out = vec![f32::NAN; cfg.q_dim()];
+        let mut hs = HeadScratch::default();
+        for h in 0..cfg.n_kv_heads {
+            let head = &mut probs[h * group * n..(h + 1) * group * n];
+            let mut lo = 0;
+            while lo < n {
+                let hi = (lo + rng.gen_range(1..=9)).min(n);
+                let len = hi - lo;
+                let mut part = vec![0.0f32; group * len];
+                score_rows(cfg, rope, layer, tables, h, lo..hi, &mut hs, &mut part, len);
+                for j in 0..group {
+                    head[j * n + lo..j * n + hi].copy_from_slice(&part[j * len..(j + 1) * len]);
+                }
+                lo = hi;
+            }
+            for j in 0..group {
+                let qh = h * group + j;
+                let o = &mut out[qh * hd..(qh + 1) * hd];
+                mix_query_head(
+                    cfg,
+                    rope,
+                    layer,
+                    tables,
+                    h,
+                    &mut head[j * n..(j + 1) * n],
+                    o,
+                );
+            }
+        }
+        (out, probs)
+    }
+
     /// Runs fused, unfused and reference side by side, comparing after every step (so
     /// every T from 1 to `steps`: T = G − 1, G, G + 1 after the prefix, the window's
     /// fill and every ring wrap are all visited). Returns the worst (fused vs unfused,
@@ -1032,6 +1211,7 @@ mod tests {
         let mut reference = LayerCache::new(&kv, c.n_kv_heads, c.head_dim);
         let mut scratch = AttnScratch::new(&cfg, &kv);
         let mut rng = ChaCha8Rng::seed_from_u64(c.seed);
+        let mut cuts = ChaCha8Rng::seed_from_u64(c.seed ^ 0x5eed);
         let kv_dim = cfg.kv_dim();
         // Per-channel K offsets and one outlier channel, as real K has.
         let mut k_bias: Vec<f32> = (0..kv_dim).map(|_| rng.gen_range(-2.0..2.0)).collect();
@@ -1061,6 +1241,12 @@ mod tests {
                 &mut scratch,
                 Some(&mut p_f),
             );
+            // The split path (a decode team's): scores in random row ranges, then each
+            // query head alone — bit for bit the whole-head path.
+            let (out_s, p_s) = split_attend(&cfg, &rope, &layer, scratch.split_mut().0, &mut cuts);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&out_s), bits(&out_f), "{c:?} pos={pos}: split output");
+            assert_eq!(bits(&p_s), bits(&p_f), "{c:?} pos={pos}: split weights");
             attend_stored_dequant(&cfg, &rope, &layer, &q, pos, &mut out_u, Some(&mut p_u));
             tinygpt_reference::attention::attend(
                 &cfg,

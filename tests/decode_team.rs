@@ -1,11 +1,14 @@
 //! The decode team (`tinygpt_cpu::team`): a step run by 2 or 3 threads, each claiming
 //! parts of every product and KV heads of attention, gives the same logits, cache and
 //! attention weights bit for bit as the same step on one thread, for every model shape
-//! the fixtures have (head_dim 32 and 64, GQA, biases, a sliding window, f16/bf16 weights,
-//! YOCO shared layers, GGML-block weights) and every kind of cache.
+//! the fixtures have (head_dim 32, 64 and 256, GQA, MQA, biases, a sliding window, Gemma 3's
+//! sliding layers, f16/bf16 weights, YOCO shared layers, GGML-block weights) and every
+//! kind of cache — with attention split within KV heads (`AttnSplit::Always`, forced at
+//! every context length) and not (`Never`, and `Auto` at these short contexts).
 
 mod common;
 use common::*;
+use tinygpt_cpu::attention::AttnSplit;
 use tinygpt_cpu::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
 use tinygpt_cpu::model::{Model, WeightsDType};
 use tinygpt_cpu::weights::ModelFiles;
@@ -61,6 +64,31 @@ fn caches() -> Vec<(&'static str, KvConfig)> {
                 ..KvConfig::default()
             },
         ),
+        (
+            "bf16 dense",
+            KvConfig {
+                precision: Precision::Bf16,
+                ..KvConfig::default()
+            },
+        ),
+        (
+            "int8 residual 4 (Hadamard-rotated where the head dim allows)",
+            KvConfig {
+                precision: Precision::Int8,
+                group_size: 8,
+                residual: 4,
+                ..KvConfig::default()
+            },
+        ),
+        (
+            "fp16 sink 1 + window 12",
+            KvConfig {
+                precision: Precision::Fp16,
+                sink: 1,
+                window: Some(12),
+                ..KvConfig::default()
+            },
+        ),
     ]
 }
 
@@ -73,10 +101,12 @@ fn run(
     threads: usize,
     probs: bool,
     feed: Option<&[u32]>,
+    split: AttnSplit,
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
     pool(threads).install(|| {
         let mut s = model.session(kv);
         s.record_probs = probs;
+        s.attn_split = split;
         let mut tokens = vec![1u32];
         let mut out = Vec::new();
         for pos in 0..STEPS {
@@ -96,18 +126,20 @@ fn run(
 fn check(name: &str, model: &Model) {
     for (cache, kv) in caches() {
         for probs in [false, true] {
-            let (tokens, one) = run(model, &kv, 1, probs, None);
+            let (tokens, one) = run(model, &kv, 1, probs, None, AttnSplit::Never);
             for threads in [2, 3] {
-                let (_, team) = run(model, &kv, threads, probs, Some(&tokens));
-                for (pos, (a, b)) in one.iter().zip(&team).enumerate() {
-                    let same = a.len() == b.len()
-                        && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                    assert!(
-                        same,
-                        "{name}, {cache}, probs {probs}: {threads} threads differ from 1 at \
-                         step {pos} (max |diff| {})",
-                        max_abs_diff(a, b)
-                    );
+                for split in [AttnSplit::Never, AttnSplit::Always, AttnSplit::Auto] {
+                    let (_, team) = run(model, &kv, threads, probs, Some(&tokens), split);
+                    for (pos, (a, b)) in one.iter().zip(&team).enumerate() {
+                        let same = a.len() == b.len()
+                            && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                        assert!(
+                            same,
+                            "{name}, {cache}, probs {probs}, {split:?}: {threads} threads \
+                             differ from 1 at step {pos} (max |diff| {})",
+                            max_abs_diff(a, b)
+                        );
+                    }
                 }
             }
         }
@@ -143,6 +175,18 @@ fn team_equals_one_thread_on_the_unseen_model_shapes() {
     }
 }
 
+/// The tiny GGUF architecture fixtures: Gemma 3 (sliding and global layers, their own
+/// RoPE bases), Qwen3 (q/k norms) and a head_dim 256 MQA model (one KV head: every member
+/// shares it only when attention is split).
+#[test]
+fn team_equals_one_thread_on_the_gguf_archs() {
+    for arch in ["gemma3", "qwen3", "qwen3-hd256-mqa"] {
+        let path = fixtures().join(format!("archs/{arch}/{arch}.gguf"));
+        let files = ModelFiles::open(Some(&path)).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        check(arch, &load(&files));
+    }
+}
+
 #[test]
 fn team_equals_one_thread_on_smollm2_q4_1() {
     let Some(path) = smollm2_path() else {
@@ -153,13 +197,15 @@ fn team_equals_one_thread_on_smollm2_q4_1() {
     let model = load(&files);
     // One cache per kind of store is enough at this size.
     for (cache, kv) in caches().into_iter().take(3) {
-        let (tokens, one) = run(&model, &kv, 1, false, None);
-        let (_, team) = run(&model, &kv, 2, false, Some(&tokens));
-        for (pos, (a, b)) in one.iter().zip(&team).enumerate() {
-            assert!(
-                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "SmolLM2, {cache}: 2 threads differ from 1 at step {pos}"
-            );
+        let (tokens, one) = run(&model, &kv, 1, false, None, AttnSplit::Never);
+        for split in [AttnSplit::Never, AttnSplit::Always] {
+            let (_, team) = run(&model, &kv, 2, false, Some(&tokens), split);
+            for (pos, (a, b)) in one.iter().zip(&team).enumerate() {
+                assert!(
+                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "SmolLM2, {cache}, {split:?}: 2 threads differ from 1 at step {pos}"
+                );
+            }
         }
     }
 }

@@ -426,12 +426,32 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
     /// where the policy's do (sink/recent seam, prefix/body border, ring wrap) and where
     /// the store's do (e.g. KIVI K: group borders under a ring, the residual and its
     /// ring's wrap).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn for_each_key_run(
         &self,
         h: usize,
+        f: impl for<'r> FnMut(RunAt<'r, dyn KeyRun + 'r>),
+    ) {
+        self.for_each_key_run_in(h, 0..self.len(), f)
+    }
+
+    /// As [`LayerKv::for_each_key_run`], for the stored rows `within` only (logical
+    /// indices; `first` stays logical). Each run is the store's run from its first row
+    /// ([`storage::RowStore::run_end`] asked from there, up to `within.end`), so every view is one
+    /// the store hands out. Lets a decode team score one KV head's rows in several ranges
+    /// (a row's score does not depend on the cut, [`KeyRun::dot_rows`]).
+    pub(crate) fn for_each_key_run_in(
+        &self,
+        h: usize,
+        within: std::ops::Range<usize>,
         mut f: impl for<'r> FnMut(RunAt<'r, dyn KeyRun + 'r>),
     ) {
-        self.for_each_span(|mut first, in_prefix, rows| {
+        self.for_each_span(|span, in_prefix, rows| {
+            let (lo, hi) = (within.start.max(span), within.end.min(span + rows.len()));
+            if lo >= hi {
+                return;
+            }
+            let (mut first, rows) = (lo, rows.start + (lo - span)..rows.start + (hi - span));
             let (store, at, base) = if in_prefix {
                 (&self.prefix_k, self.prefix_region(), 0)
             } else {

@@ -129,6 +129,9 @@ pub struct Session {
     /// for every model layer (a shared layer's over the rows of the cache it reads).
     pub record_probs: bool,
     pub probs: Vec<Vec<f32>>,
+    /// Whether a decode team splits attention within KV heads (the same results bit for
+    /// bit either way; tests force both paths).
+    pub attn_split: crate::attention::AttnSplit,
 }
 
 fn matrix(t: &Tensor, want: WeightsDType) -> Matrix {
@@ -264,6 +267,7 @@ impl Model {
             logits: vec![0.0; c.vocab_size],
             record_probs: false,
             probs: vec![Vec::new(); c.n_layers],
+            attn_split: Default::default(),
         }
     }
 

@@ -9,7 +9,8 @@ use super::{
     StepBufs,
 };
 use crate::attention::{
-    append_kv, attend_heads, copy_probs, observe_step, prepare_step, HeadScratch, StepTables,
+    append_kv, attend_heads, copy_probs, mix_query_head, observe_step, prepare_step, probs_mut,
+    score_rows, size_probs, AttnSplit, HeadScratch, StepTables,
 };
 use crate::config::Config;
 use crate::error::Result;
@@ -25,6 +26,7 @@ pub(super) fn run_step(model: &Model, s: &mut Session, token: u32, pos: usize) -
     let mut bufs = StepBufs::reuse(std::mem::take(&mut s.bufs), c, 1);
     model.embed_row(token, &mut bufs.x);
     let (tables, heads) = s.scratch.split_mut();
+    let mut head_probs = vec![ProbsPtr(std::ptr::null_mut(), 0); heads.len()];
     let shared = TeamBufs {
         x0: &bufs.x,
         q: SharedSlice::new(&mut bufs.q),
@@ -38,6 +40,8 @@ pub(super) fn run_step(model: &Model, s: &mut Session, token: u32, pos: usize) -
         cache: SharedCell::new(&mut s.cache),
         tables: SharedCell::new(tables),
         heads: SharedSlice::new(heads),
+        head_probs: SharedSlice::new(&mut head_probs),
+        split: s.attn_split,
         probs: s.record_probs.then(|| SharedCell::new(&mut s.probs)),
     };
     // Every member takes the same branches, so all return the same error (or none).
@@ -51,6 +55,8 @@ pub(super) fn run_step(model: &Model, s: &mut Session, token: u32, pos: usize) -
             pos,
             q_normed: None,
             k_normed: None,
+            attn: HeadScratch::default(),
+            scores: Vec::new(),
         })
     });
     s.bufs = bufs;
@@ -69,6 +75,10 @@ struct TeamMember<'m, 'b, 'a> {
     pos: usize,
     q_normed: Option<Vec<f32>>,
     k_normed: Option<Vec<f32>>,
+    /// scratch of this member's share of a split attention ([`score_rows`])
+    attn: HeadScratch,
+    /// `(group, rows)` scores of the range being scored
+    scores: Vec<f32>,
 }
 
 impl Exec for TeamMember<'_, '_, '_> {
@@ -113,6 +123,11 @@ impl Exec for TeamMember<'_, '_, '_> {
     /// Member 0 appends the K/V and prepares the step while the others wait — sync; each
     /// member attends over the KV heads it claims — sync; member 0 lets an observing
     /// policy see the weights. Ends with `att` complete.
+    ///
+    /// Split ([`AttnSplit`]): instead of whole KV heads, each member scores the row ranges
+    /// it claims (of any KV head) — sync; then softmax and weighted sum per query head it
+    /// claims. Same values bit for bit, better balanced when the KV heads are fewer than,
+    /// or not a multiple of, the members.
     fn attend(&mut self, model: &Model, l: usize, kv: Kv) -> Result<()> {
         let (c, rope, m, b) = (&model.cfg, &model.ropes[l], self.m, self.b);
         let src = match kv {
@@ -131,17 +146,31 @@ impl Exec for TeamMember<'_, '_, '_> {
                 append_kv(c, rope, cache.layer_mut(l), k, v, self.pos, tables);
             }
             prepare_step(c, rope, cache.layer(src), q, self.pos, tables);
+            let n = cache.layer(src).len();
+            if b.split.splits(c.n_kv_heads, m.n, n) {
+                // SAFETY: as above; nobody else touches the heads' scratch or the
+                // pointers until the sync below.
+                let (heads, ptrs) = unsafe {
+                    (
+                        b.heads.range_mut(0..b.heads.len()),
+                        b.head_probs.range_mut(0..b.head_probs.len()),
+                    )
+                };
+                size_probs(heads, c.group(), n);
+                for (p, hs) in ptrs.iter_mut().zip(heads) {
+                    let probs = probs_mut(hs);
+                    *p = ProbsPtr(probs.as_mut_ptr(), probs.len());
+                }
+            }
         }
         m.sync();
-        let width = c.group() * c.head_dim;
-        m.claim_each(c.n_kv_heads, |h| {
-            // SAFETY: nobody changes the cache or the tables until the sync below; each
-            // KV head is claimed once, with its scratch and its rows of `att`.
-            let (cache, tables) = unsafe { (b.cache.get(), b.tables.get()) };
-            let hs: &mut [HeadScratch] = unsafe { b.heads.range_mut(h..h + 1) };
-            let out = unsafe { b.att.range_mut(h * width..(h + 1) * width) };
-            attend_heads(c, rope, cache.layer(src), tables, h, hs, out);
-        });
+        // SAFETY: the cache changes again only after the attention's last sync.
+        let n = unsafe { b.cache.get() }.layer(src).len();
+        if b.split.splits(c.n_kv_heads, m.n, n) {
+            self.attend_split(model, l, src, n);
+        } else {
+            self.attend_whole(model, l, src);
+        }
         m.sync();
         if m.id == 0 {
             // SAFETY: the heads' scratch is complete; the others now only run `o_proj`,
@@ -220,8 +249,11 @@ impl Exec for TeamMember<'_, '_, '_> {
 /// writes what, per layer (every other access is a read of a complete buffer):
 ///
 /// 1. each member the rows it claims of `q`, `k`, `v` — sync;
-/// 2. member 0 the cache (append) and `tables` (prepare) — sync;
-/// 3. each member the KV heads it claims: their `heads` and rows of `att` — sync;
+/// 2. member 0 the cache (append), `tables` (prepare) and, split, the heads' score
+///    buffers' sizes and `head_probs` — sync;
+/// 3. each member the KV heads it claims: their `heads` and rows of `att` — sync (split,
+///    [`AttnSplit`]: each member the row ranges it claims of the heads' scores — sync;
+///    each member the query heads it claims: their weights and rows of `att` — sync);
 /// 4. member 0 the cache again (an observing policy) and `probs`; each member its rows
 ///    of `proj` — sync;
 /// 5. each member its rows of `gate`, `up` — sync;
@@ -242,6 +274,10 @@ struct TeamBufs<'a> {
     cache: SharedCell<'a, KvCache>,
     tables: SharedCell<'a, StepTables>,
     heads: SharedSlice<'a, HeadScratch>,
+    /// each KV head's scores buffer in a split attention (member 0 writes them in step 2)
+    head_probs: SharedSlice<'a, ProbsPtr>,
+    /// when attention is split within KV heads
+    split: AttnSplit,
     probs: Option<SharedCell<'a, Vec<Vec<f32>>>>,
 }
 
@@ -279,4 +315,77 @@ fn team_product(
             }
         })
     });
+}
+
+/// KV head `h`'s `(group, stored)` scores buffer, as member 0 sized it for a split
+/// attention: `(pointer, length)`.
+#[derive(Clone, Copy)]
+struct ProbsPtr(*mut f32, usize);
+
+// SAFETY: a plain address into the heads' scratch; who writes where is the protocol of
+// `TeamMember::attend_split`.
+unsafe impl Send for ProbsPtr {}
+
+/// Rows per range of a split attention's scoring: about four ranges per member over all
+/// KV heads (a late member's share is taken by the others), a multiple of 16 rows.
+fn score_chunk(stored: usize, members: usize, n_kv_heads: usize) -> usize {
+    let per_head = (4 * members).div_ceil(n_kv_heads).max(1);
+    stored.div_ceil(per_head).next_multiple_of(16)
+}
+
+impl TeamMember<'_, '_, '_> {
+    /// Each member whole KV heads ([`attend_heads`]).
+    fn attend_whole(&mut self, model: &Model, l: usize, src: usize) {
+        let (c, rope, m, b) = (&model.cfg, &model.ropes[l], self.m, self.b);
+        let width = c.group() * c.head_dim;
+        m.claim_each(c.n_kv_heads, |h| {
+            // SAFETY: nobody changes the cache or the tables until the caller's next sync;
+            // each KV head is claimed once, with its scratch and its rows of `att`.
+            let (cache, tables) = unsafe { (b.cache.get(), b.tables.get()) };
+            let hs: &mut [HeadScratch] = unsafe { b.heads.range_mut(h..h + 1) };
+            let out = unsafe { b.att.range_mut(h * width..(h + 1) * width) };
+            attend_heads(c, rope, cache.layer(src), tables, h, hs, out);
+        });
+    }
+
+    /// Attention split within KV heads over `n` stored rows: each member scores the
+    /// (KV head, row range) units it claims into the heads' score buffers — sync; then
+    /// the softmax and weighted sum of each query head it claims into its rows of `att`.
+    fn attend_split(&mut self, model: &Model, l: usize, src: usize, n: usize) {
+        let (c, rope, m, b) = (&model.cfg, &model.ropes[l], self.m, self.b);
+        let (hd, group, nkv) = (c.head_dim, c.group(), c.n_kv_heads);
+        // SAFETY: nobody changes the cache or the tables until the caller's next sync.
+        let (cache, tables) = unsafe { (b.cache.get(), b.tables.get()) };
+        let layer = cache.layer(src);
+        // SAFETY: written by member 0 before the last sync, only read until the next step.
+        let ptrs = unsafe { b.head_probs.all() };
+        debug_assert!(ptrs.iter().all(|p| p.1 == group * n));
+        let chunk = score_chunk(n, m.n, nkv);
+        let per_head = n.div_ceil(chunk);
+        let (hs, scores) = (&mut self.attn, &mut self.scores);
+        m.claim_each(nkv * per_head, |u| {
+            let (h, k) = (u / per_head, u % per_head);
+            let rows = k * chunk..((k + 1) * chunk).min(n);
+            let len = rows.len();
+            scores.resize(group * len, 0.0);
+            score_rows(c, rope, layer, tables, h, rows.clone(), hs, scores, len);
+            for (j, s) in scores.chunks_exact(len).enumerate() {
+                let at = j * n + rows.start;
+                // SAFETY: the buffer holds `group * n` values (sized by member 0 before
+                // the last sync); each (head, range) unit is claimed once, so these
+                // ranges are written by this member alone and read after the next sync.
+                let dst = unsafe { std::slice::from_raw_parts_mut(ptrs[h].0.add(at), len) };
+                dst.copy_from_slice(s);
+            }
+        });
+        m.sync();
+        m.claim_each(c.n_heads, |qh| {
+            let (h, j) = (qh / group, qh % group);
+            // SAFETY: every score is written (the sync above); each query head is claimed
+            // once, with its row of the scores and its rows of `att`.
+            let p = unsafe { std::slice::from_raw_parts_mut(ptrs[h].0.add(j * n), n) };
+            let out = unsafe { b.att.range_mut(qh * hd..(qh + 1) * hd) };
+            mix_query_head(c, rope, layer, tables, h, p, out);
+        });
+    }
 }
