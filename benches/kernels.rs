@@ -68,7 +68,7 @@ use tinygpt_cpu::dtype::DType;
 use tinygpt_cpu::kv_cache::{KvCache, LayerKv, Precision};
 use tinygpt_cpu::ops::float_dot::{self, FloatRows};
 use tinygpt_cpu::ops::matvec::STREAM_BYTES;
-use tinygpt_cpu::ops::qdot::{self, Kernel, Packed, QuantizedActs, GROUP};
+use tinygpt_cpu::ops::qdot::{self, ActsForms, Kernel, Packed, QuantizedActs, GROUP};
 use tinygpt_cpu::ops::{matvec, Matrix};
 use tinygpt_cpu::weights::{Tensor, TensorBytes};
 
@@ -221,22 +221,50 @@ fn random_blocks(dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
         .collect();
     let scale = f16::from_f32(1e-3).to_le_bytes();
     for blk in out.chunks_exact_mut(dtype.block_bytes()) {
-        blk[..2].copy_from_slice(&scale);
-        if dtype == DType::Q4_1 {
-            blk[2..4].copy_from_slice(&scale);
+        for &at in f16_fields(dtype) {
+            blk[at..at + 2].copy_from_slice(&scale);
         }
     }
     out
 }
 
+/// The quantised weight types `qdot` measures: every type the kernels read as stored
+/// (Q5_0 and IQ4_NL are rewritten to Q8_0 blocks at load, so the Q8_0 rows are theirs).
+const QDOT_TYPES: [DType; 8] = [
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_1,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_XS,
+];
+
+/// Byte offsets of a block's f16 scale fields (`d`, and `m`/`dmin` where there is one),
+/// from ggml's block layouts.
+fn f16_fields(dtype: DType) -> &'static [usize] {
+    match dtype {
+        DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+        DType::Q6_K => &[208],
+        _ => &[0],
+    }
+}
+
 fn bench_qdot(c: &mut Criterion) {
     let one = pool(1);
     let mut rng = ChaCha8Rng::seed_from_u64(2);
-    for (rows, cols) in [(1536usize, 576usize), (16384, 8192)] {
+    // SmolLM2's q_proj shape (576 columns: the 32-wide types only), its MLP's shape rounded
+    // to whole super-blocks, and a matrix far larger than the last-level cache.
+    for (rows, cols) in [(1536usize, 576usize), (1536, 768), (16384, 8192)] {
         let x = uniform(&mut rng, cols, 1.0);
         let mut out = vec![0.0f32; rows];
         let mut g = c.benchmark_group(format!("qdot/{rows}x{cols}"));
-        for dtype in [DType::Q8_0, DType::Q4_1] {
+        for dtype in QDOT_TYPES {
+            if dtype.bytes_for(cols).is_none() {
+                continue;
+            }
+            let forms = ActsForms::of(dtype);
             let bytes = random_blocks(dtype, rows, cols);
             g.throughput(Throughput::Bytes(bytes.len() as u64));
             let p = Packed::new(dtype, rows, cols, &bytes);
@@ -250,7 +278,7 @@ fn bench_qdot(c: &mut Criterion) {
                             let mut a = QuantizedActs::default();
                             let mut buf = [0.0f32; GROUP];
                             for _ in 0..iters {
-                                a.quantize(black_box(&x));
+                                a.quantize_forms(black_box(&x), forms);
                                 for (gi, o) in out.chunks_mut(GROUP).enumerate() {
                                     qdot::dot_group(k, &p, gi, &a, &mut buf);
                                     o.copy_from_slice(&buf[..o.len()]);

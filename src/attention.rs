@@ -656,7 +656,7 @@ pub fn attend_heads<P: EvictionPolicy + Clone>(
         hd,
         n: layer.len(),
         half: rope.half(),
-        score_scale: 1.0 / (hd as f32).sqrt(),
+        score_scale: cfg.score_scale(),
         visible: &tables.visible,
         rot: match tables.rot {
             Rotation::None => None,
@@ -884,7 +884,7 @@ pub(crate) fn attend_stored_dequant(
     }
     let half = rope.half();
     let (mut cos, mut sin) = (vec![0.0; half], vec![0.0; half]);
-    let score_scale = 1.0 / (hd as f32).sqrt();
+    let score_scale = cfg.score_scale();
     let (mut keys, mut values) = (vec![0.0; n * hd], vec![0.0; n * hd]);
     let mut all_probs = Vec::new();
     for h in 0..cfg.n_kv_heads {

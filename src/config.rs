@@ -78,7 +78,7 @@ pub struct HfConfig {
     /// Gemma: the activation (`gelu_pytorch_tanh`).
     #[serde(default)]
     pub hidden_activation: Option<String>,
-    /// Gemma: queries are scaled by `query_pre_attn_scalar^-1/2` (only `head_dim` supported).
+    /// Gemma: scores are scaled by `query_pre_attn_scalar^-1/2` (default: `head_dim`'s).
     #[serde(default)]
     pub query_pre_attn_scalar: Option<f64>,
     /// Gemma 3: RoPE base of the sliding-window layers (default 10000).
@@ -247,14 +247,13 @@ impl HfConfig {
         layer_types: Vec<AttentionType>,
         mistral_window: Option<usize>,
     ) -> std::result::Result<(GemmaOptions, Vec<AttentionType>), String> {
-        if let Some(s) = self.query_pre_attn_scalar {
-            if s != sizes.head_dim as f64 {
-                return Err(format!(
-                    "query_pre_attn_scalar = {s} differs from head_dim ({}): not supported",
-                    sizes.head_dim
-                ));
+        let query_pre_attn_scalar = match self.query_pre_attn_scalar {
+            Some(s) if !(s.is_finite() && s > 0.0) => {
+                return Err(format!("query_pre_attn_scalar must be positive, got {s}"));
             }
-        }
+            Some(s) if s == sizes.head_dim as f64 => None,
+            s => s.map(|s| s as f32),
+        };
         let types = if layer_types.is_empty() {
             let pattern = self.sliding_window_pattern.unwrap_or(6);
             let window = mistral_window
@@ -301,6 +300,7 @@ impl HfConfig {
                 gelu_tanh: true,
                 rope_local_theta: Some(local as f32),
                 norm_offset: 1.0,
+                query_pre_attn_scalar,
             },
             types,
         ))

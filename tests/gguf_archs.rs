@@ -314,3 +314,45 @@ fn unknown_architecture_and_pre_tokenizer_are_named() {
         "{e}"
     );
 }
+
+/// Gemma's `query_pre_attn_scalar` apart from `head_dim` (as in Gemma 3 27B): a tiny random
+/// Gemma 3 with 48 against 64 (`fixtures/make_gemma3_qpas.py`), engine and reference against
+/// transformers. The golden also holds transformers' logits for the same weights scaled by
+/// `head_dim`, and the engine must be far from those: the fixture tells the scales apart.
+#[test]
+fn gemma3_query_pre_attn_scalar_matches_transformers() {
+    let g = golden("gemma3_qpas.json");
+    let path = fixtures().join(g["hf_dir"].as_str().unwrap());
+    let files = ModelFiles::open(Some(&path)).unwrap();
+    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    assert_eq!(model.cfg.score_scale(), 1.0 / 48f32.sqrt());
+    let reference = reference_model(&files, WeightsDType::Native).unwrap();
+    let kv = KvConfig::default();
+    for e in g["entries"].as_array().unwrap() {
+        let prompt = ids(&e["prompt_ids"]);
+        let want_ids = ids(&e["greedy_ids"]);
+        let want = floats(&e["last_logits"]);
+        let other_scale = floats(&e["last_logits_head_dim_scale"]);
+        let margins = floats(&e["margins"]);
+        let engine = greedy(&mut EngineRun::new(&model, &kv), &prompt, want_ids.len());
+        let refr = greedy(
+            &mut ReferenceRun::new(&reference, &kv),
+            &prompt,
+            want_ids.len(),
+        );
+        for (which, run) in [("engine", &engine), ("reference", &refr)] {
+            let err = max_abs_diff(&run.logits[0], &want);
+            assert!(err < TOL, "{which}: last prompt logits off by {err}");
+            check_ids(which, &run.ids, &want_ids, &margins);
+        }
+        let apart = max_abs_diff(&engine.logits[0], &other_scale);
+        assert!(
+            apart > 100.0 * TOL,
+            "the head_dim scale gives nearly the same logits ({apart}): the fixture cannot tell"
+        );
+        assert_eq!(engine.ids, refr.ids, "engine vs reference ids");
+        for (a, b) in engine.logits.iter().zip(&refr.logits) {
+            assert!(max_abs_diff(a, b) < TOL, "engine vs reference logits");
+        }
+    }
+}

@@ -117,7 +117,7 @@ fn case() -> impl Strategy<Value = (DType, usize, usize, Vec<u8>, Vec<u16>, Vec<
             Just(DType::IQ4_XS)
         ],
         1usize..20,
-        1usize..5,
+        1usize..9,
     )
         .prop_flat_map(|(dtype, rows, nb)| {
             let blocks = rows * nb;
@@ -210,6 +210,57 @@ proptest! {
             }
         }
     }
+}
+
+/// The SIMD K-quant code this CPU should run is the code the dispatch runs: on aarch64
+/// with the dot-product extension (every build of `scripts/test-aarch64.sh`, under qemu)
+/// `neon-dotprod` is a supported variant and multiplies every K-quant type and Q5_1 with
+/// its NEON rows; on x86_64 with AVX2 `avx2` does. `scalar` and `portable` never claim
+/// SIMD rows. (Fails if a variant's dispatch falls back to the scalar loops.)
+#[test]
+fn simd_kquant_rows_run_where_the_cpu_has_them() {
+    use tinygpt_cpu::ops::kquant::has_simd_kquant;
+    let types = [
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::IQ4_XS,
+        DType::Q5_1,
+    ];
+    #[cfg(target_arch = "aarch64")]
+    {
+        #[cfg(target_feature = "dotprod")]
+        assert!(
+            Kernel::supported().contains(&Kernel::NeonDotprod),
+            "built with dotprod but neon-dotprod is not a supported variant"
+        );
+        if Kernel::NeonDotprod.is_supported() {
+            for t in types {
+                assert!(has_simd_kquant(Kernel::NeonDotprod, t), "neon-dotprod {t}");
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if Kernel::Avx2.is_supported() {
+        for t in types {
+            assert!(has_simd_kquant(Kernel::Avx2, t), "avx2 {t}");
+        }
+    }
+    for t in types {
+        assert!(!has_simd_kquant(Kernel::Scalar, t));
+        assert!(!has_simd_kquant(Kernel::Portable, t));
+    }
+    // Float and 32-block types are not this module's.
+    assert!(!Kernel::ALL
+        .iter()
+        .any(|&k| has_simd_kquant(k, DType::Q8_0) || has_simd_kquant(k, DType::F32)));
+    eprintln!(
+        "kernels here: {:?}",
+        Kernel::supported()
+            .iter()
+            .map(|k| (k.name(), has_simd_kquant(*k, DType::Q4_K)))
+            .collect::<Vec<_>>()
+    );
 }
 
 /// Every weight byte at 0xFF (largest codes, scales and mins) with the largest f16

@@ -136,7 +136,7 @@ pub fn attend_cached(
     if let Some(p) = probs_out.as_deref_mut() {
         p.clear();
     }
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = cfg.score_scale();
     // Keys rotated at read time are scored in the order of the engine's fused
     // rotate-and-dot, the others in its order for stored rows (crate::order).
     let read_rotated = mode == PositionsMode::Cache || pre_rope;

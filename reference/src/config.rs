@@ -58,6 +58,9 @@ pub struct GemmaOptions {
     /// Added to every RMSNorm weight at load: Hugging Face Gemma checkpoints store `w − 1`
     /// (their norm multiplies by `1 + w`); llama.cpp's GGUF files store `w` itself (0).
     pub norm_offset: f32,
+    /// Gemma's `query_pre_attn_scalar`: scores are scaled by its inverse square root instead
+    /// of `head_dim`'s (`None`: `head_dim`). Only Gemma 2/3 27B set it apart from `head_dim`.
+    pub query_pre_attn_scalar: Option<f32>,
 }
 
 /// A validated Llama-family configuration.
@@ -97,6 +100,16 @@ pub struct Config {
 }
 
 impl Config {
+    /// The factor every attention score `q·k` is multiplied by before the softmax:
+    /// `1 / √head_dim`, or `1 / √query_pre_attn_scalar` where the config sets it; computed
+    /// in f32 (a square root, then a division, each rounded once).
+    pub fn score_scale(&self) -> f32 {
+        let base = self
+            .gemma
+            .query_pre_attn_scalar
+            .unwrap_or(self.head_dim as f32);
+        1.0 / base.sqrt()
+    }
     /// Width of the concatenated query heads.
     pub fn q_dim(&self) -> usize {
         self.n_heads * self.head_dim

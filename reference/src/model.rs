@@ -483,7 +483,7 @@ impl Model {
                                 return f32::NEG_INFINITY;
                             }
                             let k = head_row(ks, j, kvh).to_vec();
-                            order::dot_score(&q.to_vec(), &k) * (1.0 / (hd as f32).sqrt())
+                            order::dot_score(&q.to_vec(), &k) * cfg.score_scale()
                         })
                         .collect();
                     softmax(scores.view_mut());

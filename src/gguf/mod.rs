@@ -438,6 +438,9 @@ impl GgufFile {
             layer_types,
             sliding_window,
             num_kv_shared_layers: shared,
+            query_pre_attn_scalar: gemma3
+                .then(|| gemma3_query_pre_attn_scalar(n_layers, hidden, n_heads))
+                .flatten(),
             from_gguf: true,
             ..HfConfig::default()
         };
@@ -952,5 +955,28 @@ mod tests {
         assert!(unpermute_qk_rows(&file, 4, 3).is_err());
         assert!(unpermute_qk_rows(&file, 0, 1).is_err());
         assert!(unpermute_qk_rows(&file[..7], 4, 1).is_err());
+    }
+}
+
+/// Gemma 3's `query_pre_attn_scalar`, which a GGUF has no key for: llama.cpp scales 27B (62
+/// blocks) by `1/√(n_embd / n_head)` (integer division), every other size by `1/√head_dim`
+/// (`None` here).
+fn gemma3_query_pre_attn_scalar(n_layers: usize, hidden: usize, n_heads: usize) -> Option<f64> {
+    (n_layers == 62 && n_heads > 0).then(|| (hidden / n_heads) as f64)
+}
+
+#[cfg(test)]
+mod gemma3_scale_tests {
+    use super::gemma3_query_pre_attn_scalar as qpas;
+
+    #[test]
+    fn only_27b_takes_embd_over_heads() {
+        // Gemma 3 27B: 5376 / 32 = 168 (its Hugging Face config's value), head_dim 128.
+        assert_eq!(qpas(62, 5376, 32), Some(168.0));
+        // 270M, 1B (1152 / 4 = 288, yet scaled by head_dim 256), 4B, 12B.
+        for (layers, hidden, heads) in [(18, 640, 4), (26, 1152, 4), (34, 2560, 8), (48, 3840, 16)]
+        {
+            assert_eq!(qpas(layers, hidden, heads), None);
+        }
     }
 }

@@ -23,8 +23,14 @@
 //!   of the unsigned codes (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 before its −32) with the signed
 //!   activation codes, `vpmaddwd` with the sub-block scales, summed in 32-bit lanes;
 //!   Q6_K's `−32` is applied as `−32 · Σ_k sc_k · bsums_k`. Same integers, same floats;
-//! * `portable` and `neon-dotprod`: **fall back to the scalar variant** for these types
-//!   (correct, not fast; a `wide`/`sdot` version is a follow-up).
+//! * `neon-dotprod` (`super::kquant_neon`): each super-block unpacked once into signed
+//!   bytes in value order (Q6_K's codes already minus 32, IQ4_XS's levels by `tbl`), `sdot`
+//!   with the activation codes, one 32-bit sum per sub-block by pairwise adds, the
+//!   sub-block scales applied in 32-bit lanes. Same integers, same floats;
+//! * `portable`: **falls back to the scalar variant** for these types (correct, not fast;
+//!   a `wide` version is a follow-up).
+//!
+//! [`has_simd_kquant`] says which variant runs SIMD code for which type on this machine.
 //!
 //! The multi-token kernels unpack each weight super-block once for [`TOKENS`] tokens;
 //! every token's value is the one-token value, bit for bit.
@@ -80,6 +86,64 @@ pub fn quantize_into(x: &[f32], k: &mut Q8K) {
 #[cfg(target_arch = "x86_64")]
 fn use_avx2(kernel: Kernel) -> bool {
     matches!(kernel, Kernel::Avx2 | Kernel::Avx512Vnni) && Kernel::Avx2.is_supported()
+}
+
+/// Whether `kernel` runs the NEON + dot-product rows ([`super::kquant_neon`]) here.
+#[cfg(target_arch = "aarch64")]
+fn use_neon(kernel: Kernel) -> bool {
+    kernel == Kernel::NeonDotprod && kernel.is_supported()
+}
+
+/// A NEON row kernel: one row against `T` tokens' Q8_K super-blocks.
+#[cfg(target_arch = "aarch64")]
+type NeonRow<const T: usize> = unsafe fn(&[u8], &[&Q8K; T]) -> [f32; T];
+
+/// The NEON row kernel `kernel` runs for `dtype` on this machine (`None`: scalar). The
+/// dispatch ([`row_dots`]) and [`has_simd_kquant`] both ask this one function.
+#[cfg(target_arch = "aarch64")]
+fn neon_row<const T: usize>(kernel: Kernel, dtype: DType) -> Option<NeonRow<T>> {
+    use super::kquant_neon as neon;
+    if !use_neon(kernel) {
+        return None;
+    }
+    Some(match dtype {
+        DType::Q4_K => neon::k4_row::<T, false> as NeonRow<T>,
+        DType::Q5_K => neon::k4_row::<T, true>,
+        DType::Q6_K => neon::q6_k_row::<T>,
+        DType::IQ4_XS => neon::iq4_xs_row::<T>,
+        _ => return None,
+    })
+}
+
+/// Whether `kernel` multiplies `dtype` (a row-packed type, see [`is_row_packed`]) with
+/// SIMD code on this machine rather than the scalar loops: `avx2` / `avx512vnni` on x86_64
+/// with AVX2, `neon-dotprod` on aarch64 with the dot-product extension; never `portable`
+/// or `scalar`. Tests assert it so that a dispatch falling back to scalar fails them.
+pub fn has_simd_kquant(kernel: Kernel, dtype: DType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    let simd = use_avx2(kernel)
+        && matches!(
+            dtype,
+            DType::Q4_K
+                | DType::Q5_K
+                | DType::Q6_K
+                | DType::IQ4_XS
+                | DType::Q5_1
+                | DType::Q2_K
+                | DType::Q3_K
+        );
+    #[cfg(target_arch = "aarch64")]
+    let simd = if dtype == DType::Q5_1 {
+        use_neon(kernel)
+    } else {
+        neon_row::<1>(kernel, dtype).is_some()
+    };
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let simd = {
+        let _ = (kernel, dtype);
+        false
+    };
+    simd
 }
 
 /// `out[k] = row (8g + k) · a` for a K-quant group (see [`super::qdot::dot_group`]).
@@ -152,6 +216,12 @@ fn q5_1_dots<const T: usize>(kernel: Kernel, row: &[u8], acts: &[&QuantizedActs;
         // token has as many blocks as the row (asserted by the callers and again inside).
         return unsafe { avx2::q5_1_row::<T>(row, acts) };
     }
+    #[cfg(target_arch = "aarch64")]
+    if use_neon(kernel) {
+        // SAFETY: NEON is baseline on aarch64 and `dotprod` was detected in `use_neon`;
+        // every token has as many blocks as the row (asserted by the callers and inside).
+        return unsafe { super::kquant_neon::q5_1_row::<T>(row, acts) };
+    }
     let _ = kernel;
     std::array::from_fn(|t| {
         let a = acts[t];
@@ -189,6 +259,13 @@ fn row_dots<const T: usize>(kernel: Kernel, dtype: DType, row: &[u8], ks: &[&Q8K
                 _ => avx2::q6_k_row::<T>(row, ks),
             }
         };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if let Some(f) = neon_row::<T>(kernel, dtype) {
+        // SAFETY: `neon_row` returns a kernel only when `dotprod` was detected (NEON is
+        // baseline); `row` holds `ks[t].blocks()` super-blocks of `dtype` and every token
+        // as many (asserted by the callers; the kernels assert the lengths again).
+        return unsafe { f(row, ks) };
     }
     let _ = kernel;
     std::array::from_fn(|t| match dtype {

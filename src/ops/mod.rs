@@ -10,6 +10,8 @@ mod float_x86;
 pub mod hadamard;
 pub mod kquant;
 pub mod kquant_low;
+#[cfg(target_arch = "aarch64")]
+mod kquant_neon;
 pub mod matvec;
 mod portable;
 pub mod qdot;
