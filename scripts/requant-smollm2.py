@@ -6,7 +6,12 @@ installs it). The source is the Q4_1 file of `scripts/fetch-smollm2.sh`, so this
 re-quantisation (`allow_requantize`): the files test the loaders and kernels of each type,
 not the best quality each type can reach.
 
-    python scripts/requant-smollm2.py [--src FILE] [--out DIR] [--types Q4_K_M,Q6_K]
+    python scripts/requant-smollm2.py [--src FILE] [--out DIR] [--types Q4_K_M,Q6_K] [--pure]
+
+`--pure` is llama.cpp's pure mode (every tensor that can be gets the base type), written as
+`TYPE_pure`: SmolLM2's 576-wide rows cannot be K-quants, so `--pure --types Q2_K,Q3_K_S`
+gives files whose 30 `ffn_down` matrices (1536 wide) are Q2_K or Q3_K and every other matrix
+Q4_0 — the only SmolLM2 files with Q2_K tensors (llama.cpp's Q2_K mix makes them Q3_K).
 
 Prints one output path per line. Exits 0 with a message on stderr, writing nothing, when
 llama-cpp-python is not installed (tests that need the files then skip, saying so).
@@ -22,6 +27,7 @@ TYPES = {
     "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
     "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
     "Q3_K_M": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
+    "Q3_K_S": "LLAMA_FTYPE_MOSTLY_Q3_K_S",
     "Q2_K": "LLAMA_FTYPE_MOSTLY_Q2_K",
     "IQ4_NL": "LLAMA_FTYPE_MOSTLY_IQ4_NL",
     "IQ4_XS": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
@@ -37,7 +43,8 @@ def main() -> int:
         default=os.path.expanduser("~/.cache/tinygpt-cpu/requant"),
         help="output directory (default: ~/.cache/tinygpt-cpu/requant)",
     )
-    ap.add_argument("--types", default=",".join(TYPES), help="comma-separated, of: " + ", ".join(TYPES))
+    ap.add_argument("--types", default=",".join(t for t in TYPES if t != "Q3_K_S"), help="comma-separated, of: " + ", ".join(TYPES))
+    ap.add_argument("--pure", action="store_true", help="llama.cpp's pure mode; files named TYPE_pure")
     args = ap.parse_args()
     try:
         import llama_cpp
@@ -58,11 +65,12 @@ def main() -> int:
         if name not in TYPES:
             print(f"error: --types: unknown type {name!r} (known: {', '.join(TYPES)})", file=sys.stderr)
             return 2
-        out = os.path.join(args.out, f"{stem}.{name}.gguf")
+        out = os.path.join(args.out, f"{stem}.{name}{'_pure' if args.pure else ''}.gguf")
         if not os.path.isfile(out):
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype = getattr(llama_cpp, TYPES[name])
             params.allow_requantize = True
+            params.pure = args.pure
             tmp = out + ".part"
             rc = llama_cpp.llama_model_quantize(src.encode(), tmp.encode(), params)
             if rc != 0:

@@ -208,7 +208,8 @@ fn requantised_files_load_and_evaluate() {
 
 /// Q2_K and Q3_K tensors of real files (`SmolLM2-135M-Instruct.{Q2_K,Q2_K_pure,
 /// Q3_K_S_pure}.gguf` in `~/.cache/tinygpt-cpu/requant/`, made by
-/// `scripts/requant-smollm2.py` and `scripts/requant-smollm2-pure.py`; skipped when absent)
+/// `scripts/requant-smollm2.py`, the last two with `--pure --types Q2_K,Q3_K_S`; skipped
+/// when absent)
 /// are kept as blocks, and perplexity with them native stays near the `--weights-dtype f32`
 /// value (over 1024 tokens: +0.59%, +0.80%, +0.47%; docs/eval/quant-types.md — the
 /// difference is the activations' Q8_K/Q8_0 quantisation, as in llama.cpp).

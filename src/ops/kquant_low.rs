@@ -72,7 +72,42 @@ mod avx2 {
     use half::f16;
     use std::arch::x86_64::*;
     use tinygpt_reference::ggml_kdot::{Q2_K_BYTES, Q3_K_BYTES};
-    use tinygpt_reference::ggml_more::{q3_k_scales, QK_K};
+    use tinygpt_reference::ggml_more::QK_K;
+
+    /// The 16 Q3_K scales `s_k + 32` (bytes `0..=63`) from the 12 packed bytes, four at a
+    /// time as ggml's `kmask` unpacking does (the same values as
+    /// `ggml_more::q3_k_scales`, without its per-scale branches).
+    #[inline(always)]
+    fn q3_k_scale_bytes(s: &[u8]) -> [u8; 16] {
+        let w = |i: usize| u32::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3]]);
+        let (a0, a1, h) = (w(0), w(4), w(8));
+        let (lo, hi) = (0x0F0F_0F0Fu32, 0x0303_0303u32);
+        let r = [
+            (a0 & lo) | ((h & hi) << 4),
+            (a1 & lo) | (((h >> 2) & hi) << 4),
+            ((a0 >> 4) & lo) | (((h >> 4) & hi) << 4),
+            ((a1 >> 4) & lo) | (((h >> 6) & hi) << 4),
+        ];
+        let mut out = [0u8; 16];
+        for (o, v) in out.chunks_exact_mut(4).zip(r) {
+            o.copy_from_slice(&v.to_le_bytes());
+        }
+        out
+    }
+
+    /// `Σ_k w_k · bsums[k]` over a super-block's 16 block sums as eight 32-bit lanes
+    /// (`|w_k| ≤ 128`, `|bsums[k]| ≤ 2048`: exact).
+    ///
+    /// # Safety
+    /// AVX2 must be available; `bs` holds at least 16 sums.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn bsums_dot(bs: &[i16], w: __m256i) -> __m256i {
+        assert!(bs.len() >= 16);
+        // SAFETY: 16 i16 = 32 bytes are inside `bs` (asserted).
+        let b = unsafe { _mm256_loadu_si256(bs.as_ptr().cast()) };
+        _mm256_madd_epi16(b, w)
+    }
 
     #[inline(always)]
     fn f16_at(b: &[u8], at: usize) -> f32 {
@@ -159,15 +194,19 @@ mod avx2 {
             let runs = unsafe { two_bit_runs(&blk[16..80]) };
             let sc: [i16; 16] = std::array::from_fn(|k| (blk[k] & 0x0F) as i16);
             let scv = run_scales(&sc);
+            let mins: [i16; 16] = std::array::from_fn(|k| (blk[k] >> 4) as i16);
+            // SAFETY: 16 i16 = 32 bytes.
+            let minv = unsafe { _mm256_loadu_si256(mins.as_ptr().cast()) };
             let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
             for (t, k) in ks.iter().enumerate() {
-                // SAFETY: the token holds nb·256 codes (asserted).
-                let s = unsafe { weighted(&runs, &scv, k.q[b * QK_K..].as_ptr()) };
-                let bs = &k.bsums[b * 16..(b + 1) * 16];
-                let mut msum = 0i32;
-                for (kk, &bsum) in bs.iter().enumerate() {
-                    msum += (blk[kk] >> 4) as i32 * bsum as i32;
-                }
+                // SAFETY: the token holds nb·256 codes and nb·16 sums (asserted).
+                let (s, m) = unsafe {
+                    (
+                        weighted(&runs, &scv, k.q[b * QK_K..].as_ptr()),
+                        bsums_dot(&k.bsums[b * 16..], minv),
+                    )
+                };
+                let msum = hsum(m);
                 let dx = k.d[b];
                 acc[t] += hsum(s) as f32 * (d * dx) - msum as f32 * (dmin * dx);
             }
@@ -200,19 +239,24 @@ mod avx2 {
                 let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
                 *r = _mm256_or_si256(*r, _mm256_and_si256(set, _mm256_set1_epi8(4)));
             }
-            let s32 = q3_k_scales(&blk[96..108]);
-            let sc: [i16; 16] = std::array::from_fn(|k| s32[k] as i16);
+            let sb = q3_k_scale_bytes(&blk[96..108]);
+            let sc: [i16; 16] = std::array::from_fn(|k| sb[k] as i16 - 32);
             let scv = run_scales(&sc);
+            // 4·s_k, for the offset term −4·Σ_k s_k·bsums[k] (|4·s_k| ≤ 128).
+            let sc4: [i16; 16] = std::array::from_fn(|k| 4 * sc[k]);
+            // SAFETY: 16 i16 = 32 bytes.
+            let sc4v = unsafe { _mm256_loadu_si256(sc4.as_ptr().cast()) };
             let d = f16_at(blk, 108);
             for (t, k) in ks.iter().enumerate() {
-                // SAFETY: the token holds nb·256 codes (asserted).
-                let s = unsafe { weighted(&runs, &scv, k.q[b * QK_K..].as_ptr()) };
-                let bs = &k.bsums[b * 16..(b + 1) * 16];
-                let mut off = 0i32;
-                for (&c, &bsum) in s32.iter().zip(bs) {
-                    off += c * bsum as i32;
-                }
-                let isum = hsum(s) - 4 * off;
+                // SAFETY: the token holds nb·256 codes and nb·16 sums (asserted).
+                let (s, off) = unsafe {
+                    (
+                        weighted(&runs, &scv, k.q[b * QK_K..].as_ptr()),
+                        bsums_dot(&k.bsums[b * 16..], sc4v),
+                    )
+                };
+                // Exact: every lane and the total stay far inside i32.
+                let isum = hsum(_mm256_sub_epi32(s, off));
                 acc[t] += isum as f32 * (d * k.d[b]);
             }
         }
