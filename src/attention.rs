@@ -692,6 +692,17 @@ pub enum AttnSplit {
 pub const SPLIT_MIN_ROWS: usize = 256;
 
 impl AttnSplit {
+    /// The default of new sessions: `TINYGPT_ATTN_SPLIT` = `always` / `never` (A/B runs),
+    /// else [`AttnSplit::Auto`].
+    pub fn from_env() -> Self {
+        static SPLIT: std::sync::OnceLock<AttnSplit> = std::sync::OnceLock::new();
+        *SPLIT.get_or_init(|| match std::env::var("TINYGPT_ATTN_SPLIT").as_deref() {
+            Ok("always") => AttnSplit::Always,
+            Ok("never") => AttnSplit::Never,
+            _ => AttnSplit::Auto,
+        })
+    }
+
     /// Whether a team of `members` splits a layer of `n_kv_heads` KV heads holding
     /// `stored` rows.
     pub fn splits(self, n_kv_heads: usize, members: usize, stored: usize) -> bool {

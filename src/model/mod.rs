@@ -130,7 +130,8 @@ pub struct Session {
     pub record_probs: bool,
     pub probs: Vec<Vec<f32>>,
     /// Whether a decode team splits attention within KV heads (the same results bit for
-    /// bit either way; tests force both paths).
+    /// bit either way; tests force both paths). Default: `TINYGPT_ATTN_SPLIT` (`always`,
+    /// `never`), else `Auto`.
     pub attn_split: crate::attention::AttnSplit,
 }
 
@@ -267,7 +268,7 @@ impl Model {
             logits: vec![0.0; c.vocab_size],
             record_probs: false,
             probs: vec![Vec::new(); c.n_layers],
-            attn_split: Default::default(),
+            attn_split: crate::attention::AttnSplit::from_env(),
         }
     }
 
