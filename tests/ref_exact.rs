@@ -3,9 +3,10 @@
 //! (`tinygpt_reference::order`), so the two give identical logits, identical K/V rows and
 //! identical perplexity bits, not just agreement within a budget.
 //!
-//! The engine's KIVI attention kernels come in variants that sum in different orders
-//! (`TINYGPT_KV_KERNEL`, design §2.3): the reference writes out the `portable` one, so this
-//! test binary selects it before anything else runs.
+//! The engine's KIVI attention kernels come in variants (`TINYGPT_KV_KERNEL`, design
+//! §2.3): the reference writes out the `portable` order, which `avx512-exact` follows bit
+//! for bit, so this test binary selects the fastest of those two the CPU supports before
+//! anything else runs (unless `TINYGPT_KV_KERNEL` names an exact one).
 
 mod common;
 use common::*;
@@ -17,15 +18,29 @@ use tinygpt_cpu::ops::simd::{kv_kernel, KvKernel};
 use tinygpt_cpu::weights::ModelFiles;
 use tinygpt_reference::order;
 
-/// Selects the `portable` KIVI kernels (the order the reference writes out) for this
-/// process; every test calls it first.
-fn portable() {
+/// Selects the fastest KIVI kernels that add in the reference's order
+/// (`KvKernel::is_exact`) for this process, unless `TINYGPT_KV_KERNEL` already names one;
+/// every test calls it first.
+fn kernels() {
     static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| std::env::set_var("TINYGPT_KV_KERNEL", "portable"));
-    assert_eq!(
-        kv_kernel(),
-        KvKernel::Portable,
-        "kernel chosen before the test set it"
+    ONCE.call_once(|| {
+        let named = std::env::var("TINYGPT_KV_KERNEL")
+            .ok()
+            .and_then(|s| KvKernel::from_name(s.trim()))
+            .filter(|k| k.is_exact() && k.is_supported());
+        if named.is_none() {
+            let best = KvKernel::supported()
+                .into_iter()
+                .rfind(|k| k.is_exact())
+                .expect("portable");
+            std::env::set_var("TINYGPT_KV_KERNEL", best.name());
+        }
+        eprintln!("KIVI kernels: {}", kv_kernel().name());
+    });
+    assert!(
+        kv_kernel().is_exact(),
+        "KIVI kernels `{}` chosen before the test set them",
+        kv_kernel().name()
     );
 }
 
@@ -52,7 +67,7 @@ fn bits(x: &[f32]) -> Vec<u32> {
 /// range softmax and SwiGLU use (and past it, where both give 0).
 #[test]
 fn exp_equals_the_vector_exp() {
-    portable();
+    kernels();
     let mut xs: Vec<f32> = (-1_000_000..=1_000_000).map(|i| i as f32 * 1e-4).collect();
     xs.extend(noise(100_000, 1, 90.0));
     xs.extend([f32::NEG_INFINITY, -87.3, -87.29, 87.29, 87.3, 0.0, -0.0]);
@@ -70,7 +85,7 @@ fn exp_equals_the_vector_exp() {
 /// reference's loops against the engine's, every length 1..=300.
 #[test]
 fn reductions_equal_the_engine_kernels() {
-    portable();
+    kernels();
     for n in 1..=300 {
         let (a, b) = (noise(n, n as u64, 3.0), noise(n, 7 * n as u64, 2.0));
         let want = tinygpt_cpu::ops::float_dot::row_scalar(&a, &b);
@@ -158,7 +173,7 @@ fn assert_identical(
 /// modes, pre-RoPE keys: on the bundled model (head_dim 32, GQA 2).
 #[test]
 fn bundled_model_float_caches_are_identical() {
-    portable();
+    kernels();
     let files = ModelFiles::open(Some(&fixtures().join("tiny"))).unwrap();
     let engine = Model::load(&files, WeightsDType::F32).unwrap();
     let reference = reference_model(&files, WeightsDType::F32).unwrap();
@@ -234,7 +249,7 @@ fn kivi_modes(window: usize) -> Vec<KvConfig> {
 /// 16/32/64 complete and a 40-row window evicts.
 #[test]
 fn bundled_model_kivi_caches_are_identical() {
-    portable();
+    kernels();
     let files = ModelFiles::open(Some(&fixtures().join("tiny"))).unwrap();
     let engine = Model::load(&files, WeightsDType::F32).unwrap();
     let reference = reference_model(&files, WeightsDType::F32).unwrap();
@@ -306,7 +321,7 @@ fn assert_identical_threads(
 /// [`smollm2_full_matrix`].
 #[test]
 fn smollm2_cache_modes_are_identical() {
-    portable();
+    kernels();
     let Some(p) = smollm2_path() else { return };
     run_smollm2(&p, 40, &smollm2_modes(false), 8, false);
 }
@@ -319,7 +334,7 @@ fn smollm2_cache_modes_are_identical() {
 #[test]
 #[ignore = "slow (the scalar reference on SmolLM2, 38 runs); run by hand"]
 fn smollm2_full_matrix() {
-    portable();
+    kernels();
     let Some(p) = smollm2_path() else { return };
     run_smollm2(&p, 96, &smollm2_modes(true), 16, true);
 }
@@ -501,7 +516,7 @@ fn run_smollm2(path: &std::path::Path, n: usize, modes: &[KvConfig], greedy_n: u
 /// int8 and int4 (dense and StreamingLLM), 64 tokens.
 #[test]
 fn arch_fixtures_are_identical() {
-    portable();
+    kernels();
     for arch in ["qwen2", "qwen3", "qwen3-hd256-mqa", "gemma3"] {
         let path = fixtures().join(format!("archs/{arch}/{arch}.gguf"));
         let files = ModelFiles::open(Some(&path)).unwrap();

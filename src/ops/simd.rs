@@ -185,6 +185,10 @@ pub enum KvKernel {
     /// x86_64 AVX-512 F/BW/VL + F16C (`vpermps` nibble lookup), head dims 32/64/128/256;
     /// other head dims take the portable path.
     Avx512,
+    /// x86_64 AVX-512 F/BW/VL + F16C in the `portable` kernels' order (and the portable
+    /// softmax), bit for bit (docs/design.md §2.3), head dims 32/64/128/256; other head
+    /// dims take the portable path. Slower than `avx512`, so not the default.
+    Avx512Exact,
     /// x86_64 AVX2 + FMA + F16C (8 lanes, the scheme of `Avx512`), head dims
     /// 32/64/128/256; other head dims take the portable path.
     Avx2,
@@ -195,17 +199,25 @@ pub enum KvKernel {
 
 impl KvKernel {
     /// Every variant, slowest first.
-    pub const ALL: [KvKernel; 4] = [
+    pub const ALL: [KvKernel; 5] = [
         KvKernel::Portable,
         KvKernel::Neon,
         KvKernel::Avx2,
+        KvKernel::Avx512Exact,
         KvKernel::Avx512,
     ];
+
+    /// Whether the variant adds every sum in the `portable` kernels' order (the order the
+    /// reference writes out), so its results are the portable kernels' bits.
+    pub fn is_exact(self) -> bool {
+        matches!(self, KvKernel::Portable | KvKernel::Avx512Exact)
+    }
 
     pub fn name(self) -> &'static str {
         match self {
             KvKernel::Portable => "portable",
             KvKernel::Avx512 => "avx512",
+            KvKernel::Avx512Exact => "avx512-exact",
             KvKernel::Avx2 => "avx2",
             KvKernel::Neon => "neon",
         }
@@ -220,7 +232,7 @@ impl KvKernel {
         match self {
             KvKernel::Portable => true,
             #[cfg(target_arch = "x86_64")]
-            KvKernel::Avx512 => {
+            KvKernel::Avx512 | KvKernel::Avx512Exact => {
                 is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vl")

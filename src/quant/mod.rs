@@ -543,6 +543,12 @@ pub fn dot_codes_groups_with(
         return;
     }
     #[cfg(target_arch = "x86_64")]
+    if kernel == KvKernel::Avx512Exact && avx512_takes(hd) {
+        // SAFETY: AVX-512 F/BW/VL and F16C are available (checked by `avx512_takes`).
+        unsafe { by_blocks!(bits, hd, x86::exact::dot_codes_groups(run, q, out, stride)) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if kernel == KvKernel::Avx2 && avx2_takes(hd) {
         // SAFETY: AVX2, FMA and F16C are available (checked by `avx2_takes`).
         unsafe { by_blocks!(bits, hd, x86::avx2::dot_codes_groups(run, q, out, stride)) };
@@ -694,6 +700,18 @@ pub fn axpy_codes_rows_with(
     if kernel == KvKernel::Avx512 && avx512_takes(hd) {
         // SAFETY: AVX-512 F/BW/VL and F16C are available (checked by `avx512_takes`).
         unsafe { by_blocks!(bits, hd, x86::axpy_codes_rows(run, p, stride, acc, bias)) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if kernel == KvKernel::Avx512Exact && avx512_takes(hd) {
+        // SAFETY: AVX-512 F/BW/VL and F16C are available (checked by `avx512_takes`).
+        unsafe {
+            by_blocks!(
+                bits,
+                hd,
+                x86::exact::axpy_codes_rows(run, p, stride, acc, bias)
+            )
+        };
         return;
     }
     #[cfg(target_arch = "x86_64")]

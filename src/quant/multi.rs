@@ -87,6 +87,12 @@ pub fn dot_codes_groups_multi_with(
             continue;
         }
         #[cfg(target_arch = "x86_64")]
+        if kernel == KvKernel::Avx512Exact && avx512_takes(hd) {
+            // SAFETY: AVX-512 F/BW/VL and F16C are available (checked by `avx512_takes`).
+            unsafe { by_blocks!(bits, hd, dot_multi_exact(g, run, q, out, stride)) };
+            continue;
+        }
+        #[cfg(target_arch = "x86_64")]
         if kernel == KvKernel::Avx2 && avx2_takes(hd) {
             // SAFETY: AVX2, FMA and F16C are available (checked by `avx2_takes`).
             unsafe { by_blocks!(bits, hd, dot_multi_avx2(g, run, q, out, stride)) };
@@ -136,6 +142,8 @@ macro_rules! multi_by_group {
     };
 }
 multi_by_group!("x86_64", dot_multi_avx512, x86::dot_codes_groups_multi, (run: &KRun<'_>, q: &[f32], out: &mut [f32], stride: usize));
+multi_by_group!("x86_64", dot_multi_exact, x86::exact::dot_codes_groups_multi, (run: &KRun<'_>, q: &[f32], out: &mut [f32], stride: usize));
+multi_by_group!("x86_64", axpy_multi_exact, x86::exact::axpy_codes_rows_multi, (run: &VRun<'_>, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]));
 multi_by_group!("x86_64", dot_multi_avx2, x86::avx2::dot_codes_groups_multi, (run: &KRun<'_>, q: &[f32], out: &mut [f32], stride: usize));
 multi_by_group!("aarch64", dot_multi_neon, aarch64::dot_codes_groups_multi, (run: &KRun<'_>, q: &[f32], out: &mut [f32], stride: usize));
 multi_by_group!("x86_64", axpy_multi_avx512, x86::axpy_codes_rows_multi, (run: &VRun<'_>, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]));
@@ -290,6 +298,12 @@ pub fn axpy_codes_rows_multi_with(
         if kernel == KvKernel::Avx512 && avx512_takes(hd) {
             // SAFETY: AVX-512 F/BW/VL and F16C are available (checked by `avx512_takes`).
             unsafe { by_blocks!(bits, hd, axpy_multi_avx512(g, run, p, stride, acc, bias)) };
+            continue;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if kernel == KvKernel::Avx512Exact && avx512_takes(hd) {
+            // SAFETY: AVX-512 F/BW/VL and F16C are available (checked by `avx512_takes`).
+            unsafe { by_blocks!(bits, hd, axpy_multi_exact(g, run, p, stride, acc, bias)) };
             continue;
         }
         #[cfg(target_arch = "x86_64")]

@@ -30,8 +30,11 @@
 use super::{KRun, VRun};
 use std::arch::x86_64::*;
 
-/// The AVX2 variants (`x86/avx2.rs`) and the AVX-512 multi-query forms (`x86/multi.rs`).
+/// The AVX2 variants (`x86/avx2.rs`), the AVX-512 multi-query forms (`x86/multi.rs`) and
+/// the `avx512-exact` variant (`x86/exact.rs`).
 pub(super) mod avx2;
+/// The `avx512-exact` variant (`x86/exact.rs`): the portable kernels' order.
+pub(super) mod exact;
 mod multi;
 pub(in crate::quant) use multi::{axpy_codes_rows_multi, dot_codes_groups_multi};
 
