@@ -13,8 +13,9 @@
 //! [`super::qdot::Packed`] keeps a K-quant matrix in groups of [`GROUP`] rows as for the
 //! other block types, but the rows of a group are **not** interleaved: each group is its
 //! eight rows' super-blocks exactly as in the file, one row after another (each row
-//! `cols / 256 · block_bytes` long), padded to 64 bytes. The kernels walk one row at a
-//! time (a 144- or 210-byte super-block already fills several vectors).
+//! `cols / 256 · block_bytes` long), padded to 64 bytes. The multi-token kernels walk one
+//! row at a time (a 144- or 210-byte super-block already fills several vectors); the x86
+//! one-token kernels walk the eight rows together, super-block by super-block.
 //!
 //! # Variants
 //!
@@ -22,7 +23,12 @@
 //! * `avx2` (and `avx512vnni`, which runs the AVX2 code for these types): `vpmaddubsw`
 //!   of the unsigned codes (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 before its −32) with the signed
 //!   activation codes, `vpmaddwd` with the sub-block scales, summed in 32-bit lanes;
-//!   Q6_K's `−32` is applied as `−32 · Σ_k sc_k · bsums_k`. Same integers, same floats;
+//!   Q6_K's `−32` is applied as `−32 · Σ_k sc_k · bsums_k`. Same integers, same floats.
+//!   One token (decode): per super-block the eight rows' 32-bit lane sums are reduced
+//!   together (`vphaddd` tree, exact) into one vector of eight row sums, Q4_K/Q5_K's six-bit
+//!   scales and mins unpacked with 32-bit masks and `msum` taken with `vpmaddwd` against the
+//!   bsum pairs, and the float step runs for the eight rows as 8-lane `vmulps`/`vsubps`/
+//!   `vaddps` (no FMA: lane r does the twin's separate multiplies and adds);
 //! * `neon-dotprod` (`super::kquant_neon`): each super-block unpacked once into signed
 //!   bytes in value order (Q6_K's codes already minus 32, IQ4_XS's levels by `tbl`), `sdot`
 //!   with the activation codes, one 32-bit sum per sub-block by pairwise adds, the
@@ -161,6 +167,21 @@ pub fn group(kernel: Kernel, dtype: DType, g: &Group, a: &QuantizedActs, out: &m
         g.nb,
         "Q8_K activation super-blocks vs matrix super-blocks"
     );
+    #[cfg(target_arch = "x86_64")]
+    if use_avx2(kernel) {
+        // SAFETY: AVX2 (with FMA and F16C) was detected at run time in `use_avx2`; the
+        // group holds eight rows of `g.nb` super-blocks of `dtype` and the activations as
+        // many (asserted above; the kernels assert the lengths again).
+        *out = unsafe {
+            match dtype {
+                DType::Q4_K => avx2::k4_group::<false>(g.qs, rb, &a.k),
+                DType::Q5_K => avx2::k4_group::<true>(g.qs, rb, &a.k),
+                DType::IQ4_XS => avx2::iq4_xs_group(g.qs, rb, &a.k),
+                _ => avx2::q6_k_group(g.qs, rb, &a.k),
+            }
+        };
+        return;
+    }
     for (k, o) in out.iter_mut().enumerate() {
         let row = &g.qs[k * rb..(k + 1) * rb];
         *o = row_dots::<1>(kernel, dtype, row, &[&a.k])[0];
@@ -303,6 +324,359 @@ mod avx2 {
         let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
         _mm_cvtsi128_si32(s)
+    }
+
+    /// Lane `r` of the result = the sum of the eight 32-bit lanes of `v[r]` (exact:
+    /// integer additions, in any order).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn reduce8(v: &[__m256i; 8]) -> __m256i {
+        let h01 = _mm256_hadd_epi32(v[0], v[1]);
+        let h23 = _mm256_hadd_epi32(v[2], v[3]);
+        let h45 = _mm256_hadd_epi32(v[4], v[5]);
+        let h67 = _mm256_hadd_epi32(v[6], v[7]);
+        // Per 128-bit half: [v0, v1, v2, v3] (resp. v4..v8) partial sums.
+        let a = _mm256_hadd_epi32(h01, h23);
+        let b = _mm256_hadd_epi32(h45, h67);
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256(a, b, 0x20),
+            _mm256_permute2x128_si256(a, b, 0x31),
+        )
+    }
+
+    /// Lane `r` of the result = the sum of the four 32-bit lanes of `v[r]` (exact).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn reduce8_128(v: &[__m128i; 8]) -> __m256i {
+        let a = _mm_hadd_epi32(_mm_hadd_epi32(v[0], v[1]), _mm_hadd_epi32(v[2], v[3]));
+        let b = _mm_hadd_epi32(_mm_hadd_epi32(v[4], v[5]), _mm_hadd_epi32(v[6], v[7]));
+        _mm256_setr_m128i(a, b)
+    }
+
+    /// The eight f16 values at `p[r·stride]` (r = 0..8), as f32 (exact conversion).
+    ///
+    /// # Safety
+    /// AVX2 and F16C must be available; every `p + r·stride .. + 2` must be readable.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn f16x8(p: *const u8, stride: usize) -> __m256 {
+        // SAFETY: the caller's bounds.
+        let h: [u16; 8] =
+            std::array::from_fn(|r| unsafe { p.add(r * stride).cast::<u16>().read_unaligned() });
+        // SAFETY: `h` is 16 bytes.
+        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(h.as_ptr().cast()) })
+    }
+
+    /// One Q4_K/Q5_K super-block `blk` · the 256 codes at `q8`: the integer sum
+    /// `Σ sc_j · (codes · q8)_j` spread over eight 32-bit lanes, and `msum = Σ m_j ·
+    /// (bsums_2j + bsums_2j+1)` over four (`bp` holds the eight pair sums of the bsums).
+    /// The six-bit scales and mins unpacked with 32-bit masks (the same values as
+    /// `scale_min_k4`).
+    ///
+    /// # Safety
+    /// AVX2 must be available; `blk` must point at a whole super-block, `q8` at 256 codes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn k4_block<const FIVE: bool>(
+        blk: *const u8,
+        q8: *const i8,
+        bp: __m128i,
+    ) -> (__m256i, __m128i) {
+        const K1: u32 = 0x3f3f_3f3f;
+        const K2: u32 = 0x0f0f_0f0f;
+        const K3: u32 = 0x0303_0303;
+        // SAFETY: bytes 4..16 are inside the block.
+        let (u0, u1, u2) = unsafe {
+            (
+                blk.add(4).cast::<u32>().read_unaligned(),
+                blk.add(8).cast::<u32>().read_unaligned(),
+                blk.add(12).cast::<u32>().read_unaligned(),
+            )
+        };
+        // Bytes: scales 0..4 (s[j] & 63), scales 4..8, mins 0..4, mins 4..8.
+        let sc03 = u0 & K1;
+        let sc47 = (u2 & K2) | (((u0 >> 6) & K3) << 4);
+        let mn03 = u1 & K1;
+        let mn47 = ((u2 >> 4) & K2) | (((u1 >> 6) & K3) << 4);
+        let sm = _mm256_cvtepu8_epi16(_mm_setr_epi32(
+            sc03 as i32,
+            sc47 as i32,
+            mn03 as i32,
+            mn47 as i32,
+        ));
+        let m = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), bp);
+        let scales = _mm256_permute2x128_si256(sm, sm, 0x00);
+        let m4 = _mm256_set1_epi8(0x0F);
+        let qs_at = if FIVE { 48 } else { 16 };
+        let qh = if FIVE {
+            // SAFETY: bytes 16..48 are inside the 176-byte block.
+            unsafe { _mm256_loadu_si256(blk.add(16).cast()) }
+        } else {
+            _mm256_setzero_si256()
+        };
+        let top = |bit: i32| {
+            let mk = _mm256_set1_epi8((1u8 << bit) as i8);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, mk), mk);
+            _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+        };
+        let mut s = _mm256_setzero_si256();
+        for j in 0..4 {
+            // SAFETY: weight bytes qs_at + 32j .. + 32 are inside the block; codes
+            // 64j .. 64j + 64 inside the 256.
+            let (w, xl, xh) = unsafe {
+                (
+                    _mm256_loadu_si256(blk.add(qs_at + 32 * j).cast()),
+                    _mm256_loadu_si256(q8.add(64 * j).cast()),
+                    _mm256_loadu_si256(q8.add(64 * j + 32).cast()),
+                )
+            };
+            let mut lo = _mm256_and_si256(w, m4);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+            if FIVE {
+                lo = _mm256_or_si256(lo, top(2 * j as i32));
+                hi = _mm256_or_si256(hi, top(2 * j as i32 + 1));
+            }
+            // The i16 scale of sub-block 2j (2j + 1) in every lane.
+            let sl = _mm256_shuffle_epi8(
+                scales,
+                _mm256_set1_epi16((((4 * j + 1) << 8) | (4 * j)) as i16),
+            );
+            let sh = _mm256_shuffle_epi8(
+                scales,
+                _mm256_set1_epi16((((4 * j + 3) << 8) | (4 * j + 2)) as i16),
+            );
+            // Pair sums ≤ 2·31·128: no saturation.
+            let pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), sl);
+            let ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), sh);
+            s = _mm256_add_epi32(s, _mm256_add_epi32(pl, ph));
+        }
+        (s, m)
+    }
+
+    /// Q4_K (`FIVE = false`) or Q5_K (`FIVE = true`): the eight rows of a group (each
+    /// `rb` bytes, one after another in `qs`) · one token. Per super-block, the eight
+    /// rows' integer sums are reduced together into one vector, and the float step runs
+    /// as 8-lane separate multiplies, subtract and add: lane r does exactly the twin's
+    /// `acc += isum·(d·dx) − msum·(dmin·dx)`.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn k4_group<const FIVE: bool>(qs: &[u8], rb: usize, k: &Q8K) -> [f32; 8] {
+        let bytes = if FIVE { Q5_K_BYTES } else { Q4_K_BYTES };
+        let nb = rb / bytes;
+        assert_eq!(rb, nb * bytes);
+        assert!(qs.len() >= 8 * rb);
+        assert!(k.q.len() >= nb * QK_K && k.d.len() >= nb && k.bsums.len() >= nb * 16);
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..nb {
+            // SAFETY: super-block b of every row and of the token is inside the slices
+            // (asserted above).
+            unsafe {
+                let q8 = k.q.as_ptr().add(b * QK_K);
+                let bsp = k.bsums.as_ptr().add(b * 16);
+                let bp = _mm_hadd_epi16(
+                    _mm_loadu_si128(bsp.cast()),
+                    _mm_loadu_si128(bsp.add(8).cast()),
+                );
+                let base = qs.as_ptr().add(b * bytes);
+                let mut s = [_mm256_setzero_si256(); 8];
+                let mut m = [_mm_setzero_si128(); 8];
+                for r in 0..8 {
+                    (s[r], m[r]) = k4_block::<FIVE>(base.add(r * rb), q8, bp);
+                }
+                let isum = _mm256_cvtepi32_ps(reduce8(&s));
+                let msum = _mm256_cvtepi32_ps(reduce8_128(&m));
+                let d = f16x8(base, rb);
+                let dmin = f16x8(base.add(2), rb);
+                let dx = _mm256_set1_ps(k.d[b]);
+                acc = _mm256_add_ps(
+                    acc,
+                    _mm256_sub_ps(
+                        _mm256_mul_ps(isum, _mm256_mul_ps(d, dx)),
+                        _mm256_mul_ps(msum, _mm256_mul_ps(dmin, dx)),
+                    ),
+                );
+            }
+        }
+        let mut out = [0.0f32; 8];
+        // SAFETY: `out` is 8 floats.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+        out
+    }
+
+    /// One Q6_K super-block `blk` · the 256 codes at `q8` (`bs`: their 16 bsums): the
+    /// integer sum `Σ sc_k · (codes · q8)_k − 32 · Σ sc_k · bsums_k` spread over eight
+    /// 32-bit lanes.
+    ///
+    /// # Safety
+    /// AVX2 must be available; `blk` must point at a whole super-block, `q8` at 256 codes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn q6_k_block(blk: *const u8, q8: *const i8, bs: __m256i) -> __m256i {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m30 = _mm256_set1_epi8(0x30);
+        // SAFETY: the 16 scale bytes 192..208 are inside the 210-byte block.
+        let scb = unsafe { _mm_loadu_si128(blk.add(192).cast()) };
+        let off = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scb), bs);
+        let mut s = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
+        for n in 0..2 {
+            // SAFETY: ql 64n..64n + 64 and qh 128 + 32n..160 + 32n are inside the block.
+            let (ql0, ql1, qh) = unsafe {
+                (
+                    _mm256_loadu_si256(blk.add(64 * n).cast()),
+                    _mm256_loadu_si256(blk.add(64 * n + 32).cast()),
+                    _mm256_loadu_si256(blk.add(128 + 32 * n).cast()),
+                )
+            };
+            // codes[t]: values 128n + 32t .. + 32, unsigned 0..63.
+            let codes = [
+                _mm256_or_si256(
+                    _mm256_and_si256(ql0, m4),
+                    _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(ql1, m4),
+                    _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                    _mm256_and_si256(qh, m30),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
+                ),
+            ];
+            for (t, c) in codes.into_iter().enumerate() {
+                let i = 4 * n + t;
+                // Scales of this 32-value run: lanes 0..8 sc[2i], lanes 8..16 sc[2i + 1].
+                let idx = _mm_setr_epi8(
+                    2 * i as i8,
+                    2 * i as i8,
+                    2 * i as i8,
+                    2 * i as i8,
+                    2 * i as i8,
+                    2 * i as i8,
+                    2 * i as i8,
+                    2 * i as i8,
+                    2 * i as i8 + 1,
+                    2 * i as i8 + 1,
+                    2 * i as i8 + 1,
+                    2 * i as i8 + 1,
+                    2 * i as i8 + 1,
+                    2 * i as i8 + 1,
+                    2 * i as i8 + 1,
+                    2 * i as i8 + 1,
+                );
+                let scv = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scb, idx));
+                // SAFETY: codes 32i .. 32i + 32 are inside the 256.
+                let x = unsafe { _mm256_loadu_si256(q8.add(32 * i).cast()) };
+                // Pair sums ≤ 2·63·128: no saturation.
+                let p = _mm256_maddubs_epi16(c, x);
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scv));
+            }
+        }
+        s
+    }
+
+    /// Q6_K: the eight rows of a group · one token, as [`k4_group`] (lane r:
+    /// `acc += isum·(d·dx)`).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q6_k_group(qs: &[u8], rb: usize, k: &Q8K) -> [f32; 8] {
+        let nb = rb / Q6_K_BYTES;
+        assert_eq!(rb, nb * Q6_K_BYTES);
+        assert!(qs.len() >= 8 * rb);
+        assert!(k.q.len() >= nb * QK_K && k.d.len() >= nb && k.bsums.len() >= nb * 16);
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..nb {
+            // SAFETY: super-block b of every row and of the token is inside the slices
+            // (asserted above).
+            unsafe {
+                let q8 = k.q.as_ptr().add(b * QK_K);
+                let bs = _mm256_loadu_si256(k.bsums.as_ptr().add(b * 16).cast());
+                let base = qs.as_ptr().add(b * Q6_K_BYTES);
+                let mut s = [_mm256_setzero_si256(); 8];
+                for (r, sr) in s.iter_mut().enumerate() {
+                    *sr = q6_k_block(base.add(r * rb), q8, bs);
+                }
+                let isum = _mm256_cvtepi32_ps(reduce8(&s));
+                let d = f16x8(base.add(208), rb);
+                let dx = _mm256_set1_ps(k.d[b]);
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(isum, _mm256_mul_ps(d, dx)));
+            }
+        }
+        let mut out = [0.0f32; 8];
+        // SAFETY: `out` is 8 floats.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+        out
+    }
+
+    /// IQ4_XS: the eight rows of a group · one token, as [`k4_group`] (lane r:
+    /// `acc += isum·(d·dx)`; the integer sums as [`iq4_xs_row`]).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn iq4_xs_group(qs: &[u8], rb: usize, k: &Q8K) -> [f32; 8] {
+        let nb = rb / IQ4_XS_BYTES;
+        assert_eq!(rb, nb * IQ4_XS_BYTES);
+        assert!(qs.len() >= 8 * rb);
+        assert!(k.q.len() >= nb * QK_K && k.d.len() >= nb);
+        let m4 = _mm256_set1_epi8(0x0F);
+        // SAFETY: IQ4_VALUES is 16 bytes; unaligned load.
+        let table =
+            _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(IQ4_VALUES.as_ptr().cast()) });
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..nb {
+            let q8 = &k.q[b * QK_K..(b + 1) * QK_K];
+            let mut s = [_mm256_setzero_si256(); 8];
+            for (r, sr) in s.iter_mut().enumerate() {
+                let at = r * rb + b * IQ4_XS_BYTES;
+                let blk = &qs[at..at + IQ4_XS_BYTES];
+                let mut v = _mm256_setzero_si256();
+                for p in 0..4 {
+                    // SAFETY: bytes 8 + 32p .. 40 + 32p are inside the 136-byte block;
+                    // codes 64p .. 64p + 64 inside the token's 256.
+                    let (q, x0, x1) = unsafe {
+                        (
+                            _mm256_loadu_si256(blk.as_ptr().add(8 + 32 * p).cast()),
+                            _mm256_loadu_si256(q8.as_ptr().add(64 * p).cast()),
+                            _mm256_loadu_si256(q8.as_ptr().add(64 * p + 32).cast()),
+                        )
+                    };
+                    let lo = _mm256_and_si256(q, m4);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                    let w0 = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(lo, hi, 0x20));
+                    let w1 = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256(lo, hi, 0x31));
+                    let s0 = (iq4_xs_scale(blk, 2 * p) - 32) as i16;
+                    let s1 = (iq4_xs_scale(blk, 2 * p + 1) - 32) as i16;
+                    // Pair sums ≤ 2·127·127: no saturation.
+                    let p0 = _mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(x0, w0));
+                    let p1 = _mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(x1, w1));
+                    v = _mm256_add_epi32(
+                        v,
+                        _mm256_add_epi32(
+                            _mm256_madd_epi16(p0, _mm256_set1_epi16(s0)),
+                            _mm256_madd_epi16(p1, _mm256_set1_epi16(s1)),
+                        ),
+                    );
+                }
+                *sr = v;
+            }
+            let isum = _mm256_cvtepi32_ps(reduce8(&s));
+            // SAFETY: the d of super-block b of every row is inside `qs` (asserted).
+            let d = unsafe { f16x8(qs.as_ptr().add(b * IQ4_XS_BYTES), rb) };
+            let dx = _mm256_set1_ps(k.d[b]);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(isum, _mm256_mul_ps(d, dx)));
+        }
+        let mut out = [0.0f32; 8];
+        // SAFETY: `out` is 8 floats.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+        out
     }
 
     /// Q4_K (`FIVE = false`) or Q5_K (`FIVE = true`) row · `T` tokens.
