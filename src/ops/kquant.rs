@@ -168,7 +168,12 @@ pub fn group(kernel: Kernel, dtype: DType, g: &Group, a: &QuantizedActs, out: &m
         "Q8_K activation super-blocks vs matrix super-blocks"
     );
     #[cfg(target_arch = "x86_64")]
-    if use_avx2(kernel) {
+    if use_avx2(kernel)
+        && matches!(
+            dtype,
+            DType::Q4_K | DType::Q5_K | DType::IQ4_XS | DType::Q6_K
+        )
+    {
         // SAFETY: AVX2 (with FMA and F16C) was detected at run time in `use_avx2`; the
         // group holds eight rows of `g.nb` super-blocks of `dtype` and the activations as
         // many (asserted above; the kernels assert the lengths again).
