@@ -22,13 +22,14 @@ fn f16x8(b: &[u8], at: usize) -> [f32; 8] {
 }
 
 /// `acc + (four-product sums of a · b)` per lane: the `sdot` instruction. Written as
-/// inline assembly because `vdotq_s32` is not yet a stable intrinsic.
+/// inline assembly because `vdotq_s32` is not yet a stable intrinsic. Also used by
+/// `super::kquant_neon`.
 #[inline(always)]
-fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+pub(super) fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     let mut acc = acc;
     // SAFETY: `sdot` reads three vector registers and writes the first; no memory, no
-    // stack, no flags. Only reached from `group_neon_dotprod`, which requires `dotprod`
-    // (detected at run time by the dispatcher).
+    // stack, no flags. Only reached from `group_neon_dotprod` and `super::kquant_neon`'s
+    // kernels, which require `dotprod` (detected at run time by the dispatchers).
     unsafe {
         std::arch::asm!(
             "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",

@@ -18,6 +18,7 @@
 //! Q6_K subtracts its 32 from the codes before the products (`(q − 32) · x` exactly as the
 //! twin writes it), so it needs no activation block sums.
 
+use super::aarch64::sdot;
 use super::qdot::QuantizedActs;
 use half::f16;
 use std::arch::aarch64::*;
@@ -29,26 +30,6 @@ use tinygpt_reference::ggml_more::{scale_min_k4, IQ4_VALUES, QK_K};
 #[inline(always)]
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
-}
-
-/// `acc + (four-product sums of a · b)` per lane: the `sdot` instruction (inline
-/// assembly, as in `super::aarch64`: `vdotq_s32` is not a stable intrinsic).
-#[inline(always)]
-fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
-    let mut acc = acc;
-    // SAFETY: `sdot` reads three vector registers and writes the first; no memory, no
-    // stack, no flags. Only reached from this module's kernels, which require `dotprod`
-    // (detected at run time by `super::kquant`'s dispatch).
-    unsafe {
-        std::arch::asm!(
-            "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
-            acc = inout(vreg) acc,
-            a = in(vreg) a,
-            b = in(vreg) b,
-            options(pure, nomem, nostack, preserves_flags)
-        );
-    }
-    acc
 }
 
 /// The four lanes of each of `p[0..4]` summed: `[Σ p0, Σ p1, Σ p2, Σ p3]` (exact).
