@@ -220,7 +220,10 @@ fn sigterm_answers_503_on_health_then_exits_within_the_drain_timeout_despite_sta
         .unwrap();
     let mut sink = [0u8; 1024];
     let _ = kept.read(&mut sink);
+    // The client reads the stream as it comes, as a real one does: one that stops reading
+    // fills the socket buffers, and what the server could not write before it exits is lost.
     let stream = long_stream(&srv);
+    let reader = std::thread::spawn(move || read_sse(stream));
     let t0 = Instant::now();
     sigterm(&srv);
     std::thread::sleep(Duration::from_millis(300));
@@ -253,7 +256,7 @@ fn sigterm_answers_503_on_health_then_exits_within_the_drain_timeout_despite_sta
     let secs = t0.elapsed().as_secs_f64();
     assert!(status.success(), "{status:?}");
     assert!(secs < 4.0 + 3.0, "exited {secs:.1} s after SIGTERM");
-    let (chunks, _) = read_sse(stream);
+    let (chunks, _) = reader.join().unwrap();
     assert!(
         chunks.iter().any(|c| c["error"]["message"]
             .as_str()
