@@ -230,7 +230,7 @@ fn random_blocks(dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
 
 /// The quantised weight types `qdot` measures: every type the kernels read as stored
 /// (Q5_0 and IQ4_NL are rewritten to Q8_0 blocks at load, so the Q8_0 rows are theirs).
-const QDOT_TYPES: [DType; 8] = [
+const QDOT_TYPES: [DType; 10] = [
     DType::Q8_0,
     DType::Q4_0,
     DType::Q4_1,
@@ -239,6 +239,8 @@ const QDOT_TYPES: [DType; 8] = [
     DType::Q5_K,
     DType::Q6_K,
     DType::IQ4_XS,
+    DType::Q2_K,
+    DType::Q3_K,
 ];
 
 /// Byte offsets of a block's f16 scale fields (`d`, and `m`/`dmin` where there is one),
@@ -247,6 +249,8 @@ fn f16_fields(dtype: DType) -> &'static [usize] {
     match dtype {
         DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
         DType::Q6_K => &[208],
+        DType::Q2_K => &[80, 82],
+        DType::Q3_K => &[108],
         _ => &[0],
     }
 }
