@@ -604,8 +604,11 @@ fn over_capacity_requests_wait_in_a_bounded_queue() {
         "--max-request-tokens",
         "200000",
     ]);
-    let body = json!({"prompt": "The", "max_tokens": 120, "ignore_eos": true,
-        "temperature": 0, "stream": true});
+    // Long enough (a bounded window keeps it inside the bundled model's context) that the
+    // second request arrives while it runs, however fast the machine: 120 tokens once
+    // finished first on an idle host, and nothing was ever queued.
+    let body = json!({"prompt": "The", "max_tokens": 3000, "ignore_eos": true,
+        "streaming_llm_window": 64, "temperature": 0, "stream": true});
     let first = post_json(&srv.url("/v1/completions"))
         .send_string(&body.to_string())
         .unwrap();
@@ -638,7 +641,7 @@ fn over_capacity_requests_wait_in_a_bounded_queue() {
         .unwrap()
         .contains("--max-queue"));
     let (chunks, done) = read_sse(first);
-    assert!(done && chunks.last().unwrap()["usage"]["completion_tokens"] == 120);
+    assert!(done && chunks.last().unwrap()["usage"]["completion_tokens"] == 3000);
     let (code, text) = waiter.join().unwrap();
     assert_eq!(code, 200, "{text}");
     assert_eq!(srv.metric("tinygpt_waiting_requests"), 0.0);
