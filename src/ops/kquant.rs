@@ -303,7 +303,7 @@ fn row_dots<const T: usize>(kernel: Kernel, dtype: DType, row: &[u8], ks: &[&Q8K
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     //! AVX2 K-quant rows: integer sums in 32-bit lanes, reduced once per super-block,
     //! then the reference's float steps in scalar f32 (separate multiply and add).
 
@@ -317,14 +317,14 @@ mod avx2 {
     use tinygpt_reference::ggml_more::IQ4_VALUES;
 
     #[inline(always)]
-    fn f16_at(b: &[u8], at: usize) -> f32 {
+    pub(in crate::ops) fn f16_at(b: &[u8], at: usize) -> f32 {
         f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
     }
 
     /// The eight 32-bit lanes summed (exact: integer addition).
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn hsum(v: __m256i) -> i32 {
+    pub(in crate::ops) fn hsum(v: __m256i) -> i32 {
         let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));

@@ -68,8 +68,8 @@ mod avx2 {
     //! AVX2 Q2_K / Q3_K rows: integer sums in 32-bit lanes, reduced once per
     //! super-block, then the twin's float steps in scalar f32 (separate multiply and add).
 
+    use super::super::kquant::avx2::{f16_at, hsum};
     use super::Q8K;
-    use half::f16;
     use std::arch::x86_64::*;
     use tinygpt_reference::ggml_kdot::{Q2_K_BYTES, Q3_K_BYTES};
     use tinygpt_reference::ggml_more::QK_K;
@@ -107,21 +107,6 @@ mod avx2 {
         // SAFETY: 16 i16 = 32 bytes are inside `bs` (asserted).
         let b = unsafe { _mm256_loadu_si256(bs.as_ptr().cast()) };
         _mm256_madd_epi16(b, w)
-    }
-
-    #[inline(always)]
-    fn f16_at(b: &[u8], at: usize) -> f32 {
-        f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
-    }
-
-    /// The eight 32-bit lanes summed (exact: integer addition).
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    fn hsum(v: __m256i) -> i32 {
-        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-        _mm_cvtsi128_si32(s)
     }
 
     /// The eight 32-value runs of a super-block's 2-bit codes (`qs`: 64 bytes), unsigned:
