@@ -231,12 +231,18 @@ pub enum Mode {
 /// decode steps: both modes give the same values bit for bit, so the choice is speed only.
 ///
 /// It keeps an exponential average of each mode's step time (weight 1/2 for the newest)
-/// and runs the faster one, except that every [`PROBE_EVERY`]-th step runs the other mode
-/// to keep its average current: on a calm machine the team wins; when another process
+/// and runs the faster one, except that now and then one step (a *probe*) runs the other
+/// mode to keep its average current: on a calm machine the team wins; when another process
 /// takes a core, a team step waits for its descheduled member and one thread wins, and the
 /// probe notices when the core comes back. A step's first run of each mode only warms
 /// up (its time counts nothing). Step times grow slowly with the context, so two averages
 /// taken a few steps apart compare like for like.
+///
+/// Probes are paced by what they cost: the next one runs once the faster mode has run at
+/// least [`PROBE_EVERY`] steps since the last and for at least [`PROBE_BUDGET`] times the
+/// other mode's average step time. A probe then takes at most about 1/[`PROBE_BUDGET`] of
+/// the time, however much slower the other mode is just now (a team whose member lost its
+/// core can take several solo steps' time), and the probes come as often as that allows.
 #[derive(Debug, Clone, Default)]
 pub struct Pace {
     steps: u64,
@@ -245,25 +251,39 @@ pub struct Pace {
     team: Option<f64>,
     solo: Option<f64>,
     warm: [bool; 2],
+    /// steps, and their seconds, run in the faster mode since the last probe
+    since_probe: (u64, f64),
 }
 
-/// One step in this many runs the mode that is not the faster one.
+/// A probe runs at most once in this many steps.
 pub const PROBE_EVERY: u64 = 16;
 
+/// A probe runs only after the faster mode has run this many times the probed mode's
+/// average step time since the last probe.
+pub const PROBE_BUDGET: f64 = 16.0;
+
 impl Pace {
+    /// The faster mode by the averages, and the other mode's average (`None` until both
+    /// modes are measured).
+    fn best(&self) -> Option<(Mode, f64)> {
+        match (self.team, self.solo) {
+            (Some(t), Some(s)) if t <= s => Some((Mode::Team, s)),
+            (Some(t), Some(_)) => Some((Mode::Solo, t)),
+            _ => None,
+        }
+    }
+
     /// The mode of the next step.
     pub fn next(&self) -> Mode {
-        let (team, solo) = match (self.team, self.solo) {
+        let Some((best, other)) = self.best() else {
             // Measure both first: team, team, solo, solo (the first of each warms up).
-            (None, _) => return Mode::Team,
-            (_, None) => return Mode::Solo,
-            (Some(t), Some(s)) => (t, s),
+            return match self.team {
+                None => Mode::Team,
+                Some(_) => Mode::Solo,
+            };
         };
-        let best = match team <= solo {
-            true => Mode::Team,
-            false => Mode::Solo,
-        };
-        match (self.steps.is_multiple_of(PROBE_EVERY), best) {
+        let (steps, secs) = self.since_probe;
+        match (steps >= PROBE_EVERY && secs >= PROBE_BUDGET * other, best) {
             (false, m) => m,
             (true, Mode::Team) => Mode::Solo,
             (true, Mode::Solo) => Mode::Team,
@@ -275,11 +295,16 @@ impl Pace {
         self.steps += 1;
         let i = (mode == Mode::Solo) as usize;
         self.runs[i] += 1;
+        let t = took.as_secs_f64();
+        match self.best() {
+            Some((best, _)) if best != mode => self.since_probe = (0, 0.0),
+            Some(_) => self.since_probe = (self.since_probe.0 + 1, self.since_probe.1 + t),
+            None => {}
+        }
         if !self.warm[i] {
             self.warm[i] = true;
             return;
         }
-        let t = took.as_secs_f64();
         let avg = match mode {
             Mode::Team => &mut self.team,
             Mode::Solo => &mut self.solo,
@@ -504,25 +529,67 @@ mod tests {
             .collect()
     }
 
+    /// Modes `m` in `modes` and their share of the time, steps costing `team` / `solo`.
+    fn share(modes: &[Mode], m: Mode, team: u64, solo: u64) -> (usize, f64) {
+        let cost = |x: &Mode| if *x == Mode::Team { team } else { solo } as f64;
+        let n = modes.iter().filter(|&&x| x == m).count();
+        let part: f64 = modes.iter().filter(|&&x| x == m).map(cost).sum();
+        (n, part / modes.iter().map(cost).sum::<f64>())
+    }
+
     #[test]
     fn pace_measures_both_then_runs_the_faster_and_probes_the_other() {
         let mut p = Pace::default();
         let first = feed(&mut p, 4, 100, 300);
         assert_eq!(first, [Mode::Team, Mode::Team, Mode::Solo, Mode::Solo]);
-        let next = feed(&mut p, 64, 100, 300);
-        let solo = next.iter().filter(|&&m| m == Mode::Solo).count();
-        assert_eq!(solo, 64 / PROBE_EVERY as usize, "{next:?}");
+        // Calm: the team runs; solo probes keep coming, but in at most 1/16 of the time
+        // (300 µs probes after >= 16 · 300 µs of team steps: one in 49 steps).
+        let calm = feed(&mut p, 400, 100, 300);
+        let (probes, time) = share(&calm, Mode::Solo, 100, 300);
+        assert!((6..=9).contains(&probes), "{probes} probes: {calm:?}");
+        assert!(time <= 1.0 / PROBE_BUDGET, "probe share {time}");
         // The machine gets busy: team steps now take 500 µs; the pace turns to one thread
-        // at the next team step, probing the team every PROBE_EVERY steps.
-        let busy = feed(&mut p, 64, 500, 300);
-        let team = busy.iter().filter(|&&m| m == Mode::Team).count();
-        assert!(team <= 64 / PROBE_EVERY as usize + 2, "{busy:?}");
-        assert_eq!(busy[32..].iter().filter(|&&m| m == Mode::Team).count(), 2);
-        // Calm again: the first team probe brings the team back.
-        let calm = feed(&mut p, 64, 100, 300);
-        let solo_late = calm[32..].iter().filter(|&&m| m == Mode::Solo).count();
-        assert_eq!(solo_late, 2, "{calm:?}");
+        // at the next team step and probes the team in at most 1/16 of the time.
+        let busy = feed(&mut p, 400, 500, 300);
+        assert!(
+            busy[300..].iter().any(|&m| m == Mode::Team),
+            "no probe late"
+        );
+        let (_, time) = share(&busy[100..], Mode::Team, 500, 300);
+        assert!(time <= 1.0 / PROBE_BUDGET + 0.01, "probe share {time}");
+        let first_team = busy.iter().position(|&m| m == Mode::Team);
+        let first_solo = busy.iter().position(|&m| m == Mode::Solo).expect("solo");
+        assert!(
+            first_solo <= 2,
+            "still the team at step {first_solo}: {busy:?}"
+        );
+        // Calm again: team probes bring the team back (averages halve toward 100 µs);
+        // from then on only the solo probes run alone.
+        let again = feed(&mut p, 400, 100, 300);
+        let back = again
+            .windows(4)
+            .position(|w| w.iter().all(|&m| m == Mode::Team));
+        assert!(
+            back.is_some_and(|b| b <= 64),
+            "team back at {back:?}: {again:?}"
+        );
+        let (_, time) = share(&again[100..], Mode::Solo, 100, 300);
+        assert!(
+            time <= 1.0 / PROBE_BUDGET,
+            "{first_team:?}: probe share {time}"
+        );
         let (t, s) = p.runs();
-        assert_eq!(t + s, 196);
+        assert_eq!(t + s, 1204);
+    }
+
+    #[test]
+    fn a_much_slower_mode_is_probed_rarely() {
+        // One thread 8.5 ms, a team step 20 ms (one busy process on two cores): after
+        // the warm-up, the team runs at most 1/16 of the time.
+        let mut p = Pace::default();
+        let modes = feed(&mut p, 1000, 20_000, 8_500);
+        let (n, time) = share(&modes[4..], Mode::Team, 20_000, 8_500);
+        assert!(time <= 1.0 / PROBE_BUDGET, "{n} team steps, share {time}");
+        assert!(n >= 3, "the team was never probed again: {n}");
     }
 }

@@ -56,9 +56,10 @@ fn switching_between_team_and_one_thread_changes_no_bit() {
         ] {
             let (one, _) = logits(&model, &kv, 1, &feed);
             let (two, (team_steps, solo_steps)) = logits(&model, &kv, 2, &feed);
-            // Both modes ran: the probe alone runs the slower one every 16 steps.
+            // Both modes ran (each at least twice, to warm up and be measured) and the
+            // steps switched between them.
             assert!(
-                team_steps >= 4 && solo_steps >= 4,
+                team_steps >= 2 && solo_steps >= 2,
                 "team {team_steps}, solo {solo_steps}"
             );
             assert_eq!(team_steps + solo_steps, STEPS as u64);
