@@ -552,7 +552,7 @@ mod tests {
         // at the next team step and probes the team in at most 1/16 of the time.
         let busy = feed(&mut p, 400, 500, 300);
         assert!(
-            busy[300..].iter().any(|&m| m == Mode::Team),
+            busy[300..].contains(&Mode::Team),
             "no probe late"
         );
         let (_, time) = share(&busy[100..], Mode::Team, 500, 300);
