@@ -87,8 +87,11 @@ pub struct HfConfig {
     /// Gemma 3 (older configs): every `sliding_window_pattern`-th layer is global.
     #[serde(default)]
     pub sliding_window_pattern: Option<usize>,
+    /// Gemma 3: every logit becomes `cap · tanh(logit / cap)` after the LM head (a finite
+    /// cap > 0; other architectures ignore the key, as transformers does).
     #[serde(default)]
     pub final_logit_softcapping: Option<f64>,
+    /// Gemma 2's soft-capping of the attention scores: refused for gemma3.
     #[serde(default)]
     pub attn_logit_softcapping: Option<f64>,
     /// Set by the GGUF loader (the file's keys, not a `config.json`).
@@ -216,13 +219,12 @@ impl HfConfig {
                     ));
                 }
             }
-            for (key, v) in [
-                ("final_logit_softcapping", self.final_logit_softcapping),
-                ("attn_logit_softcapping", self.attn_logit_softcapping),
-            ] {
-                if let Some(v) = v {
-                    return Err(format!("{key} = {v} is not supported"));
-                }
+            // Capping the attention scores would touch every attention kernel; Gemma 3
+            // never sets it (Gemma 2 did).
+            if let Some(v) = self.attn_logit_softcapping {
+                return Err(format!(
+                    "attn_logit_softcapping = {v} is not supported (attention score soft-capping)"
+                ));
             }
         } else if let Some(act) = &self.hidden_act {
             if act != "silu" && act != "swish" {
@@ -253,6 +255,15 @@ impl HfConfig {
             }
             Some(s) if s == sizes.head_dim as f64 => None,
             s => s.map(|s| s as f32),
+        };
+        let final_logit_softcapping = match self.final_logit_softcapping {
+            // As f32 too: the cap is applied in f32.
+            Some(c) if !((c as f32).is_finite() && c as f32 > 0.0) => {
+                return Err(format!(
+                    "final_logit_softcapping must be a finite number > 0, got {c}"
+                ));
+            }
+            c => c.map(|c| c as f32),
         };
         let types = if layer_types.is_empty() {
             let pattern = self.sliding_window_pattern.unwrap_or(6);
@@ -301,6 +312,7 @@ impl HfConfig {
                 rope_local_theta: Some(local as f32),
                 norm_offset: 1.0,
                 query_pre_attn_scalar,
+                final_logit_softcapping,
             },
             types,
         ))

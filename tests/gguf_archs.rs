@@ -17,7 +17,7 @@
 mod common;
 use common::*;
 use std::path::{Path, PathBuf};
-use tinygpt_cpu::config::AttentionType;
+use tinygpt_cpu::config::{AttentionType, HfConfig};
 use tinygpt_cpu::generate::{Engine, EngineRun, ReferenceRun};
 use tinygpt_cpu::gguf::GgufFile;
 use tinygpt_cpu::kv_cache::KvConfig;
@@ -355,4 +355,195 @@ fn gemma3_query_pre_attn_scalar_matches_transformers() {
             assert!(max_abs_diff(a, b) < TOL, "engine vs reference logits");
         }
     }
+}
+
+/// Gemma's final logit soft-capping (`logit = cap · tanh(logit / cap)` after the LM head): a
+/// tiny random Gemma 3 with cap 4 (`fixtures/make_gemma3_softcap.py`; its uncapped logits
+/// reach beyond 4), from its Hugging Face directory (`final_logit_softcapping`) and its GGUF
+/// (`gemma3.final_logit_softcapping`). Engine (serial, decode team, prefill with every
+/// position's logits, continuous batching) and reference within [`TOL`] of transformers, the
+/// same greedy ids; the engine equals the reference bit for bit on f32 weights. The golden
+/// also holds transformers' logits of the same weights without the cap, and the engine must
+/// be far from those: the test fails if the cap is ignored. llama.cpp, run on the GGUF by the
+/// generator, caps the same way (recorded in the golden).
+#[test]
+fn gemma3_final_logit_softcapping_matches_transformers() {
+    let g = golden("gemma3_softcap.json");
+    let cap = g["final_logit_softcapping"].as_f64().unwrap() as f32;
+    // The generator ran llama.cpp on the GGUF: it caps too (close to the capped logits, far
+    // from the uncapped ones, same greedy ids).
+    let l = &g["llama_cpp"];
+    assert_eq!(l["ran"], true, "llama.cpp cross-check not recorded");
+    for p in l["prompts"].as_array().unwrap() {
+        assert_eq!(p["greedy_ids_equal"], true, "{p}");
+        assert!(
+            p["last_logits_max_abs_diff"].as_f64().unwrap() < 1e-2,
+            "{p}"
+        );
+        assert!(
+            p["last_logits_max_abs_diff_to_uncapped"].as_f64().unwrap() > 1.0,
+            "{p}"
+        );
+    }
+    let kv = KvConfig::default();
+    for (fmt, key) in [("hf", "hf_dir"), ("gguf", "gguf")] {
+        let path = fixtures().join(g[key].as_str().unwrap());
+        let files = ModelFiles::open(Some(&path)).unwrap();
+        assert_eq!(
+            files.config.gemma.final_logit_softcapping,
+            Some(cap),
+            "{fmt}"
+        );
+        let model = Model::load(&files, WeightsDType::Native).unwrap();
+        let reference = reference_model(&files, WeightsDType::Native).unwrap();
+        let entries = g["entries"].as_array().unwrap();
+        for e in entries {
+            let prompt = ids(&e["prompt_ids"]);
+            let want_ids = ids(&e["greedy_ids"]);
+            let want = floats(&e["last_logits"]);
+            let uncapped = floats(&e["last_logits_uncapped"]);
+            let margins = floats(&e["margins"]);
+            let mut runs: Vec<(String, Greedy)> = Vec::new();
+            for threads in [1, 2] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let g = pool
+                    .install(|| greedy(&mut EngineRun::new(&model, &kv), &prompt, want_ids.len()));
+                runs.push((format!("engine {threads} thread(s)"), g));
+            }
+            let mut r = ReferenceRun::new(&reference, &kv);
+            runs.push(("reference".into(), greedy(&mut r, &prompt, want_ids.len())));
+            for (which, run) in &runs {
+                let what = format!("{fmt} {which}");
+                let err = max_abs_diff(&run.logits[0], &want);
+                assert!(err < TOL, "{what}: last prompt logits off by {err}");
+                check_ids(&what, &run.ids, &want_ids, &margins);
+                let top = run
+                    .logits
+                    .iter()
+                    .flatten()
+                    .fold(0f32, |m, v| m.max(v.abs()));
+                assert!(top <= cap, "{what}: a logit of magnitude {top} > cap {cap}");
+                // the control: without the cap transformers gives logits far from these
+                let apart = max_abs_diff(&run.logits[0], &uncapped);
+                assert!(
+                    apart > 0.1,
+                    "{what}: the uncapped logits are only {apart} away: the fixture cannot tell"
+                );
+            }
+            let (engine, refr) = (&runs[0].1, &runs[2].1);
+            assert_eq!(engine.ids, refr.ids, "{fmt}: engine vs reference ids");
+            for (a, b) in engine.logits.iter().zip(&refr.logits) {
+                assert!(
+                    max_abs_diff(a, b) < TOL,
+                    "{fmt}: engine vs reference logits"
+                );
+            }
+            assert_eq!(runs[0].1.logits, runs[1].1.logits, "{fmt}: decode team");
+
+            // prefill with every position's logits, and the reference's full-sequence forward
+            let mut s = model.session(&kv);
+            let mut all = Vec::new();
+            model
+                .forward_batch(&mut s, &prompt, 0, Some(&mut all))
+                .unwrap();
+            let seq = reference.forward_sequence(&prompt);
+            for (i, (row, r)) in all.chunks_exact(model.cfg.vocab_size).zip(&seq).enumerate() {
+                let err = max_abs_diff(row, r);
+                assert!(
+                    err < TOL,
+                    "{fmt} prefill position {i}: off by {err} from the reference"
+                );
+                assert!(
+                    row.iter().all(|v| v.abs() <= cap),
+                    "{fmt} prefill position {i}"
+                );
+            }
+            let err = max_abs_diff(&s.logits, &want);
+            assert!(err < TOL, "{fmt} prefill: off by {err}");
+            let err = max_abs_diff(seq.last().unwrap(), &want);
+            assert!(err < TOL, "{fmt} reference sequence: off by {err}");
+        }
+        // continuous batching: every prompt in one step
+        let prompts: Vec<Vec<u32>> = entries.iter().map(|e| ids(&e["prompt_ids"])).collect();
+        let mut sessions: Vec<_> = prompts.iter().map(|_| model.session(&kv)).collect();
+        let mut steps: Vec<SeqStep<'_>> = sessions
+            .iter_mut()
+            .zip(&prompts)
+            .map(|(session, tokens)| SeqStep {
+                session,
+                tokens,
+                start: 0,
+            })
+            .collect();
+        model.forward_sequences(&mut steps).unwrap();
+        drop(steps);
+        for (s, e) in sessions.iter().zip(entries) {
+            let err = max_abs_diff(&s.logits, &floats(&e["last_logits"]));
+            assert!(err < TOL, "{fmt} forward_sequences: off by {err}");
+        }
+
+        // engine == reference bit for bit (f32 weights; docs/design.md): the capping is the
+        // same f32 expression in both
+        let engine = Model::load(&files, WeightsDType::F32).unwrap();
+        let reference = reference_model(&files, WeightsDType::F32).unwrap();
+        let prompt = ids(&entries[2]["prompt_ids"]);
+        let a = greedy(&mut EngineRun::new(&engine, &kv), &prompt, 16);
+        let b = greedy(&mut ReferenceRun::new(&reference, &kv), &prompt, 16);
+        let bits = |g: &Greedy| -> Vec<Vec<u32>> {
+            g.logits
+                .iter()
+                .map(|l| l.iter().map(|v| v.to_bits()).collect())
+                .collect()
+        };
+        assert_eq!(a.ids, b.ids, "{fmt}: engine vs reference ids (f32)");
+        assert!(
+            bits(&a) == bits(&b),
+            "{fmt}: engine vs reference logit bits (f32)"
+        );
+    }
+}
+
+/// `final_logit_softcapping` in config.json: a finite number > 0, else an error naming the
+/// key and the file; `attn_logit_softcapping` (attention score capping) is refused.
+#[test]
+fn gemma3_softcapping_config_values_are_checked() {
+    let dir = fixtures().join(golden("gemma3_softcap.json")["hf_dir"].as_str().unwrap());
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let with = |key: &str, v: serde_json::Value| {
+        let mut j: serde_json::Value = serde_json::from_str(&text).unwrap();
+        j[key] = v;
+        HfConfig::from_json(&j.to_string(), &path)
+            .unwrap()
+            .validate(&path)
+    };
+    let key = "final_logit_softcapping";
+    assert_eq!(
+        with(key, 30.0.into())
+            .unwrap()
+            .gemma
+            .final_logit_softcapping,
+        Some(30.0)
+    );
+    let off = with(key, serde_json::Value::Null).unwrap();
+    assert_eq!(off.gemma.final_logit_softcapping, None);
+    for bad in [0.0, -0.0, -4.0, 1e300, 1e-300] {
+        let e = with(key, bad.into()).unwrap_err().to_string();
+        assert!(
+            e.contains("config.json") && e.contains(key) && e.contains("> 0"),
+            "{bad}: {e}"
+        );
+    }
+    let e = with("attn_logit_softcapping", 50.0.into())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("config.json")
+            && e.contains("attn_logit_softcapping")
+            && e.contains("not supported"),
+        "{e}"
+    );
 }

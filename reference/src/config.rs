@@ -61,6 +61,10 @@ pub struct GemmaOptions {
     /// Gemma's `query_pre_attn_scalar`: scores are scaled by its inverse square root instead
     /// of `head_dim`'s (`None`: `head_dim`). Only Gemma 2/3 27B set it apart from `head_dim`.
     pub query_pre_attn_scalar: Option<f32>,
+    /// Final logit soft-capping (`final_logit_softcapping`): after the LM head every logit
+    /// becomes `cap · tanh(logit / cap)` in f32
+    /// ([`crate::model::soft_cap`]); `None`: no capping.
+    pub final_logit_softcapping: Option<f32>,
 }
 
 /// A validated Llama-family configuration.

@@ -4,7 +4,8 @@
 //! rmsnorm(x); x += down(silu(gate(h)) * up(h)) on h = rmsnorm(x) } → rmsnorm → lm_head.
 //! Qwen2 adds q/k/v biases; Qwen3 an RMSNorm of each q and k head before RoPE. Gemma 3
 //! also scales the embedding by √hidden, norms each block's output before its residual add,
-//! uses GeGLU (tanh-GELU) and gives its sliding layers their own RoPE base.
+//! uses GeGLU (tanh-GELU), gives its sliding layers their own RoPE base and may soft-cap the
+//! final logits ([`soft_cap`]).
 //!
 //! YOCO sharing (`num_kv_shared_layers` = S): layers `≥ L − S` compute no K/V; their query
 //! attends over the cache of the layer [`Config::kv_source`] names, which that layer has
@@ -275,6 +276,13 @@ fn head_norm(mut x: ArrayViewMut2<f32>, w: Option<&Array1<f32>>, eps: f32) {
 }
 
 /// The gated feed-forward: `gate = act(gate(h)) · up(h)`, `out = down(gate)`, with `act`
+/// Final logit soft-capping of one logit (Gemma's `final_logit_softcapping`):
+/// `cap · tanh(x / cap)` in f32 — a division, `f32::tanh`, a multiplication, each rounded
+/// once. Bounds the logit to `[−cap, cap]` and leaves small ones nearly unchanged.
+pub fn soft_cap(x: f32, cap: f32) -> f32 {
+    cap * (x / cap).tanh()
+}
+
 /// SiLU (SwiGLU) or tanh-GELU (Gemma's GeGLU).
 struct Mlp {
     gate: Array1<f32>,
@@ -328,7 +336,8 @@ impl Model {
         x
     }
 
-    /// The final norm and LM head: logits `(vocab)` of the last hidden state `x`.
+    /// The final norm and LM head: logits `(vocab)` of the last hidden state `x`, soft-capped
+    /// where the model says so ([`soft_cap`]).
     fn logits(&self, x: ArrayView1<f32>) -> Vec<f32> {
         let cfg = &self.cfg;
         let mut h = Array1::zeros(cfg.hidden_size);
@@ -337,6 +346,9 @@ impl Model {
         match (&self.weights.lm_head, &self.weights.tied_head) {
             (Some(head), _) | (None, Some(head)) => head.matvec(h.view(), logits.view_mut()),
             (None, None) => matvec_view(self.weights.embed.view(), h.view(), logits.view_mut()),
+        }
+        if let Some(cap) = cfg.gemma.final_logit_softcapping {
+            logits.mapv_inplace(|v| soft_cap(v, cap));
         }
         logits.to_vec()
     }

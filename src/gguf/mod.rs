@@ -349,6 +349,8 @@ impl GgufFile {
     /// - RoPE scaling: `<arch>.rope.scaling.type` = `linear` with `<arch>.rope.scaling.factor`
     ///   (or the older `<arch>.rope.scale_linear`); a `rope_freqs.weight` tensor (Llama 3.1/3.2)
     ///   is recognised as Llama 3 scaling when it equals the factors that scheme gives.
+    /// - gemma3: `gemma3.final_logit_softcapping` caps the logits (a finite number > 0);
+    ///   `gemma3.attn_logit_softcapping` is refused.
     pub fn config(&self) -> Result<Config> {
         let k = |s: &str| self.k(s);
         let hidden = self.require_usize(&k("embedding_length"))?;
@@ -415,6 +417,10 @@ impl GgufFile {
                 .get_usize(&k("attention.sliding_window"))?
                 .map(serde_json::Value::from);
         }
+        let final_softcap = match gemma3 {
+            true => self.final_logit_softcapping()?,
+            false => None,
+        };
 
         let hf = HfConfig {
             model_type: Some(self.arch.model_type.to_string()),
@@ -441,6 +447,7 @@ impl GgufFile {
             query_pre_attn_scalar: gemma3
                 .then(|| gemma3_query_pre_attn_scalar(n_layers, hidden, n_heads))
                 .flatten(),
+            final_logit_softcapping: final_softcap,
             from_gguf: true,
             ..HfConfig::default()
         };
@@ -471,6 +478,25 @@ impl GgufFile {
         }
         self.check_shapes(&cfg)?;
         Ok(cfg)
+    }
+
+    /// `<arch>.final_logit_softcapping` (llama.cpp's key), checked here so the error names
+    /// it: a finite cap > 0 (as f32, the type it is applied in). `<arch>.attn_logit_softcapping`
+    /// (attention score capping, Gemma 2's) is refused.
+    fn final_logit_softcapping(&self) -> Result<Option<f64>> {
+        let attn = self.k("attn_logit_softcapping");
+        if let Some(v) = self.get_f64(&attn)? {
+            return Err(self.cfg_err(format!(
+                "{attn} = {v} is not supported (attention score soft-capping)"
+            )));
+        }
+        let key = self.k("final_logit_softcapping");
+        match self.get_f64(&key)? {
+            Some(c) if !((c as f32).is_finite() && c as f32 > 0.0) => {
+                Err(self.cfg_err(format!("{key} must be a finite number > 0, got {c}")))
+            }
+            c => Ok(c),
+        }
     }
 
     /// `rope_scaling` in config.json form, from the GGUF keys or the `rope_freqs` tensor.
@@ -978,5 +1004,81 @@ mod gemma3_scale_tests {
         {
             assert_eq!(qpas(layers, hidden, heads), None);
         }
+    }
+}
+
+#[cfg(test)]
+mod softcap_tests {
+    use super::*;
+
+    /// The tiny Gemma 3 GGUF fixture (`fixtures/make_gguf_archs.py`), with `edit` applied to
+    /// its metadata, then its config.
+    fn gemma3_config(edit: impl FnOnce(&mut BTreeMap<String, GgufValue>)) -> Result<Config> {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/archs/gemma3/gemma3.gguf");
+        let mut f = GgufFile::open(&path).unwrap();
+        edit(&mut f.parsed.metadata);
+        f.config()
+    }
+
+    #[test]
+    fn final_logit_softcapping_is_read() {
+        assert_eq!(
+            gemma3_config(|_| {}).unwrap().gemma.final_logit_softcapping,
+            None
+        );
+        for (v, want) in [
+            (GgufValue::F32(30.0), 30.0f32),
+            (GgufValue::F32(0.25), 0.25),
+            // llama.cpp writes f32; any number is read
+            (GgufValue::F64(5.0), 5.0),
+            (GgufValue::U32(7), 7.0),
+        ] {
+            let c = gemma3_config(|m| {
+                m.insert("gemma3.final_logit_softcapping".into(), v.clone());
+            })
+            .unwrap();
+            assert_eq!(c.gemma.final_logit_softcapping, Some(want), "{v:?}");
+        }
+    }
+
+    #[test]
+    fn bad_softcapping_values_are_refused_naming_key_and_file() {
+        let key = "gemma3.final_logit_softcapping";
+        for v in [
+            GgufValue::F32(0.0),
+            GgufValue::F32(-0.0),
+            GgufValue::F32(-5.0),
+            GgufValue::F32(f32::NAN),
+            GgufValue::F32(f32::INFINITY),
+            GgufValue::F64(1e300), // infinite as f32, the type it is applied in
+            GgufValue::F64(1e-300), // 0 as f32
+            GgufValue::I32(-1),
+        ] {
+            let e = gemma3_config(|m| {
+                m.insert(key.into(), v.clone());
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.contains("gemma3.gguf") && e.contains(key) && e.contains("> 0"),
+                "{v:?}: {e}"
+            );
+        }
+        let e = gemma3_config(|m| {
+            m.insert(key.into(), GgufValue::String("30".into()));
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains(key) && e.contains("must be a number"), "{e}");
+        let attn = "gemma3.attn_logit_softcapping";
+        let e = gemma3_config(|m| {
+            m.insert(attn.into(), GgufValue::F32(50.0));
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("gemma3.gguf") && e.contains(attn) && e.contains("not supported"),
+            "{e}"
+        );
     }
 }

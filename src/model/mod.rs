@@ -379,7 +379,8 @@ impl Model {
             e.gated(&self.cfg, &lw.w_gate, &lw.w_up);
             e.residual(&lw.w_down, Input::Gate, &lw.post_ffn_norm, eps);
         }
-        e.logits(&self.norm, eps, &self.lm_head)
+        let cap = self.cfg.gemma.final_logit_softcapping;
+        e.logits(&self.norm, eps, &self.lm_head, cap)
     }
 
     /// Refuses a token id outside the vocabulary.
@@ -431,8 +432,9 @@ trait Exec {
     fn residual(&mut self, w: &Matrix, input: Input, post_norm: &Option<Vec<f32>>, eps: f32);
     /// `gate = glu(w_gate · h, w_up · h)` (SwiGLU or GeGLU, [`glu`]).
     fn gated(&mut self, c: &Config, w_gate: &Matrix, w_up: &Matrix);
-    /// The final norm, its finiteness check and the LM head into the logits.
-    fn logits(&mut self, norm: &[f32], eps: f32, lm_head: &Matrix) -> Result<()>;
+    /// The final norm, its finiteness check and the LM head into the logits, soft-capped
+    /// when `cap` is given ([`soft_cap`]).
+    fn logits(&mut self, norm: &[f32], eps: f32, lm_head: &Matrix, cap: Option<f32>) -> Result<()>;
 }
 
 /// One sequence's share of a [`Model::forward_sequences`] step: `tokens` run at positions
@@ -505,6 +507,18 @@ fn glu(c: &Config, gate: &mut [f32], up: &[f32]) {
     match c.gemma.gelu_tanh {
         true => ops::geglu_tanh(gate, up),
         false => ops::swiglu(gate, up),
+    }
+}
+
+/// Final logit soft-capping (Gemma's `final_logit_softcapping`) in place, when `cap` is
+/// given: each logit `v` becomes `cap · tanh(v / cap)` — a division, `f32::tanh`, a
+/// multiplication, as the reference's `soft_cap`, so the two agree bit for bit. Element by
+/// element, so how the logits are split between threads does not change them.
+fn soft_cap(logits: &mut [f32], cap: Option<f32>) {
+    if let Some(cap) = cap {
+        for v in logits {
+            *v = cap * (*v / cap).tanh();
+        }
     }
 }
 

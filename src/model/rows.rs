@@ -7,7 +7,7 @@
 
 use super::{
     add_bias, check_finite_hidden, check_finite_kv, glu, head_norm, norm_rows, post_norm_rows,
-    Exec, Input, Kv, Model, Replay, SeqStep, StepBufs,
+    soft_cap, Exec, Input, Kv, Model, Replay, SeqStep, StepBufs,
 };
 use crate::attention::{append_kv, attend, attend_stored};
 use crate::config::Config;
@@ -251,7 +251,7 @@ impl Exec for Rows<'_, '_> {
             .for_each(|(g, u)| glu(c, g, u));
     }
 
-    fn logits(&mut self, norm: &[f32], eps: f32, lm_head: &Matrix) -> Result<()> {
+    fn logits(&mut self, norm: &[f32], eps: f32, lm_head: &Matrix, cap: Option<f32>) -> Result<()> {
         let (c, b) = (self.c, &mut self.b);
         let (n, hd, vocab) = (b.n, c.hidden_size, c.vocab_size);
         if let Some(all) = self.all_logits.take() {
@@ -261,6 +261,9 @@ impl Exec for Rows<'_, '_> {
             check_finite_hidden(&b.h, st.start)?;
             all.resize(n * vocab, 0.0);
             matmul(lm_head, &b.h, n, all);
+            if cap.is_some() {
+                all.par_chunks_mut(vocab).for_each(|r| soft_cap(r, cap));
+            }
             st.session
                 .logits
                 .copy_from_slice(&all[(n - 1) * vocab..n * vocab]);
@@ -285,6 +288,9 @@ impl Exec for Rows<'_, '_> {
             .map(|st| &mut st.session.logits[..])
             .collect();
         matmul_rows(lm_head, last, &mut logits);
+        if cap.is_some() {
+            logits.par_iter_mut().for_each(|r| soft_cap(r, cap));
+        }
         Ok(())
     }
 }

@@ -5,8 +5,8 @@
 //! to its own copy and norms it itself, which saves a sync.
 
 use super::{
-    add_output, check_finite_hidden, check_finite_kv, glu, Exec, Input, Kv, Model, Session,
-    StepBufs,
+    add_output, check_finite_hidden, check_finite_kv, glu, soft_cap, Exec, Input, Kv, Model,
+    Session, StepBufs,
 };
 use crate::attention::{
     append_kv, attend_heads, copy_probs, mix_query_head, observe_step, prepare_step, probs_mut,
@@ -90,7 +90,8 @@ impl Exec for TeamMember<'_, '_, '_> {
     fn project(&mut self, mats: &[&Matrix], biases: [&Option<Vec<f32>>; 3]) {
         let b = self.b;
         let outs = [(&b.q, biases[0]), (&b.k, biases[1]), (&b.v, biases[2])];
-        team_product(self.m, mats, &self.h, &mut self.acts, &outs[..mats.len()]);
+        let outs = &outs[..mats.len()];
+        team_product(self.m, mats, &self.h, &mut self.acts, outs, None);
         self.m.sync();
     }
 
@@ -201,7 +202,14 @@ impl Exec for TeamMember<'_, '_, '_> {
                 Input::Gate => b.gate.all(),
             }
         };
-        team_product(self.m, &[w], input, &mut self.acts, &[(&b.proj, &None)]);
+        team_product(
+            self.m,
+            &[w],
+            input,
+            &mut self.acts,
+            &[(&b.proj, &None)],
+            None,
+        );
         self.m.sync();
         // SAFETY: `proj` is complete; it is next written after at least one more sync
         // (the MLP's, or the next layer's projection's).
@@ -229,8 +237,8 @@ impl Exec for TeamMember<'_, '_, '_> {
         m.sync();
     }
 
-    /// Each member its rows of the logits.
-    fn logits(&mut self, norm: &[f32], eps: f32, lm_head: &Matrix) -> Result<()> {
+    /// Each member its rows of the logits (soft-capped by the member that wrote them).
+    fn logits(&mut self, norm: &[f32], eps: f32, lm_head: &Matrix, cap: Option<f32>) -> Result<()> {
         ops::rmsnorm(&self.x, norm, eps, &mut self.h);
         check_finite_hidden(&self.h, self.pos)?;
         let b = self.b;
@@ -240,6 +248,7 @@ impl Exec for TeamMember<'_, '_, '_> {
             &self.h,
             &mut self.acts,
             &[(&b.logits, &None)],
+            cap,
         );
         Ok(())
     }
@@ -294,13 +303,15 @@ fn quantize_for<'a>(
     })
 }
 
-/// This member's share of `outs[i] = mats[i] · x` (plus bias), on the calling thread.
+/// This member's share of `outs[i] = mats[i] · x` (plus bias, then soft-capped when `cap`
+/// is given: the logits), on the calling thread.
 fn team_product(
     m: &Member,
     mats: &[&Matrix],
     x: &[f32],
     acts: &mut QuantizedActs,
     outs: &[(&SharedSlice<f32>, &Option<Vec<f32>>)],
+    cap: Option<f32>,
 ) {
     let q = quantize_for(mats, x, acts);
     let parts = row_parts(mats, m.n);
@@ -313,6 +324,7 @@ fn team_product(
             if let Some(bias) = outs[i].1 {
                 ops::add_assign(o, &bias[r]);
             }
+            soft_cap(o, cap);
         })
     });
 }
