@@ -671,7 +671,7 @@ pub fn attend_heads<P: EvictionPolicy + Clone>(
 }
 
 /// Whether a decode team splits each KV head's attention between its members
-/// ([`score_rows`], then [`mix_query_head`]) instead of giving each member whole KV heads
+/// ([`score_rows`], then [`mix_query_heads`]) instead of giving each member whole KV heads
 /// ([`attend_heads`]). The results are the same bit for bit either way; only the balance
 /// between members (and one more sync per layer) differs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -746,11 +746,12 @@ pub fn score_rows<P: EvictionPolicy + Clone>(
     score_range(&step, h, qh, rows, scratch, out, stride);
 }
 
-/// One query head of KV head `h`, after [`score_rows`]: `p` (its raw scores over every
-/// stored row) becomes its softmax weights in place, and `out` (`head_dim`) its attention
-/// output — bit for bit what [`attend_heads`] computes for that query head (each query's
-/// sum of values does not depend on how many queries share the kernel call).
-pub fn mix_query_head<P: EvictionPolicy + Clone>(
+/// Consecutive query heads of KV head `h`, after [`score_rows`]: `p` (their raw scores
+/// over every stored row, `(k, stored)`) becomes their softmax weights in place, and
+/// `out` (`(k, head_dim)`) their attention output — bit for bit what [`attend_heads`]
+/// computes for those query heads (each query's sum of values does not depend on how many
+/// queries share the kernel call, which reads each value row once for all of them).
+pub fn mix_query_heads<P: EvictionPolicy + Clone>(
     cfg: &Config,
     rope: &RopeTable,
     layer: &LayerKv<P>,
@@ -760,16 +761,21 @@ pub fn mix_query_head<P: EvictionPolicy + Clone>(
     out: &mut [f32],
 ) {
     let (hd, n) = (cfg.head_dim, layer.len());
-    debug_assert!(p.len() == n && out.len() == hd);
+    let k = out.len() / hd;
+    debug_assert!(p.len() == k * n && out.len() == k * hd && k > 0);
     let step = Step::new(cfg, rope, layer, tables);
-    weigh(&step, p);
+    for scores in p.chunks_exact_mut(n) {
+        weigh(&step, scores);
+    }
     out.fill(0.0);
-    let mut bias = [0.0f32];
+    let mut bias = vec![0.0f32; k];
     step.layer.for_each_value_run(h, |run| {
         run.rows.axpy_rows(&p[run.first..], n, out, &mut bias);
     });
-    if bias[0] != 0.0 {
-        out.iter_mut().for_each(|x| *x += bias[0]);
+    for (o, &b) in out.chunks_exact_mut(hd).zip(&bias) {
+        if b != 0.0 {
+            o.iter_mut().for_each(|x| *x += b);
+        }
     }
     if layer.config().rotates(hd) {
         hadamard::rotate_heads(out, hd);
@@ -1153,8 +1159,9 @@ mod tests {
     }
 
     /// [`score_rows`] over random cuts of every KV head's rows (any length, not only the
-    /// team's multiples of 16), then [`mix_query_head`] per query head: the output and the
-    /// weights, `(n_heads, stored)`, of a prepared step.
+    /// team's multiples of 16), then [`mix_query_heads`] over random runs of each KV
+    /// head's query heads: the output and the weights, `(n_heads, stored)`, of a prepared
+    /// step.
     fn split_attend(
         cfg: &Config,
         rope: &RopeTable,
@@ -1179,18 +1186,14 @@ mod tests {
                 }
                 lo = hi;
             }
-            for j in 0..group {
-                let qh = h * group + j;
-                let o = &mut out[qh * hd..(qh + 1) * hd];
-                mix_query_head(
-                    cfg,
-                    rope,
-                    layer,
-                    tables,
-                    h,
-                    &mut head[j * n..(j + 1) * n],
-                    o,
-                );
+            let mut j = 0;
+            while j < group {
+                let k = rng.gen_range(1..=group - j);
+                let (q0, q1) = (h * group + j, h * group + j + k);
+                let o = &mut out[q0 * hd..q1 * hd];
+                let p = &mut head[j * n..(j + k) * n];
+                mix_query_heads(cfg, rope, layer, tables, h, p, o);
+                j += k;
             }
         }
         (out, probs)

@@ -9,7 +9,7 @@ use super::{
     Session, StepBufs,
 };
 use crate::attention::{
-    append_kv, attend_heads, copy_probs, mix_query_head, observe_step, prepare_step, probs_mut,
+    append_kv, attend_heads, copy_probs, mix_query_heads, observe_step, prepare_step, probs_mut,
     score_rows, size_probs, AttnSplit, HeadScratch, StepTables,
 };
 use crate::config::Config;
@@ -362,7 +362,8 @@ impl TeamMember<'_, '_, '_> {
 
     /// Attention split within KV heads over `n` stored rows: each member scores the
     /// (KV head, row range) units it claims into the heads' score buffers — sync; then
-    /// the softmax and weighted sum of each query head it claims into its rows of `att`.
+    /// the softmax and weighted sum of each run of query heads it claims into its rows
+    /// of `att`.
     fn attend_split(&mut self, model: &Model, l: usize, src: usize, n: usize) {
         let (c, rope, m, b) = (&model.cfg, &model.ropes[l], self.m, self.b);
         let (hd, group, nkv) = (c.head_dim, c.group(), c.n_kv_heads);
@@ -391,13 +392,19 @@ impl TeamMember<'_, '_, '_> {
             }
         });
         m.sync();
-        m.claim_each(c.n_heads, |qh| {
-            let (h, j) = (qh / group, qh % group);
-            // SAFETY: every score is written (the sync above); each query head is claimed
-            // once, with its row of the scores and its rows of `att`.
-            let p = unsafe { std::slice::from_raw_parts_mut(ptrs[h].0.add(j * n), n) };
-            let out = unsafe { b.att.range_mut(qh * hd..(qh + 1) * hd) };
-            mix_query_head(c, rope, layer, tables, h, p, out);
+        // Units of `per` consecutive query heads of one KV head (Gemma 3's four on two
+        // members: two each), so a member reads each value row once for its unit.
+        let per = (group / m.n).max(1);
+        let units = group.div_ceil(per);
+        m.claim_each(nkv * units, |u| {
+            let (h, j0) = (u / units, (u % units) * per);
+            let j1 = (j0 + per).min(group);
+            let (q0, q1) = (h * group + j0, h * group + j1);
+            // SAFETY: every score is written (the sync above); each unit is claimed once,
+            // with its rows of the scores and its rows of `att`.
+            let p = unsafe { std::slice::from_raw_parts_mut(ptrs[h].0.add(j0 * n), (j1 - j0) * n) };
+            let out = unsafe { b.att.range_mut(q0 * hd..q1 * hd) };
+            mix_query_heads(c, rope, layer, tables, h, p, out);
         });
     }
 }

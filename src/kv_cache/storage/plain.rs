@@ -5,7 +5,10 @@
 //! ```
 //!
 //! The kernels widen `E` to f32 in registers inside the dot products and weighted sums
-//! (no widened copy of the rows); head dims 32/64/128 get straight-line code. A new
+//! (no widened copy of the rows); head dims 32/64/128 get straight-line code. Other head
+//! dims (256: Gemma 3) widen each row once for up to four queries of a group (scores) and
+//! sum the values in L1-sized row tiles with the accumulators in registers; every query's
+//! result keeps the order of the per-query kernels, bit for bit. A new
 //! plain element type is one `Elem` impl plus its arm in `stores_for`.
 
 use super::{ensure, Elem, KeyRun, KeyStore, Region, RowStore, ValueRun, ValueStore};
@@ -175,6 +178,190 @@ fn axpy_rows_regs<E: Elem, const HD: usize, const Q: usize, const L: usize>(
     }
 }
 
+/// Most queries one pass of [`dot_rows_multi`] / [`axpy_rows_tiled`] serves (a GQA or MQA
+/// group's query heads; Gemma 3 has four on one KV head).
+const MAX_Q: usize = 4;
+
+/// [`dot_rows_k`] with each row widened once for up to [`MAX_Q`] queries: the same lane
+/// sums in the same order for every query ([`dot_lanes_elem`]'s), the same reductions, so
+/// the same bits; the rows are read once per group of queries instead of once per query.
+fn dot_rows_multi<E: Elem, const HD: usize>(
+    d: &[E],
+    hd: usize,
+    qs: &[f32],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let hd = if HD != 0 { HD } else { hd };
+    let nq = qs.len() / hd;
+    let mut j = 0;
+    while j < nq {
+        let take = (nq - j).min(MAX_Q);
+        let q = &qs[j * hd..(j + take) * hd];
+        let o = &mut out[j * stride..];
+        match take {
+            4 => dot_rows_q::<E, HD, 4>(d, hd, q, o, stride),
+            3 => dot_rows_q::<E, HD, 3>(d, hd, q, o, stride),
+            2 => dot_rows_q::<E, HD, 2>(d, hd, q, o, stride),
+            _ => dot_rows_q::<E, HD, 1>(d, hd, q, o, stride),
+        }
+        j += take;
+    }
+}
+
+/// [`dot_rows_multi`] for `Q` queries `qs` (`(Q, hd)`): eight rows per reduction, the
+/// last block padded with zeros, as [`dot_rows_k`].
+#[inline(always)]
+fn dot_rows_q<E: Elem, const HD: usize, const Q: usize>(
+    d: &[E],
+    hd: usize,
+    qs: &[f32],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let rows = d.len() / hd;
+    let q: [&[f32]; Q] = std::array::from_fn(|j| &qs[j * hd..(j + 1) * hd]);
+    let mut r0 = 0;
+    while r0 < rows {
+        let m = (rows - r0).min(8);
+        let mut part = [[(f32x8::ZERO, 0.0f32); 8]; Q];
+        for k in 0..m {
+            let lanes = dot_lanes_multi::<E, HD, Q>(&q, &d[(r0 + k) * hd..(r0 + k + 1) * hd]);
+            for j in 0..Q {
+                part[j][k] = lanes[j];
+            }
+        }
+        for (j, pj) in part.iter().enumerate() {
+            let o = &mut out[j * stride + r0..j * stride + r0 + m];
+            o.copy_from_slice(&reduce8(*pj).to_array()[..m]);
+        }
+        r0 += m;
+    }
+}
+
+/// [`dot_lanes_elem`] of each of `Q` queries against one row, every chunk of the row
+/// widened once: per query the same two lane accumulators over alternating chunks of
+/// eight (an odd last chunk to the first), the same tail.
+#[inline(always)]
+fn dot_lanes_multi<E: Elem, const HD: usize, const Q: usize>(
+    q: &[&[f32]; Q],
+    row: &[E],
+) -> [(f32x8, f32); Q] {
+    let n = if HD != 0 { HD } else { row.len() };
+    let row = &row[..n];
+    let q: [&[f32]; Q] = std::array::from_fn(|j| &q[j][..n]);
+    let (mut a0, mut a1) = ([f32x8::ZERO; Q], [f32x8::ZERO; Q]);
+    let mut i = 0;
+    while i + 16 <= n {
+        let (r0, r1) = (E::load8(&row[i..]), E::load8(&row[i + 8..]));
+        for j in 0..Q {
+            a0[j] = r0.mul_add(crate::ops::simd::load8(&q[j][i..]), a0[j]);
+            a1[j] = r1.mul_add(crate::ops::simd::load8(&q[j][i + 8..]), a1[j]);
+        }
+        i += 16;
+    }
+    if i + 8 <= n {
+        let r0 = E::load8(&row[i..]);
+        for j in 0..Q {
+            a0[j] = r0.mul_add(crate::ops::simd::load8(&q[j][i..]), a0[j]);
+        }
+        i += 8;
+    }
+    std::array::from_fn(|j| {
+        let mut tail = 0.0f32;
+        for c in i..n {
+            tail += q[j][c] * row[c].to_f32();
+        }
+        (a0[j] + a1[j], tail)
+    })
+}
+
+/// Bytes of rows one tile of [`axpy_rows_tiled`] covers (they stay in L1 while every
+/// column chunk of the tile is summed).
+const TILE_BYTES: usize = 16 << 10;
+
+/// [`axpy_rows_k`] for a head dim that is a multiple of 16 and too wide for its
+/// accumulators to live in registers across a run (256 in Gemma 3): rows in tiles of
+/// about [`TILE_BYTES`], and within a tile sixteen columns at a time for up to
+/// [`MAX_Q`] queries, whose accumulators stay in registers over the tile's rows. Each
+/// element of each query's sum takes the same multiply-adds in the same row order as
+/// [`axpy_elem`] row by row (rows of weight 0 skipped per query), so the same bits; each
+/// row is read once per group of queries instead of once per query, and the accumulators
+/// are loaded and stored once per tile instead of once per row.
+fn axpy_rows_tiled<E: Elem, const HD: usize>(
+    d: &[E],
+    hd: usize,
+    p: &[f32],
+    stride: usize,
+    acc: &mut [f32],
+) {
+    let hd = if HD != 0 { HD } else { hd };
+    debug_assert!(hd.is_multiple_of(16));
+    let (rows, nq) = (d.len() / hd, acc.len() / hd);
+    let tile = (TILE_BYTES / (hd * std::mem::size_of::<E>())).clamp(8, 64);
+    let mut t0 = 0;
+    while t0 < rows {
+        let t1 = (t0 + tile).min(rows);
+        let dt = &d[t0 * hd..t1 * hd];
+        let mut j = 0;
+        while j < nq {
+            let take = (nq - j).min(MAX_Q);
+            let (pj, aj) = (&p[j * stride + t0..], &mut acc[j * hd..(j + take) * hd]);
+            match take {
+                4 => axpy_tile::<E, HD, 4>(dt, hd, pj, stride, aj),
+                3 => axpy_tile::<E, HD, 3>(dt, hd, pj, stride, aj),
+                2 => axpy_tile::<E, HD, 2>(dt, hd, pj, stride, aj),
+                _ => axpy_tile::<E, HD, 1>(dt, hd, pj, stride, aj),
+            }
+            j += take;
+        }
+        t0 = t1;
+    }
+}
+
+/// One tile of [`axpy_rows_tiled`] for `Q` queries: `acc` `(Q, hd)`, `p[q * stride + r]`
+/// the weight of query `q` on the tile's row `r`.
+#[inline(always)]
+fn axpy_tile<E: Elem, const HD: usize, const Q: usize>(
+    d: &[E],
+    hd: usize,
+    p: &[f32],
+    stride: usize,
+    acc: &mut [f32],
+) {
+    use crate::ops::simd::{load8, store8};
+    let rows = d.len() / hd;
+    let w: [&[f32]; Q] = std::array::from_fn(|q| &p[q * stride..q * stride + rows]);
+    let mut c = 0;
+    while c + 16 <= hd {
+        let mut regs: [[f32x8; 2]; Q] = std::array::from_fn(|q| {
+            let a = &acc[q * hd + c..q * hd + c + 16];
+            [load8(a), load8(&a[8..])]
+        });
+        for r in 0..rows {
+            let wr: [f32; Q] = std::array::from_fn(|q| w[q][r]);
+            if wr.iter().all(|&x| x == 0.0) {
+                continue;
+            }
+            let row = &d[r * hd + c..r * hd + c + 16];
+            let (v0, v1) = (E::load8(row), E::load8(&row[8..]));
+            for (rq, &wq) in regs.iter_mut().zip(&wr) {
+                if wq != 0.0 {
+                    let wv = f32x8::splat(wq);
+                    rq[0] = v0.mul_add(wv, rq[0]);
+                    rq[1] = v1.mul_add(wv, rq[1]);
+                }
+            }
+        }
+        for (q, rq) in regs.iter().enumerate() {
+            let a = &mut acc[q * hd + c..q * hd + c + 16];
+            store8(a, rq[0]);
+            store8(&mut a[8..], rq[1]);
+        }
+        c += 16;
+    }
+}
+
 /// Scalar twin of [`dot_elem`] (sequential sum).
 #[cfg(test)]
 pub(crate) fn dot_elem_scalar<E: Elem>(q: &[f32], row: &[E]) -> f32 {
@@ -318,7 +505,8 @@ impl<E: Elem> KeyRun for PlainRun<'_, E> {
             32 => dot_rows_k::<_, 32>(d, hd, qs, out, stride),
             64 => dot_rows_k::<_, 64>(d, hd, qs, out, stride),
             128 => dot_rows_k::<_, 128>(d, hd, qs, out, stride),
-            _ => dot_rows_k::<_, 0>(d, hd, qs, out, stride),
+            256 => dot_rows_multi::<_, 256>(d, hd, qs, out, stride),
+            _ => dot_rows_multi::<_, 0>(d, hd, qs, out, stride),
         }
     }
 
@@ -345,13 +533,16 @@ impl<E: Elem> ValueRun for PlainRun<'_, E> {
         self.data.len() / self.hd
     }
 
-    /// For head dims 32/64/128 the accumulator stays in registers across the run.
+    /// For head dims 32/64/128 the accumulator stays in registers across the run; for
+    /// other multiples of 16 (256) across a tile of rows ([`axpy_rows_tiled`]).
     fn axpy_rows(&self, p: &[f32], stride: usize, acc: &mut [f32], _bias: &mut [f32]) {
         let (hd, d) = (self.hd, self.data);
         match hd {
             32 => axpy_rows_k::<_, 32>(d, hd, p, stride, acc),
             64 => axpy_rows_k::<_, 64>(d, hd, p, stride, acc),
             128 => axpy_rows_k::<_, 128>(d, hd, p, stride, acc),
+            256 => axpy_rows_tiled::<_, 256>(d, hd, p, stride, acc),
+            _ if hd.is_multiple_of(16) => axpy_rows_tiled::<_, 0>(d, hd, p, stride, acc),
             _ => axpy_rows_k::<_, 0>(d, hd, p, stride, acc),
         }
     }
@@ -430,7 +621,7 @@ mod tests {
     #[test]
     fn plain_run_kernels_match_scalar_twins() {
         fn check<E: Elem>(name: &str) {
-            for hd in [2usize, 6, 18, 32, 34, 64, 128] {
+            for hd in [2usize, 6, 18, 32, 34, 64, 128, 256] {
                 for rows in [1usize, 7, 8, 9, 19] {
                     for nq in [1usize, 3] {
                         let ctx = format!("{name} hd={hd} rows={rows} nq={nq}");
@@ -497,6 +688,115 @@ mod tests {
         check::<f32>("f32");
         check::<f16>("f16");
         check::<bf16>("bf16");
+    }
+
+    /// The multi-query kernels ([`dot_rows_multi`], [`axpy_rows_tiled`]) against the
+    /// per-query kernels they replace ([`dot_rows_k`], [`axpy_rows_k`] with the head dim
+    /// at run time), bit for bit, for one element type: `rows` rows of `hd` values drawn
+    /// in `±scale`, `nq` queries, weights of which every `zero_every`-th (and, with
+    /// `zero_every` = 1, whole rows) are 0.
+    fn check_multi_bitwise<E: Elem>(
+        hd: usize,
+        rows: usize,
+        nq: usize,
+        scale: f32,
+        zero_every: usize,
+        seed: u64,
+    ) {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let d: Vec<E> = (0..rows * hd)
+            .map(|_| E::from_f32(rng.gen_range(-scale..scale)))
+            .collect();
+        let qs: Vec<f32> = (0..nq * hd).map(|_| rng.gen_range(-3.0..3.0)).collect();
+        let stride = rows + 5;
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        // scores: the per-query kernel, the generic multi-query one and the dispatched one
+        let mut want = vec![f32::NAN; nq * stride];
+        dot_rows_k::<E, 0>(&d, hd, &qs, &mut want, stride);
+        let mut got = vec![f32::NAN; nq * stride];
+        dot_rows_multi::<E, 0>(&d, hd, &qs, &mut got, stride);
+        assert_eq!(bits(&got), bits(&want), "dot hd={hd} rows={rows} nq={nq}");
+        let mut got = vec![f32::NAN; nq * stride];
+        PlainRun::new(hd, &d).dot_rows(&qs, &mut [], &mut got, stride);
+        assert_eq!(
+            bits(&got),
+            bits(&want),
+            "dot_rows hd={hd} rows={rows} nq={nq}"
+        );
+        // weighted sums
+        let p: Vec<f32> = (0..nq * stride)
+            .map(|i| {
+                let (q, r) = (i / stride, i % stride);
+                let zero = match zero_every {
+                    0 => false,
+                    1 => r % 3 == 1 || (q + r) % 5 == 0,
+                    z => i % z == 0,
+                };
+                if zero {
+                    0.0
+                } else {
+                    rng.gen_range(0.0..1.0)
+                }
+            })
+            .collect();
+        let acc0: Vec<f32> = (0..nq * hd).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let mut want = acc0.clone();
+        axpy_rows_k::<E, 0>(&d, hd, &p, stride, &mut want);
+        let mut got = acc0.clone();
+        PlainRun::new(hd, &d).axpy_rows(&p, stride, &mut got, &mut []);
+        assert_eq!(
+            bits(&got),
+            bits(&want),
+            "axpy_rows hd={hd} rows={rows} nq={nq}"
+        );
+        if hd.is_multiple_of(16) {
+            let mut got = acc0;
+            axpy_rows_tiled::<E, 0>(&d, hd, &p, stride, &mut got);
+            assert_eq!(bits(&got), bits(&want), "tiled hd={hd} rows={rows} nq={nq}");
+        }
+    }
+
+    /// Boundaries of the multi-query kernels: one row, one query, a full and a partial
+    /// block of eight, a tile and one row more, five queries (a group of four and one),
+    /// Gemma 3's head dim 256 with its four query heads, the f16 extremes.
+    #[test]
+    fn multi_query_kernels_equal_per_query_kernels_on_boundaries() {
+        for hd in [16usize, 48, 256] {
+            for rows in [1usize, 7, 8, 9, 32, 33, 65] {
+                for nq in [1usize, 4, 5] {
+                    for (scale, zero_every) in [(1.0, 0), (65504.0, 1), (1e-3, 3)] {
+                        check_multi_bitwise::<f32>(hd, rows, nq, scale, zero_every, 1);
+                        check_multi_bitwise::<f16>(hd, rows, nq, scale, zero_every, 2);
+                        check_multi_bitwise::<bf16>(hd, rows, nq, scale, zero_every, 3);
+                    }
+                }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config {
+            cases: 48,
+            failure_persistence: None,
+            rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha,
+            ..proptest::test_runner::Config::default()
+        })]
+
+        /// Random shapes: the multi-query kernels equal the per-query ones bit for bit.
+        #[test]
+        fn multi_query_kernels_equal_per_query_kernels(
+            hd in proptest::sample::select(vec![2usize, 6, 8, 16, 18, 24, 48, 96, 256]),
+            rows in 1usize..150,
+            nq in 1usize..10,
+            scale in proptest::sample::select(vec![1e-3f32, 1.0, 100.0, 65504.0]),
+            zero_every in 0usize..5,
+            seed in proptest::prelude::any::<u64>(),
+        ) {
+            check_multi_bitwise::<f32>(hd, rows, nq, scale, zero_every, seed);
+            check_multi_bitwise::<f16>(hd, rows, nq, scale, zero_every, seed);
+            check_multi_bitwise::<bf16>(hd, rows, nq, scale, zero_every, seed);
+        }
     }
 
     /// f16 widening covers subnormals, ±0, the saturated extremes and infinities/NaN.
