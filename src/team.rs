@@ -551,10 +551,7 @@ mod tests {
         // The machine gets busy: team steps now take 500 µs; the pace turns to one thread
         // at the next team step and probes the team in at most 1/16 of the time.
         let busy = feed(&mut p, 400, 500, 300);
-        assert!(
-            busy[300..].contains(&Mode::Team),
-            "no probe late"
-        );
+        assert!(busy[300..].contains(&Mode::Team), "no probe late");
         let (_, time) = share(&busy[100..], Mode::Team, 500, 300);
         assert!(time <= 1.0 / PROBE_BUDGET + 0.01, "probe share {time}");
         let first_team = busy.iter().position(|&m| m == Mode::Team);
