@@ -59,6 +59,28 @@ fn paths(m: &serde_json::Value) -> [(&'static str, PathBuf); 2] {
     ]
 }
 
+/// Continuous batching: every prompt in one `forward_sequences` step, each in its own
+/// session (each session then holds its prompt's last logits).
+fn all_prompts_in_one_step(
+    model: &Model,
+    kv: &KvConfig,
+    prompts: &[Vec<u32>],
+) -> Vec<tinygpt_cpu::model::Session> {
+    let mut sessions: Vec<_> = prompts.iter().map(|_| model.session(kv)).collect();
+    let mut steps: Vec<SeqStep<'_>> = sessions
+        .iter_mut()
+        .zip(prompts)
+        .map(|(session, tokens)| SeqStep {
+            session,
+            tokens,
+            start: 0,
+        })
+        .collect();
+    model.forward_sequences(&mut steps).unwrap();
+    drop(steps);
+    sessions
+}
+
 #[test]
 fn golden_file_records_llama_cpp_agreement() {
     // The generator ran llama.cpp on each GGUF: same tokenization, same greedy ids (as for
@@ -228,18 +250,7 @@ fn batched_paths_match_transformers() {
                 let err = max_abs_diff(seq.last().unwrap(), want);
                 assert!(err < TOL, "{arch} {fmt} reference sequence: off by {err}");
             }
-            let mut sessions: Vec<_> = prompts.iter().map(|_| model.session(&kv)).collect();
-            let mut steps: Vec<SeqStep<'_>> = sessions
-                .iter_mut()
-                .zip(&prompts)
-                .map(|(session, tokens)| SeqStep {
-                    session,
-                    tokens,
-                    start: 0,
-                })
-                .collect();
-            model.forward_sequences(&mut steps).unwrap();
-            drop(steps);
+            let sessions = all_prompts_in_one_step(&model, &kv, &prompts);
             for (s, want) in sessions.iter().zip(&wants) {
                 let err = max_abs_diff(&s.logits, want);
                 assert!(err < TOL, "{arch} {fmt} forward_sequences: off by {err}");
@@ -468,18 +479,7 @@ fn gemma3_final_logit_softcapping_matches_transformers() {
         }
         // continuous batching: every prompt in one step
         let prompts: Vec<Vec<u32>> = entries.iter().map(|e| ids(&e["prompt_ids"])).collect();
-        let mut sessions: Vec<_> = prompts.iter().map(|_| model.session(&kv)).collect();
-        let mut steps: Vec<SeqStep<'_>> = sessions
-            .iter_mut()
-            .zip(&prompts)
-            .map(|(session, tokens)| SeqStep {
-                session,
-                tokens,
-                start: 0,
-            })
-            .collect();
-        model.forward_sequences(&mut steps).unwrap();
-        drop(steps);
+        let sessions = all_prompts_in_one_step(&model, &kv, &prompts);
         for (s, e) in sessions.iter().zip(entries) {
             let err = max_abs_diff(&s.logits, &floats(&e["last_logits"]));
             assert!(err < TOL, "{fmt} forward_sequences: off by {err}");

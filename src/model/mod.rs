@@ -511,13 +511,13 @@ fn glu(c: &Config, gate: &mut [f32], up: &[f32]) {
 }
 
 /// Final logit soft-capping (Gemma's `final_logit_softcapping`) in place, when `cap` is
-/// given: each logit `v` becomes `cap · tanh(v / cap)` — a division, `f32::tanh`, a
-/// multiplication, as the reference's `soft_cap`, so the two agree bit for bit. Element by
-/// element, so how the logits are split between threads does not change them.
+/// given: each logit `v` becomes the reference's `soft_cap(v, cap)` (`cap · tanh(v / cap)`),
+/// the same function, so the two agree bit for bit. Element by element, so how the logits
+/// are split between threads does not change them.
 fn soft_cap(logits: &mut [f32], cap: Option<f32>) {
     if let Some(cap) = cap {
         for v in logits {
-            *v = cap * (*v / cap).tanh();
+            *v = tinygpt_reference::model::soft_cap(*v, cap);
         }
     }
 }
