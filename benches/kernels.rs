@@ -229,11 +229,13 @@ fn random_blocks(dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
 }
 
 /// The quantised weight types `qdot` measures: every type the kernels read as stored
-/// (Q5_0 and IQ4_NL are rewritten to Q8_0 blocks at load, so the Q8_0 rows are theirs).
-const QDOT_TYPES: [DType; 10] = [
+/// (IQ4_NL is rewritten to Q8_0 blocks at load, so the Q8_0 rows are its; Q5_0 is packed
+/// for each variant as the engine would, as Q5_0 blocks or rewritten as Q8_0).
+const QDOT_TYPES: [DType; 11] = [
     DType::Q8_0,
     DType::Q4_0,
     DType::Q4_1,
+    DType::Q5_0,
     DType::Q5_1,
     DType::Q4_K,
     DType::Q5_K,
@@ -271,9 +273,15 @@ fn bench_qdot(c: &mut Criterion) {
             let forms = ActsForms::of(dtype);
             let bytes = random_blocks(dtype, rows, cols);
             g.throughput(Throughput::Bytes(bytes.len() as u64));
-            let p = Packed::new(dtype, rows, cols, &bytes);
-            drop(bytes);
+            let packed = Packed::new(dtype, rows, cols, &bytes);
             for k in Kernel::supported() {
+                let own;
+                let p = if dtype == DType::Q5_0 {
+                    own = Packed::new_for(k, dtype, rows, cols, &bytes);
+                    &own
+                } else {
+                    &packed
+                };
                 let id = format!("{dtype}-{}-1t-cpu", k.name());
                 g.bench_function(BenchmarkId::from_parameter(id), |b| {
                     b.iter_custom(|iters| {
@@ -284,7 +292,7 @@ fn bench_qdot(c: &mut Criterion) {
                             for _ in 0..iters {
                                 a.quantize_forms(black_box(&x), forms);
                                 for (gi, o) in out.chunks_mut(GROUP).enumerate() {
-                                    qdot::dot_group(k, &p, gi, &a, &mut buf);
+                                    qdot::dot_group(k, p, gi, &a, &mut buf);
                                     o.copy_from_slice(&buf[..o.len()]);
                                 }
                             }

@@ -2,18 +2,38 @@
 //! `scalar` and the `wide`-based `portable` run on every machine, so they are always
 //! among them) against the scalar twin in the reference crate, bit for bit: odd row counts (partial
 //! row groups), 1 to 9 blocks per row, extreme codes (Q8_0 −128 and 127, Q4 nibbles 0
-//! and 15), extreme f16 scales (0, subnormal, ±65504) and extreme activations (zero
+//! and 15, Q5_0 codes 0 and 31), extreme f16 scales (0, subnormal, ±65504) and extreme activations (zero
 //! blocks, 1e30, subnormal values, one large value among tiny ones).
 //!
 //! The multi-token kernels (`qdot::dot_group_tokens`, one weight block unpacked for
 //! several tokens) are held to the same twin for every token, at odd token counts, and
 //! the batched product `ops::matmul` on GGML blocks (its parallel, multi-token path) to
 //! the one-token `ops::matvec`, bit for bit.
+//!
+//! Q5_0 is checked packed both ways (`Packed::new_for`): as Q5_0 blocks (the variants
+//! with Q5_0 code) and rewritten as Q8_0 (the others), each read by every variant, against
+//! `ggml_dot::dot_q5_0` (itself equal to `dot_q8_0` on the rewrite: the reference's tests).
 
 use half::f16;
 use proptest::prelude::*;
 use tinygpt_cpu::dtype::DType;
 use tinygpt_cpu::ops::qdot::{self, Kernel, Packed, QuantizedActs, GROUP};
+
+/// The GGML block types of the interleaved layout.
+const TYPES: [DType; 4] = [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0];
+
+/// The packed forms of a matrix to test: the engine's (`Packed::new`), and for Q5_0 both
+/// its forms (as Q5_0 blocks for `scalar`, rewritten as Q8_0 for `portable`).
+fn packings(dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<Packed> {
+    if dtype == DType::Q5_0 {
+        let native = Packed::new_for(Kernel::Scalar, dtype, rows, cols, bytes);
+        let q8 = Packed::new_for(Kernel::Portable, dtype, rows, cols, bytes);
+        assert_eq!((native.dtype, q8.dtype), (DType::Q5_0, DType::Q8_0));
+        vec![native, q8]
+    } else {
+        vec![Packed::new(dtype, rows, cols, bytes)]
+    }
+}
 use tinygpt_cpu::ops::{matmul, matvec, matvec_many, Matrix};
 use tinygpt_cpu::weights::{Tensor, TensorBytes};
 use tinygpt_reference::ggml_dot;
@@ -83,6 +103,7 @@ fn reference_row(dtype: DType, row: &[u8], a: &ggml_dot::QuantizedActs) -> f32 {
     match dtype {
         DType::Q8_0 => ggml_dot::dot_q8_0(row, a),
         DType::Q4_0 => ggml_dot::dot_q4_0(row, a),
+        DType::Q5_0 => ggml_dot::dot_q5_0(row, a),
         _ => ggml_dot::dot_q4_1(row, a),
     }
 }
@@ -150,20 +171,26 @@ fn every_variant_equals_the_scalar_twin_bit_for_bit() {
             let ea = QuantizedActs::from_f32(&x);
             prop_assert_eq!(&ra.q, &ea.q);
             prop_assert_eq!(&ra.d, &ea.d);
-            for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            for dtype in TYPES {
                 let bytes = rows_bytes(dtype, rows, nb, &codes, &scales);
-                let rb = dtype.block_bytes() * nb;
-                let p = Packed::new(dtype, rows, nb * 32, &bytes);
-                // the packed copy gives the file's rows back
-                let mut back = vec![0u8; rb];
-                for r in 0..rows {
-                    p.row_bytes(r, &mut back);
-                    prop_assert_eq!(&back[..], &bytes[r * rb..(r + 1) * rb]);
-                }
-                for &k in &kernels {
-                    for g in 0..p.groups() {
-                        let r = check_group(k, &p, g, &ea, &ra, dtype, &bytes, rows);
-                        prop_assert!(r.is_ok(), "rows={} nb={}: {:?}", rows, nb, r);
+                for p in packings(dtype, rows, nb * 32, &bytes) {
+                    // the packed copy gives the file's rows back (in the packed type)
+                    let file = if p.dtype == dtype {
+                        bytes.clone()
+                    } else {
+                        tinygpt_reference::ggml_more::q5_0_to_q8_0(&bytes)
+                    };
+                    let rb = p.dtype.block_bytes() * nb;
+                    let mut back = vec![0u8; rb];
+                    for r in 0..rows {
+                        p.row_bytes(r, &mut back);
+                        prop_assert_eq!(&back[..], &file[r * rb..(r + 1) * rb]);
+                    }
+                    for &k in &kernels {
+                        for g in 0..p.groups() {
+                            let r = check_group(k, &p, g, &ea, &ra, dtype, &bytes, rows);
+                            prop_assert!(r.is_ok(), "rows={} nb={} {}: {:?}", rows, nb, p.dtype, r);
+                        }
                     }
                 }
             }
@@ -182,17 +209,18 @@ fn saturating_extremes_stay_exact() {
     for x in [&x_pos, &x_neg] {
         let ra = ggml_dot::quantize_acts(x);
         let ea = QuantizedActs::from_f32(x);
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        for dtype in TYPES {
             for code in [0x80u8, 0x7F, 0xFF, 0x00, 0x88] {
                 let rows = 9;
                 let codes = vec![code; rows * nb * 32];
                 let scales = vec![f16::from_f32(0.5).to_bits(); rows * nb * 2];
                 let bytes = rows_bytes(dtype, rows, nb, &codes, &scales);
-                let p = Packed::new(dtype, rows, nb * 32, &bytes);
-                for k in Kernel::supported() {
-                    for g in 0..p.groups() {
-                        let r = check_group(k, &p, g, &ea, &ra, dtype, &bytes, rows);
-                        assert!(r.is_ok(), "code {code:#x}: {r:?}");
+                for p in packings(dtype, rows, nb * 32, &bytes) {
+                    for k in Kernel::supported() {
+                        for g in 0..p.groups() {
+                            let r = check_group(k, &p, g, &ea, &ra, dtype, &bytes, rows);
+                            assert!(r.is_ok(), "code {code:#x} {}: {r:?}", p.dtype);
+                        }
                     }
                 }
             }
@@ -225,10 +253,14 @@ fn multi_token_kernels_equal_the_scalar_twin_for_every_token() {
             let ras: Vec<_> = xs.iter().map(|x| ggml_dot::quantize_acts(x)).collect();
             let eas: Vec<_> = xs.iter().map(|x| QuantizedActs::from_f32(x)).collect();
             let refs: Vec<&QuantizedActs> = eas.iter().collect();
-            for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            for (dtype, p) in TYPES.into_iter().flat_map(|dtype| {
+                let bytes = rows_bytes(dtype, rows, nb, &codes, &scales);
+                packings(dtype, rows, nb * 32, &bytes)
+                    .into_iter()
+                    .map(move |p| (dtype, p))
+            }) {
                 let bytes = rows_bytes(dtype, rows, nb, &codes, &scales);
                 let rb = dtype.block_bytes() * nb;
-                let p = Packed::new(dtype, rows, nb * 32, &bytes);
                 for &k in &kernels {
                     for g in 0..p.groups() {
                         let mut out = vec![[f32::NAN; GROUP]; xs.len()];
@@ -242,9 +274,10 @@ fn multi_token_kernels_equal_the_scalar_twin_for_every_token() {
                                 prop_assert_eq!(
                                     got.to_bits(),
                                     want.to_bits(),
-                                    "{} {} rows={} nb={} tokens={} t={} r={}: {} vs {}",
+                                    "{} {} as {} rows={} nb={} tokens={} t={} r={}: {} vs {}",
                                     k.name(),
                                     dtype,
+                                    p.dtype,
                                     rows,
                                     nb,
                                     xs.len(),
@@ -266,9 +299,10 @@ fn multi_token_kernels_equal_the_scalar_twin_for_every_token() {
                                 prop_assert_eq!(
                                     o[j].to_bits(),
                                     w[j].to_bits(),
-                                    "tile {} {} rows={} nb={} tokens={} t={} j={}",
+                                    "tile {} {} as {} rows={} nb={} tokens={} t={} j={}",
                                     k.name(),
                                     dtype,
+                                    p.dtype,
                                     rows,
                                     nb,
                                     xs.len(),
@@ -297,20 +331,22 @@ fn multi_token_extremes_stay_exact() {
     let ras: Vec<_> = xs.iter().map(|x| ggml_dot::quantize_acts(x)).collect();
     let eas: Vec<_> = xs.iter().map(|x| QuantizedActs::from_f32(x)).collect();
     let refs: Vec<&QuantizedActs> = eas.iter().collect();
-    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+    for dtype in TYPES {
         for code in [0x80u8, 0x7F, 0xFF, 0x00, 0x88] {
             let rows = 9;
             let codes = vec![code; rows * nb * 32];
             let scales = vec![f16::from_f32(0.5).to_bits(); rows * nb * 2];
             let bytes = rows_bytes(dtype, rows, nb, &codes, &scales);
             let rb = dtype.block_bytes() * nb;
-            let p = Packed::new(dtype, rows, nb * 32, &bytes);
-            for k in Kernel::supported() {
+            for (p, k) in packings(dtype, rows, nb * 32, &bytes)
+                .iter()
+                .flat_map(|p| Kernel::supported().into_iter().map(move |k| (p, k)))
+            {
                 for g in 0..p.groups() {
                     let mut out = vec![[0.0f32; GROUP]; xs.len()];
-                    qdot::dot_group_tokens(k, &p, g, &refs, &mut out);
+                    qdot::dot_group_tokens(k, p, g, &refs, &mut out);
                     let mut tiled = vec![[0.0f32; GROUP]; xs.len()];
-                    qdot::dot_group_tile(k, &p, g, &qdot::ActsTile::new(&refs), &mut tiled);
+                    qdot::dot_group_tile(k, p, g, &qdot::ActsTile::new(&refs), &mut tiled);
                     for (o, ra) in out.iter().chain(&tiled).zip(ras.iter().cycle()) {
                         for (j, &got) in o.iter().enumerate().take(rows - g * GROUP) {
                             let r = g * GROUP + j;
@@ -318,8 +354,9 @@ fn multi_token_extremes_stay_exact() {
                             assert_eq!(
                                 got.to_bits(),
                                 want.to_bits(),
-                                "{} {dtype} code {code:#x}: {got} vs {want}",
-                                k.name()
+                                "{} {dtype} as {} code {code:#x}: {got} vs {want}",
+                                k.name(),
+                                p.dtype
                             );
                         }
                     }
@@ -343,7 +380,7 @@ fn batched_quantised_matmul_equals_one_token_matvec() {
         s ^= s << 17;
         s
     };
-    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+    for dtype in TYPES {
         let nb = rows * cols / 32;
         let codes: Vec<u8> = (0..nb * 32).map(|_| next() as u8).collect();
         let scales: Vec<u16> = (0..nb * 2)
@@ -430,6 +467,11 @@ fn matvec_many_equals_one_matvec_per_matrix_at_any_thread_count() {
             make(DType::Q4_0, 9),
             make(DType::Q8_0, 250),
             make(DType::F32, 1),
+        ],
+        vec![
+            make(DType::Q5_0, 131),
+            make(DType::Q5_0, 17),
+            make(DType::Q4_1, 40),
         ],
     ];
     let x: Vec<f32> = (0..cols)
@@ -578,7 +620,12 @@ fn activation_quantiser_equals_the_reference_on_special_values() {
 /// every variant still equals the scalar twin on its first and last groups.
 #[test]
 fn prefetching_kernels_on_a_dram_sized_matrix_equal_the_scalar_twin() {
-    let dtype = DType::Q4_1;
+    for dtype in [DType::Q4_1, DType::Q5_0] {
+        prefetching_on_a_dram_sized_matrix(dtype);
+    }
+}
+
+fn prefetching_on_a_dram_sized_matrix(dtype: DType) {
     let nb = 256; // 8192 columns
     let rows = (qdot::STREAM_PREFETCH_BYTES / (nb * dtype.block_bytes())) + 3;
     let mut bytes = vec![0u8; rows * nb * dtype.block_bytes()];
@@ -589,22 +636,83 @@ fn prefetching_kernels_on_a_dram_sized_matrix_equal_the_scalar_twin() {
         seed ^= seed << 5;
         *b = seed as u8;
     }
-    // Finite scales and minimums: every block's d and m as small f16 values.
+    // Finite scales and minimums: every block's d (and Q4_1's m) as small f16 values.
     let bb = dtype.block_bytes();
     for blk in bytes.chunks_exact_mut(bb) {
         blk[..2].copy_from_slice(&f16::from_f32(0.01).to_bits().to_le_bytes());
-        blk[2..4].copy_from_slice(&f16::from_f32(-0.05).to_bits().to_le_bytes());
+        if dtype == DType::Q4_1 {
+            blk[2..4].copy_from_slice(&f16::from_f32(-0.05).to_bits().to_le_bytes());
+        }
     }
     let x: Vec<f32> = (0..nb * 32)
         .map(|i| ((i * 37) % 101) as f32 - 50.0)
         .collect();
     let (ra, ea) = (ggml_dot::quantize_acts(&x), QuantizedActs::from_f32(&x));
-    let p = Packed::new(dtype, rows, nb * 32, &bytes);
-    assert!(p.byte_len() >= qdot::STREAM_PREFETCH_BYTES);
     for k in Kernel::supported() {
+        // each variant on the matrix packed for it (Q5_0: as blocks or as Q8_0)
+        let p = Packed::new_for(k, dtype, rows, nb * 32, &bytes);
+        assert!(p.byte_len() >= qdot::STREAM_PREFETCH_BYTES);
         for g in [0, 1, p.groups() - 1] {
             let r = check_group(k, &p, g, &ea, &ra, dtype, &bytes, rows);
-            assert!(r.is_ok(), "group {g}: {r:?}");
+            assert!(r.is_ok(), "{dtype} group {g}: {r:?}");
         }
+    }
+}
+
+/// Q5_0 is kept as blocks (22 bytes per 32 weights, not Q8_0's 34) for every variant with
+/// Q5_0 code, and the x86 SIMD variants have it: fails if a change silently falls back to
+/// the load-time rewrite as Q8_0 there. A model matrix (`Matrix::from_tensor`, packed for
+/// the active variant) holds what that variant reads.
+#[test]
+fn q5_0_stays_blocks_for_the_variants_with_q5_0_code() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        assert!(Kernel::Avx2.has_q5_0() && Kernel::Avx512Vnni.has_q5_0());
+    }
+    assert!(Kernel::Scalar.has_q5_0());
+    let (rows, nb) = (19, 18); // 576 columns, as SmolLM2's
+    let bytes: Vec<u8> = (0..rows * nb * 22).map(|i| (i * 7 % 251) as u8).collect();
+    for k in Kernel::supported() {
+        let p = Packed::new_for(k, DType::Q5_0, rows, nb * 32, &bytes);
+        let (want, block) = if k.has_q5_0() {
+            (DType::Q5_0, 22)
+        } else {
+            (DType::Q8_0, 34)
+        };
+        assert_eq!(p.dtype, want, "{}", k.name());
+        // eight rows' blocks (with their scales) per group, padded to 64 bytes
+        let group = (nb * block * GROUP).next_multiple_of(64);
+        assert_eq!(p.byte_len(), p.groups() * group, "{}", k.name());
+    }
+    let m = Matrix::from_tensor(&Tensor {
+        name: "w".into(),
+        dtype: DType::Q5_0,
+        shape: vec![rows, nb * 32],
+        data: TensorBytes::owned(&bytes),
+    });
+    let active = qdot::active();
+    let want = if active.has_q5_0() {
+        DType::Q5_0
+    } else {
+        DType::Q8_0
+    };
+    assert_eq!(m.packed_dtype(), Some(want), "active {}", active.name());
+    assert_eq!(m.dtype, DType::Q5_0);
+    // the embedding lookup reads the packed copy: the file's values either way
+    let mut row = vec![0.0f32; nb * 32];
+    let mut want_row = vec![0.0f32; nb * 32];
+    for r in [0, 8, rows - 1] {
+        m.row_f32(r, &mut row);
+        tinygpt_reference::ggml::dequantize_row(
+            DType::Q5_0,
+            &bytes[r * nb * 22..(r + 1) * nb * 22],
+            &mut want_row,
+        )
+        .unwrap();
+        assert_eq!(
+            row.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want_row.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "row {r}"
+        );
     }
 }

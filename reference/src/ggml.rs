@@ -138,7 +138,9 @@ impl GgmlType {
     }
 
     /// Whether the engine multiplies this type's blocks directly (`--weights-dtype
-    /// native`); the other block types are dequantised to f32 when the model is loaded.
+    /// native`; Q5_0 is rewritten exactly as Q8_0 when the matrix is packed for a kernel
+    /// variant without Q5_0 code); the other block types are dequantised to f32 (or, IQ4_NL,
+    /// rewritten exactly as Q8_0) when the model is loaded.
     pub fn has_native_kernels(self) -> bool {
         matches!(
             self,
@@ -148,6 +150,7 @@ impl GgmlType {
                 | GgmlType::Q8_0
                 | GgmlType::Q4_0
                 | GgmlType::Q4_1
+                | GgmlType::Q5_0
                 | GgmlType::Q5_1
                 | GgmlType::Q2_K
                 | GgmlType::Q3_K

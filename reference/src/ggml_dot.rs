@@ -9,6 +9,9 @@
 //! * Q8_0 block: `Σ_i d_w·q_w[i] · d_x·q_x[i] = (d_w·d_x) · Σ q_w q_x`
 //! * Q4_0 block: `(d_w·d_x) · Σ (q_w − 8) q_x`
 //! * Q4_1 block: `(d_w·d_x) · Σ q_w q_x + m_w · s_x`
+//! * Q5_0 block: `(d_w·d_x) · Σ (q_w − 16) q_x`, `q_w` the 5-bit code (nibble, plus bit
+//!   `j` of `qh` on top of value `j`): exactly Q8_0's step on the block rewritten as Q8_0
+//!   (`ggml_more::q5_0_to_q8_0`), as ggml's `ggml_vec_dot_q5_0_q8_0`
 //!
 //! The integer sums are exact. Each row's float terms are accumulated block by block in
 //! the order written in the functions below (for Q4_1, `acc += isum · (d_w · d_x) +
@@ -146,6 +149,40 @@ pub fn dot_q4_1(row: &[u8], a: &QuantizedActs) -> f32 {
     acc
 }
 
+/// The 32 five-bit codes (0..32) of a Q5_0 block (22 bytes: `d`, `qh: u32`, 16 nibble
+/// bytes) in value order: nibbles as Q4_0's, bit `j` of `qh` on top of value `j`.
+pub fn q5_0_codes(blk: &[u8]) -> [u8; QK] {
+    let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+    let mut out = [0u8; QK];
+    for j in 0..16 {
+        let q = blk[6 + j];
+        out[j] = (q & 0x0F) | ((((qh >> j) & 1) as u8) << 4);
+        out[j + 16] = (q >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+    }
+    out
+}
+
+/// Q5_0 row · quantised activations: Q4_0's steps over 5-bit codes minus 16,
+/// `acc += isum · (d_w · d_x)`.
+pub fn dot_q5_0(row: &[u8], a: &QuantizedActs) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.d.len() * 22,
+        "one weight block per activation block"
+    );
+    let mut acc = 0.0f32;
+    for (blk, x) in row.chunks_exact(22).zip(a.blocks()) {
+        let dw = f16_at(blk, 0);
+        let codes = q5_0_codes(blk);
+        let mut isum = 0i32;
+        for (&c, &q) in codes.iter().zip(x.q) {
+            isum += (c as i32 - 16) * q as i32;
+        }
+        acc += isum as f32 * (dw * x.d);
+    }
+    acc
+}
+
 /// The 32 five-bit codes of a Q5_1 block (24 bytes: `d`, `m`, `qh: u32`, 16 nibble
 /// bytes) in value order: nibbles as Q4_1's, bit `j` of `qh` on top of value `j`.
 pub fn q5_1_codes(blk: &[u8]) -> [u8; QK] {
@@ -180,4 +217,89 @@ pub fn dot_q5_1(row: &[u8], a: &QuantizedActs) -> f32 {
         acc += isum as f32 * (dw * x.d) + mw * x.s;
     }
     acc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ggml_more::q5_0_to_q8_0;
+
+    /// A small xorshift generator (the crate has no dependencies for tests).
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+    }
+
+    /// `dot_q5_0` equals `dot_q8_0` on the blocks rewritten as Q8_0, bit for bit: random
+    /// and extreme codes (every byte value, all-zero and all-one `qh`), f16 scales that are
+    /// zero, subnormal, ordinary, huge (±65504) or random bit patterns (non-finite
+    /// included), ordinary, huge, tiny and zero activations, 1 to 9 blocks, many rows.
+    #[test]
+    fn dot_q5_0_equals_dot_q8_0_on_the_rewrite() {
+        let mut rng = Rng(0x5EED_0005_0000_0022);
+        let scales = [
+            0x0000u16, 0x0001, 0x03FF, 0x3C00, 0x2E66, 0x7BFF, 0xFBFF, 0x8001,
+        ];
+        for case in 0..3000 {
+            let nb = 1 + case % 9;
+            let mut row = Vec::with_capacity(nb * 22);
+            for _ in 0..nb {
+                let r = rng.next();
+                let d = match r % 4 {
+                    0 => scales[(r >> 8) as usize % scales.len()],
+                    _ => (r >> 16) as u16,
+                };
+                row.extend_from_slice(&d.to_le_bytes());
+                let fill = match (r >> 40) % 6 {
+                    0 => Some(0x00u8),
+                    1 => Some(0xFF),
+                    _ => None,
+                };
+                for _ in 0..20 {
+                    let b = fill.unwrap_or(rng.next() as u8);
+                    row.push(b);
+                }
+            }
+            let scale = match case % 4 {
+                0 => 1.0f32,
+                1 => 1e30,
+                2 => 1e-38,
+                _ => 0.0,
+            };
+            let x: Vec<f32> = (0..nb * QK)
+                .map(|_| ((rng.next() % 20001) as f32 / 1e4 - 1.0) * scale)
+                .collect();
+            let a = quantize_acts(&x);
+            let got = dot_q5_0(&row, &a);
+            let want = dot_q8_0(&q5_0_to_q8_0(&row), &a);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "case {case}: {got} vs {want}"
+            );
+        }
+    }
+
+    /// A hand-computed block: d = 0.5, codes 0..32 in value order (nibble `j % 16`, the
+    /// fifth bit set for values 16..32), activations all 127 (d_x = 1):
+    /// `Σ (c − 16) · 127 = 127 · (−16 − 15 − … + 15) = −2032`, times 0.5.
+    #[test]
+    fn dot_q5_0_hand_computed() {
+        let mut blk = vec![0x00, 0x38]; // 0.5
+        blk.extend_from_slice(&0xFFFF_0000u32.to_le_bytes());
+        blk.extend((0..16u8).map(|j| (j << 4) | j));
+        let a = quantize_acts(&[127.0f32; 32]);
+        assert_eq!(a.d[0], 1.0);
+        let codes = q5_0_codes(&blk);
+        assert_eq!(codes[0], 0);
+        assert_eq!(codes[15], 15);
+        assert_eq!(codes[16], 16);
+        assert_eq!(codes[31], 31);
+        assert_eq!(dot_q5_0(&blk, &a), -1016.0);
+    }
 }

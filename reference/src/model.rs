@@ -82,6 +82,7 @@ impl Linear {
                         GgmlType::Q8_0 => ggml_dot::dot_q8_0(row, &acts),
                         GgmlType::Q4_0 => ggml_dot::dot_q4_0(row, &acts),
                         GgmlType::Q4_1 => ggml_dot::dot_q4_1(row, &acts),
+                        GgmlType::Q5_0 => ggml_dot::dot_q5_0(row, &acts),
                         GgmlType::Q5_1 => ggml_dot::dot_q5_1(row, &acts),
                         other => panic!("{other:?} is not a block type"),
                     };

@@ -33,6 +33,20 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
         .map(|(k, v)| format!("{k} x{v}"))
         .collect();
     outln!("dtypes:      {}", dt.join(", "))?;
+    if f.dtype_summary().contains_key("Q5_0") {
+        let k = crate::ops::qdot::active();
+        if k.has_q5_0() {
+            outln!(
+                "             (Q5_0 kept as blocks: native Q5_0 kernels, {})",
+                k.name()
+            )?;
+        } else {
+            outln!(
+                "             (Q5_0 rewritten exactly as Q8_0 when packed: the {} kernels have no Q5_0 code)",
+                k.name()
+            )?;
+        }
+    }
     if !f.file_dtypes.is_empty() {
         let (mut repacked, mut later) = (Vec::new(), Vec::new());
         for n in f.file_dtypes.keys() {

@@ -95,21 +95,30 @@ impl Matrix {
         self.data.is_mapped()
     }
 
+    /// The type of the load-time repacked copy (`None` for float matrices): the file's,
+    /// or Q8_0 for a Q5_0 matrix packed for a kernel variant without Q5_0 code
+    /// ([`qdot::Kernel::has_q5_0`]).
+    pub fn packed_dtype(&self) -> Option<DType> {
+        self.packed.as_ref().map(|p| p.dtype)
+    }
+
     /// Bytes of the load-time repacked copy (0 for float matrices).
     pub fn packed_bytes(&self) -> usize {
         self.packed.as_ref().map_or(0, |p| p.byte_len())
     }
 
-    /// Row `r` as f32 (embedding lookup). A repacked matrix is read from its packed copy,
-    /// so the file's pages are not touched again after load.
+    /// Row `r` as f32 (embedding lookup). A repacked matrix is read from its packed copy
+    /// (in the packed type: Q5_0 may be packed as Q8_0, the same values), so the file's
+    /// pages are not touched again after load.
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.cols);
-        let row_bytes = self.dtype.bytes_for(self.cols).expect("validated at load");
         if let Some(p) = &self.packed {
+            let row_bytes = p.dtype.bytes_for(self.cols).expect("validated at load");
             let mut b = vec![0u8; row_bytes];
             p.row_bytes(r, &mut b);
-            return dequantize_into(self.dtype, &b, out);
+            return dequantize_into(p.dtype, &b, out);
         }
+        let row_bytes = self.dtype.bytes_for(self.cols).expect("validated at load");
         let b = &self.bytes()[r * row_bytes..(r + 1) * row_bytes];
         dequantize_into(self.dtype, b, out);
     }

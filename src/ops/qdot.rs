@@ -1,4 +1,4 @@
-//! Dot products of GGML-quantised weights (Q8_0, Q4_0, Q4_1) with an activation vector
+//! Dot products of GGML-quantised weights (Q8_0, Q4_0, Q4_1, Q5_0) with an activation vector
 //! quantised to 8 bits per block, as llama.cpp does: a 4-bit model reads 4-bit weights.
 //!
 //! Numerics are exactly those of `tinygpt_reference::ggml_dot` (read its header): every
@@ -13,7 +13,8 @@
 //! the eight per-block integer sums are reduced together into one vector whose lane `k`
 //! is row `k` (one row's float chain per lane: the reference's order). Per group:
 //!
-//! * `qs`: `nb` 8-row blocks of codes, 128 bytes (Q4_0/Q4_1) or 256 bytes (Q8_0) each;
+//! * `qs`: `nb` 8-row blocks of codes, 128 bytes (Q4_0/Q4_1), 160 bytes (Q5_0: the 128
+//!   bytes of nibbles, then 32 bytes of fifth bits) or 256 bytes (Q8_0) each;
 //! * `d`: `nb × 8` f16 scales (16 bytes per block);
 //! * `m`: `nb × 8` f16 minimums (Q4_1 only);
 //!
@@ -23,7 +24,22 @@
 //! * Q4: bytes `[(r / 4)·64 + (r % 4)·16 ..][..16]` are row `r`'s 16 nibble bytes as in
 //!   the file (element `i < 16` in the low nibble of byte `i`, element `i + 16` in its
 //!   high nibble);
-//! * Q8: byte `(r / 4)·128 + (i / 16)·64 + (r % 4)·16 + i % 16` is row `r`'s element `i`.
+//! * Q8: byte `(r / 4)·128 + (i / 16)·64 + (r % 4)·16 + i % 16` is row `r`'s element `i`;
+//! * Q5_0: the nibbles as Q4's; then, at `128 + (r / 4)·16 + (i / 16)·8 + (r % 4)·2`, the
+//!   little-endian `u16` whose bit `i % 16` is the fifth bit of row `r`'s element `i` (the
+//!   low or high half of the block's `qh`). So each 8 bytes are the four fifth-bit masks of
+//!   one 64-byte nibble vector (rows 0–3 or 4–7, elements 0..16 or 16..32), in its row
+//!   order: one 64-bit mask for AVX-512 (`k` register), one 32-bit word per row pair for
+//!   AVX2.
+//!
+//! # Q5_0: kept as blocks where a variant has code for it
+//!
+//! A Q5_0 matrix is packed as Q5_0 (22 bytes per 32 weights, its 5-bit codes and scales as
+//! in the file) for the variants with Q5_0 code ([`Kernel::has_q5_0`]: `scalar`, `avx2`,
+//! `avx512vnni`); for the others (`portable`, `neon-dotprod`) it is rewritten exactly as
+//! Q8_0 when packed (`tinygpt_reference::ggml_more::q5_0_to_q8_0`; same codes, same
+//! products), so [`Packed::dtype`] says which form a matrix holds. Either way every value
+//! equals `tinygpt_reference::ggml_dot::dot_q5_0` bit for bit.
 //!
 //! # Kernels, chosen once at run time
 //!
@@ -260,6 +276,12 @@ impl Kernel {
         }
     }
 
+    /// Whether the variant has Q5_0 code (else a Q5_0 matrix is packed as Q8_0 for it:
+    /// module docs).
+    pub fn has_q5_0(self) -> bool {
+        matches!(self, Kernel::Scalar | Kernel::Avx2 | Kernel::Avx512Vnni)
+    }
+
     /// The variants this CPU supports, slowest first.
     pub fn supported() -> Vec<Kernel> {
         Kernel::ALL
@@ -350,17 +372,18 @@ impl PackedBuf {
     }
 }
 
-/// Bytes of one 8-row block of codes.
-fn qs_bytes(dtype: DType) -> usize {
+/// Bytes of one 8-row block of codes (Q5_0: nibbles, then fifth bits).
+pub(crate) fn qs_bytes(dtype: DType) -> usize {
     match dtype {
         DType::Q8_0 => 256,
+        DType::Q5_0 => 160,
         DType::Q4_0 | DType::Q4_1 => 128,
         other => unreachable!("packed {other}"),
     }
 }
 
-/// Position of row `r`'s element `i` (Q8_0) or of the byte holding it (Q4: element `i`
-/// and `i + 16` share a byte) inside an 8-row block of codes.
+/// Position of row `r`'s element `i` (Q8_0) or of the byte holding its nibble (Q4, Q5_0:
+/// element `i` and `i + 16` share a byte) inside an 8-row block of codes.
 #[inline(always)]
 fn code_pos(dtype: DType, r: usize, i: usize) -> usize {
     match dtype {
@@ -369,8 +392,17 @@ fn code_pos(dtype: DType, r: usize, i: usize) -> usize {
     }
 }
 
+/// Position of the `u16` of row `r`'s fifth bits of elements `16·half..16·half + 16`
+/// inside a Q5_0 8-row block of codes.
+#[inline(always)]
+fn q5_bits_pos(r: usize, half: usize) -> usize {
+    128 + (r / 4) * 16 + half * 8 + (r % 4) * 2
+}
+
 /// A GGML-block matrix repacked into interleaved groups of [`GROUP`] rows (module docs).
 pub struct Packed {
+    /// The type of the packed blocks: the file's, except a Q5_0 matrix packed for a
+    /// variant without Q5_0 code, which holds Q8_0.
     pub dtype: DType,
     pub rows: usize,
     pub cols: usize,
@@ -398,11 +430,24 @@ pub struct Group<'a> {
 pub const STREAM_PREFETCH_BYTES: usize = 64 << 20;
 
 impl Packed {
-    /// Repacks row-major GGML rows (`rows × cols`, validated lengths). Rows past the end
-    /// of the last group are zero (scale 0) and their results are never read.
+    /// Repacks row-major GGML rows (`rows × cols`, validated lengths) for the engine's
+    /// kernel variant ([`active`]; see [`Packed::new_for`]).
     pub fn new(dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Packed {
+        Packed::new_for(active(), dtype, rows, cols, bytes)
+    }
+
+    /// Repacks row-major GGML rows (`rows × cols`, validated lengths) for `kernel`: Q5_0
+    /// stays Q5_0 if the variant has Q5_0 code ([`Kernel::has_q5_0`]), else it becomes
+    /// Q8_0 (exact; module docs). Rows past the end of the last group are zero (scale 0)
+    /// and their results are never read. Any variant can read any packed matrix (one
+    /// without code for its type runs the scalar loop).
+    pub fn new_for(kernel: Kernel, dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Packed {
         if super::kquant::is_row_packed(dtype) {
             return Packed::new_rows(dtype, rows, cols, bytes);
+        }
+        if dtype == DType::Q5_0 && !kernel.has_q5_0() {
+            let q8 = tinygpt_reference::ggml_more::q5_0_to_q8_0(bytes);
+            return Packed::new_for(kernel, DType::Q8_0, rows, cols, &q8);
         }
         let nb = cols / QK;
         let bs = dtype.block_bytes();
@@ -425,6 +470,15 @@ impl Packed {
                     DType::Q8_0 => {
                         for i in 0..QK {
                             qs[code_pos(dtype, k, i)] = blk[2 + i];
+                        }
+                    }
+                    DType::Q5_0 => {
+                        for i in 0..16 {
+                            qs[code_pos(dtype, k, i)] = blk[6 + i];
+                        }
+                        for half in 0..2 {
+                            let at = q5_bits_pos(k, half);
+                            qs[at..at + 2].copy_from_slice(&blk[2 + 2 * half..4 + 2 * half]);
                         }
                     }
                     _ => {
@@ -540,6 +594,15 @@ impl Packed {
                         blk[2 + i] = qs[code_pos(self.dtype, k, i)];
                     }
                 }
+                DType::Q5_0 => {
+                    for half in 0..2 {
+                        let at = q5_bits_pos(k, half);
+                        blk[2 + 2 * half..4 + 2 * half].copy_from_slice(&qs[at..at + 2]);
+                    }
+                    for i in 0..16 {
+                        blk[6 + i] = qs[code_pos(self.dtype, k, i)];
+                    }
+                }
                 _ => {
                     blk[2..4].copy_from_slice(&g.m[b * 16 + k * 2..b * 16 + k * 2 + 2]);
                     for i in 0..16 {
@@ -560,6 +623,12 @@ pub fn dot_group(kernel: Kernel, p: &Packed, g: usize, a: &QuantizedActs, out: &
         return super::kquant::group(kernel, p.dtype, &grp, a, out);
     }
     debug_assert_eq!(grp.nb, a.blocks());
+    // A Q5_0 matrix reaches a variant without Q5_0 code only if packed for another one.
+    let kernel = if p.dtype == DType::Q5_0 && !kernel.has_q5_0() {
+        Kernel::Scalar
+    } else {
+        kernel
+    };
     match kernel {
         #[cfg(target_arch = "x86_64")]
         Kernel::Avx2 if kernel.is_supported() => {
@@ -601,6 +670,11 @@ pub fn dot_group_tokens(
 ) {
     debug_assert_eq!(acts.len(), out.len());
     let grp = p.group(g);
+    let kernel = if p.dtype == DType::Q5_0 && !kernel.has_q5_0() {
+        Kernel::Scalar
+    } else {
+        kernel
+    };
     for (a, o) in acts.chunks(TOKENS).zip(out.chunks_mut(TOKENS)) {
         // A short last tile repeats its last token; the extra results are dropped.
         let tile: [&QuantizedActs; TOKENS] = std::array::from_fn(|j| a[j.min(a.len() - 1)]);
@@ -769,7 +843,8 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// The eight rows' codes of one 8-row block as signed values (Q4_0: `nibble − 8`).
+/// The eight rows' codes of one 8-row block as signed values (Q4_0: `nibble − 8`;
+/// Q5_0: `(nibble | fifth bit << 4) − 16`).
 #[inline(always)]
 fn unpack_block(dtype: DType, qs: &[u8], w: &mut [[i8; QK]; GROUP]) {
     for (k, wk) in w.iter_mut().enumerate() {
@@ -777,6 +852,16 @@ fn unpack_block(dtype: DType, qs: &[u8], w: &mut [[i8; QK]; GROUP]) {
             DType::Q8_0 => {
                 for (i, v) in wk.iter_mut().enumerate() {
                     *v = qs[code_pos(dtype, k, i)] as i8;
+                }
+            }
+            DType::Q5_0 => {
+                for (i, v) in wk.iter_mut().enumerate() {
+                    let byte = qs[code_pos(dtype, k, i)];
+                    let nib = if i < 16 { byte & 0x0F } else { byte >> 4 };
+                    let at = q5_bits_pos(k, i / 16);
+                    let bits = u16::from_le_bytes([qs[at], qs[at + 1]]);
+                    let fifth = ((bits >> (i % 16)) & 1) as u8;
+                    *v = (nib | (fifth << 4)) as i8 - 16;
                 }
             }
             _ => {

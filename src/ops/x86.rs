@@ -6,7 +6,10 @@
 //! multiplies and adds, never fused, so each lane equals the scalar twin bit for bit.
 //!
 //! Unsigned × signed byte products (`vpmaddubsw`, `vpdpbusd`) need unsigned weights:
-//! Q4 codes are 0..15 already (Q4_0's `− 8` is applied as `− 8 · Σ q_x`); Q8_0 codes are
+//! Q4 codes are 0..15 already (Q4_0's `− 8` is applied as `− 8 · Σ q_x`); Q5_0 codes are
+//! 0..31 (the nibbles with the fifth bit ORed in as `0x10`: a masked OR from a 64-bit mask
+//! register on AVX-512, bytes spread from 32 bits by `vpshufb` + compare on AVX2) and its
+//! `− 16` is applied as `− 16 · Σ q_x`; Q8_0 codes are
 //! flipped to `w + 128` for VNNI (then `− 128 · Σ q_x`) and split into `|w|` and the
 //! activation's sign-adjusted copy for AVX2 (whose 16-bit pair sums would saturate on
 //! `255 · 127 · 2`; `128 · 127 · 2` fits).
@@ -16,7 +19,7 @@
 //! its scales) once for all of them: every token's lanes see exactly the operations of the
 //! one-token kernel, so the values are equal bit for bit.
 
-use super::qdot::{Group, QuantizedActs, TileView, GROUP, QK, TILE, TOKENS};
+use super::qdot::{qs_bytes, Group, QuantizedActs, TileView, GROUP, QK, TILE, TOKENS};
 use crate::dtype::DType;
 use std::arch::x86_64::*;
 
@@ -65,20 +68,43 @@ fn combine(
 fn offset(dtype: DType) -> i32 {
     match dtype {
         DType::Q4_0 => 8,
+        DType::Q5_0 => 16,
         DType::Q8_0 => 128,
         _ => 0,
     }
 }
 
-/// One 8-row block of codes unpacked for AVX2, `j` = rows `2j` and `2j + 1`:
-/// Q4 `[4j]` low nibbles, `[4j + 1]` high nibbles; Q8 `[4j]` `|w|` and `[4j + 1]` `w` of
-/// elements 0..16, `[4j + 2]`, `[4j + 3]` the same for elements 16..32.
-///
-/// # Safety
-/// AVX2 must be available; `qp` must point at one block of codes (128 or 256 bytes).
+/// Byte `i` of the result is `0x10` if bit `i` of `bits` is set, else 0 (128-bit lane 0:
+/// bits 0..16, lane 1: bits 16..32).
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn unpack_avx2(q8: bool, qp: *const u8) -> [__m256i; 16] {
+fn fifth_bits_avx2(bits: u32) -> __m256i {
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(bits as i32),
+        _mm256_setr_epi64x(
+            0x0000_0000_0000_0000,
+            0x0101_0101_0101_0101,
+            0x0202_0202_0202_0202,
+            0x0303_0303_0303_0303,
+        ),
+    );
+    // every bit but bit `i % 8` set in byte `i`: the byte is all ones iff that bit is set
+    let others = _mm256_set1_epi64x(0x7FBF_DFEF_F7FB_FDFEu64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi8(-1));
+    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+}
+
+/// One 8-row block of codes unpacked for AVX2, `j` = rows `2j` and `2j + 1`:
+/// Q4 `[4j]` low nibbles, `[4j + 1]` high nibbles (Q5_0: with the fifth bits, 0..31);
+/// Q8 `[4j]` `|w|` and `[4j + 1]` `w` of elements 0..16, `[4j + 2]`, `[4j + 3]` the same
+/// for elements 16..32.
+///
+/// # Safety
+/// AVX2 must be available; `qp` must point at one block of codes of `dtype`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn unpack_avx2(dtype: DType, qp: *const u8) -> [__m256i; 16] {
+    let q8 = dtype == DType::Q8_0;
     let mask = _mm256_set1_epi8(0x0F);
     let mut v = [_mm256_setzero_si256(); 16];
     for j in 0..4 {
@@ -96,6 +122,14 @@ unsafe fn unpack_avx2(q8: bool, qp: *const u8) -> [__m256i; 16] {
                 let w = _mm256_loadu_si256(qp.add(j * 32).cast());
                 v[4 * j] = _mm256_and_si256(w, mask);
                 v[4 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+                if dtype == DType::Q5_0 {
+                    // rows 2j, 2j + 1: their two u16 masks of elements 0..16, then 16..32
+                    let at = 128 + (j / 2) * 16 + (j % 2) * 4;
+                    let lo = qp.add(at).cast::<u32>().read_unaligned();
+                    let hi = qp.add(at + 8).cast::<u32>().read_unaligned();
+                    v[4 * j] = _mm256_or_si256(v[4 * j], fifth_bits_avx2(lo));
+                    v[4 * j + 1] = _mm256_or_si256(v[4 * j + 1], fifth_bits_avx2(hi));
+                }
             }
         }
     }
@@ -103,7 +137,7 @@ unsafe fn unpack_avx2(q8: bool, qp: *const u8) -> [__m256i; 16] {
 }
 
 /// The eight rows' exact integer sums of one unpacked block against one activation block
-/// (lane `k` = row `k`), Q4_0's `− 8 · Σ q_x` applied.
+/// (lane `k` = row `k`), Q4_0's `− 8 · Σ q_x` (Q5_0's `− 16 · Σ q_x`) applied.
 ///
 /// # Safety
 /// AVX2 must be available; `ap` must point at 32 activation codes.
@@ -126,7 +160,8 @@ unsafe fn isum_avx2(dtype: DType, v: &[__m256i; 16], ap: *const i8, qsum: i32) -
             let ph = _mm256_maddubs_epi16(v[4 * j + 2], _mm256_sign_epi8(ahi, v[4 * j + 3]));
             _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones))
         } else {
-            // 16-bit pair sums ≤ 2·15·127, and their sum ≤ 7620: no saturation.
+            // 16-bit pair sums ≤ 2·31·127 (Q5_0; Q4: 2·15·127), and their sum ≤ 15748:
+            // no saturation.
             let p = _mm256_add_epi16(
                 _mm256_maddubs_epi16(v[4 * j], alo),
                 _mm256_maddubs_epi16(v[4 * j + 1], ahi),
@@ -139,10 +174,11 @@ unsafe fn isum_avx2(dtype: DType, v: &[__m256i; 16], ap: *const i8, qsum: i32) -
     // lanes: [r0 r2 r4 r6 | r1 r3 r5 r7]
     let h = _mm256_hadd_epi32(h01, h23);
     let isum = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    if dtype == DType::Q4_0 {
-        _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * qsum))
-    } else {
-        isum
+    match dtype {
+        DType::Q4_0 | DType::Q5_0 => {
+            _mm256_sub_epi32(isum, _mm256_set1_epi32(offset(dtype) * qsum))
+        }
+        _ => isum,
     }
 }
 
@@ -153,8 +189,7 @@ unsafe fn isum_avx2(dtype: DType, v: &[__m256i; 16], ap: *const i8, qsum: i32) -
 /// of `dtype` with as many blocks as `a`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn group_avx2(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 8]) {
-    let q8 = dtype == DType::Q8_0;
-    let qsb = if q8 { 256 } else { 128 };
+    let qsb = qs_bytes(dtype);
     assert!(g.qs.len() >= g.nb * qsb && a.q.len() >= g.nb * QK);
     let mut acc = _mm256_setzero_ps();
     for b in 0..g.nb {
@@ -165,7 +200,7 @@ pub unsafe fn group_avx2(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [
             if g.stream {
                 prefetch_ahead(dtype, g, qp, b, qsb);
             }
-            let v = unpack_avx2(q8, qp);
+            let v = unpack_avx2(dtype, qp);
             let isum = isum_avx2(dtype, &v, a.q.as_ptr().add(b * QK), a.qsum[b]);
             acc = combine(dtype, scales8(dtype, g, b), a, b, isum, acc);
         }
@@ -186,8 +221,7 @@ pub unsafe fn group_tokens_avx2(
     acts: &[&QuantizedActs; TOKENS],
     out: &mut [[f32; GROUP]; TOKENS],
 ) {
-    let q8 = dtype == DType::Q8_0;
-    let qsb = if q8 { 256 } else { 128 };
+    let qsb = qs_bytes(dtype);
     assert!(g.qs.len() >= g.nb * qsb);
     for a in acts {
         assert!(a.q.len() >= g.nb * QK && a.d.len() >= g.nb && a.qsum.len() >= g.nb);
@@ -200,7 +234,7 @@ pub unsafe fn group_tokens_avx2(
             if g.stream {
                 prefetch_ahead(dtype, g, qp, b, qsb);
             }
-            let v = unpack_avx2(q8, qp);
+            let v = unpack_avx2(dtype, qp);
             let sc = scales8(dtype, g, b);
             for (a, acc_t) in acts.iter().zip(acc.iter_mut()) {
                 let isum = isum_avx2(dtype, &v, a.q.as_ptr().add(b * QK), a.qsum[b]);
@@ -215,16 +249,18 @@ pub unsafe fn group_tokens_avx2(
 }
 
 /// One 8-row block of codes as the four unsigned byte vectors `vpdpbusd` takes: rows
-/// 0..4 elements 0..16 / 16..32, then rows 4..8 the same (Q4: nibbles; Q8: `w + 128`).
+/// 0..4 elements 0..16 / 16..32, then rows 4..8 the same (Q4: nibbles; Q5_0: nibbles
+/// with the fifth bits ORed in as `0x10`, under the block's four 64-bit masks; Q8:
+/// `w + 128`).
 ///
 /// # Safety
-/// AVX-512 F/BW must be available; `qp` must point at one block of codes.
+/// AVX-512 F/BW must be available; `qp` must point at one block of codes of `dtype`.
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-unsafe fn unpack_512(q8: bool, qp: *const u8) -> [__m512i; 4] {
+unsafe fn unpack_512(dtype: DType, qp: *const u8) -> [__m512i; 4] {
     // SAFETY: the caller guarantees the block; loads are unaligned.
     unsafe {
-        if q8 {
+        if dtype == DType::Q8_0 {
             let flip = _mm512_set1_epi8(-128);
             [
                 _mm512_xor_si512(_mm512_loadu_si512(qp.cast()), flip),
@@ -236,12 +272,21 @@ unsafe fn unpack_512(q8: bool, qp: *const u8) -> [__m512i; 4] {
             let mask = _mm512_set1_epi8(0x0F);
             let w0 = _mm512_loadu_si512(qp.cast());
             let w1 = _mm512_loadu_si512(qp.add(64).cast());
-            [
+            let mut w = [
                 _mm512_and_si512(w0, mask),
                 _mm512_and_si512(_mm512_srli_epi16(w0, 4), mask),
                 _mm512_and_si512(w1, mask),
                 _mm512_and_si512(_mm512_srli_epi16(w1, 4), mask),
-            ]
+            ];
+            if dtype == DType::Q5_0 {
+                let fifth = _mm512_set1_epi8(0x10);
+                for (i, wi) in w.iter_mut().enumerate() {
+                    let bits = qp.add(128 + 8 * i).cast::<u64>().read_unaligned();
+                    // nibbles are ≤ 15: adding 0x10 under the mask is the OR
+                    *wi = _mm512_mask_add_epi8(*wi, bits, *wi, fifth);
+                }
+            }
+            w
         }
     }
 }
@@ -395,7 +440,7 @@ const PREFETCH_SCALES: usize = 256;
 #[target_feature(enable = "avx2")]
 #[inline]
 fn prefetch_ahead(dtype: DType, g: &Group, qp: *const u8, b: usize, bytes: usize) {
-    let qsb = if dtype == DType::Q8_0 { 256 } else { 128 };
+    let qsb = qs_bytes(dtype);
     let p = qp.wrapping_add(PREFETCH_BLOCKS * qsb);
     // `_mm_prefetch` is a hint (a safe function): it does not fault on any address.
     for l in (0..bytes).step_by(64) {
@@ -420,8 +465,7 @@ unsafe fn tokens_512<const T: usize>(
     acts: &[&QuantizedActs; T],
     out: &mut [[f32; GROUP]; TOKENS],
 ) {
-    let q8 = dtype == DType::Q8_0;
-    let qsb = if q8 { 256 } else { 128 };
+    let qsb = qs_bytes(dtype);
     let nb = g.nb;
     assert!(g.qs.len() >= nb * qsb);
     assert!(g.d.len() >= nb * 16 && (dtype != DType::Q4_1 || g.m.len() >= nb * 16));
@@ -438,8 +482,8 @@ unsafe fn tokens_512<const T: usize>(
             if T == 1 && g.stream {
                 prefetch_ahead(dtype, g, qp, b, 2 * qsb);
             }
-            let w0 = unpack_512(q8, qp);
-            let w1 = unpack_512(q8, qp.add(qsb));
+            let w0 = unpack_512(dtype, qp);
+            let w1 = unpack_512(dtype, qp.add(qsb));
             let (dw, mw) = scales16(dtype, g, b);
             for (a, acc_t) in acts.iter().zip(acc.iter_mut()) {
                 let ap = a.q.as_ptr().add(b * QK);
@@ -453,7 +497,7 @@ unsafe fn tokens_512<const T: usize>(
     if b < nb {
         // SAFETY: block `b` is in bounds (asserts above).
         unsafe {
-            let w = unpack_512(q8, g.qs.as_ptr().add(b * qsb));
+            let w = unpack_512(dtype, g.qs.as_ptr().add(b * qsb));
             let sc = scales8(dtype, g, b);
             for (a, acc_t) in acts.iter().zip(acc.iter_mut()) {
                 let sums = block_sums_512(&w, a.q.as_ptr().add(b * QK));
@@ -531,8 +575,7 @@ pub(crate) unsafe fn group_tile_avx512vnni<const H: usize>(
     t: &TileView,
     out: &mut [[f32; GROUP]; TILE],
 ) {
-    let q8 = dtype == DType::Q8_0;
-    let qsb = if q8 { 256 } else { 128 };
+    let qsb = qs_bytes(dtype);
     let nb = g.nb;
     assert!(H * 4 <= TILE && nb == t.nb && g.qs.len() >= nb * qsb);
     assert!(g.d.len() >= nb * 16 && (dtype != DType::Q4_1 || g.m.len() >= nb * 16));
@@ -551,7 +594,7 @@ pub(crate) unsafe fn group_tile_avx512vnni<const H: usize>(
         unsafe {
             let qp = g.qs.as_ptr().add(b * qsb);
             // rows 0..4 elements 0..16 / 16..32 (Q4: low / high nibbles), then rows 4..8
-            let w = unpack_512(q8, qp);
+            let w = unpack_512(dtype, qp);
             let qb = t.q.as_ptr().add(b * 8 * TILE * 4);
             let mut isum = [[_mm512_setzero_si512(); 2]; H];
             tile_words::<0x00, H>(0, &w, qb, &mut isum);
