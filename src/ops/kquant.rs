@@ -20,7 +20,9 @@
 //! # Variants
 //!
 //! * `scalar`: the reference's loops (`ggml_kdot::dot_q4_k` / `dot_q6_k`) per row;
-//! * `avx2` (and `avx512vnni`, which runs the AVX2 code for these types): `vpmaddubsw`
+//! * `avx2` (and `avx512vnni`, which runs the AVX2 code for these types except the
+//!   one-token Q6_K group, whose [`avx512`] twin does the same integer steps 64 codes at a
+//!   time with per-half `vpsllvw`/`vpsrlvw` shifts and `vpermw` scale lanes): `vpmaddubsw`
 //!   of the unsigned codes (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 before its −32) with the signed
 //!   activation codes, `vpmaddwd` with the sub-block scales, summed in 32-bit lanes;
 //!   Q6_K's `−32` is applied as `−32 · Σ_k sc_k · bsums_k`. Same integers, same floats.
@@ -157,6 +159,20 @@ pub fn group(kernel: Kernel, dtype: DType, g: &Group, a: &QuantizedActs, out: &m
     let rb = row_bytes(dtype, g.nb);
     if dtype == DType::Q5_1 {
         assert_eq!(a.blocks(), g.nb, "activation blocks vs matrix blocks");
+        #[cfg(target_arch = "x86_64")]
+        if use_avx2(kernel) {
+            // SAFETY: AVX2 (with FMA and F16C) was detected at run time in `use_avx2`; the
+            // group holds eight rows of `g.nb` blocks and the activations as many
+            // (asserted above; the kernel asserts the lengths again).
+            *out = unsafe {
+                if kernel == Kernel::Avx512Vnni && kernel.is_supported() {
+                    avx512::q5_1_group(g.qs, rb, a)
+                } else {
+                    avx2::q5_1_group(g.qs, rb, a)
+                }
+            };
+            return;
+        }
         for (k, o) in out.iter_mut().enumerate() {
             *o = q5_1_dots::<1>(kernel, &g.qs[k * rb..(k + 1) * rb], &[a])[0];
         }
@@ -174,11 +190,20 @@ pub fn group(kernel: Kernel, dtype: DType, g: &Group, a: &QuantizedActs, out: &m
             DType::Q4_K | DType::Q5_K | DType::IQ4_XS | DType::Q6_K
         )
     {
-        // SAFETY: AVX2 (with FMA and F16C) was detected at run time in `use_avx2`; the
-        // group holds eight rows of `g.nb` super-blocks of `dtype` and the activations as
+        // SAFETY: AVX2 (with FMA and F16C) was detected at run time in `use_avx2`, and
+        // AVX-512 F/BW by `is_supported` for the `avx512` kernel; the group holds eight rows of `g.nb` super-blocks of `dtype` and the activations as
         // many (asserted above; the kernels assert the lengths again).
         *out = unsafe {
             match dtype {
+                DType::Q6_K if kernel == Kernel::Avx512Vnni && kernel.is_supported() => {
+                    avx512::q6_k_group(g.qs, rb, &a.k)
+                }
+                DType::Q4_K if kernel == Kernel::Avx512Vnni && kernel.is_supported() => {
+                    avx512::k4_group::<false>(g.qs, rb, &a.k)
+                }
+                DType::Q5_K if kernel == Kernel::Avx512Vnni && kernel.is_supported() => {
+                    avx512::k4_group::<true>(g.qs, rb, &a.k)
+                }
                 DType::Q4_K => avx2::k4_group::<false>(g.qs, rb, &a.k),
                 DType::Q5_K => avx2::k4_group::<true>(g.qs, rb, &a.k),
                 DType::IQ4_XS => avx2::iq4_xs_group(g.qs, rb, &a.k),
@@ -335,7 +360,7 @@ pub(super) mod avx2 {
     /// integer additions, in any order).
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn reduce8(v: &[__m256i; 8]) -> __m256i {
+    pub(super) fn reduce8(v: &[__m256i; 8]) -> __m256i {
         let h01 = _mm256_hadd_epi32(v[0], v[1]);
         let h23 = _mm256_hadd_epi32(v[2], v[3]);
         let h45 = _mm256_hadd_epi32(v[4], v[5]);
@@ -352,7 +377,7 @@ pub(super) mod avx2 {
     /// Lane `r` of the result = the sum of the four 32-bit lanes of `v[r]` (exact).
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn reduce8_128(v: &[__m128i; 8]) -> __m256i {
+    pub(super) fn reduce8_128(v: &[__m128i; 8]) -> __m256i {
         let a = _mm_hadd_epi32(_mm_hadd_epi32(v[0], v[1]), _mm_hadd_epi32(v[2], v[3]));
         let b = _mm_hadd_epi32(_mm_hadd_epi32(v[4], v[5]), _mm_hadd_epi32(v[6], v[7]));
         _mm256_setr_m128i(a, b)
@@ -364,7 +389,7 @@ pub(super) mod avx2 {
     /// AVX2 and F16C must be available; every `p + r·stride .. + 2` must be readable.
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
-    unsafe fn f16x8(p: *const u8, stride: usize) -> __m256 {
+    pub(super) unsafe fn f16x8(p: *const u8, stride: usize) -> __m256 {
         // SAFETY: the caller's bounds.
         let h: [u16; 8] =
             std::array::from_fn(|r| unsafe { p.add(r * stride).cast::<u16>().read_unaligned() });
@@ -872,6 +897,113 @@ pub(super) mod avx2 {
         acc
     }
 
+    /// Q5_1: the eight rows of a group (each `rb` bytes of 24-byte blocks, one after
+    /// another in `qs`) · one token. Per block the eight rows' integer sums are reduced
+    /// together into one vector and the float step runs as 8-lane separate multiplies and
+    /// adds: lane r does exactly [`q5_1_row`]'s (the twin's)
+    /// `acc += isum·(dw·dx) + mw·s`.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q5_1_group(qs: &[u8], rb: usize, a: &super::QuantizedActs) -> [f32; 8] {
+        // SAFETY: the caller's.
+        unsafe { q5_1_group_body(qs, rb, a) }
+    }
+
+    /// [`q5_1_group`]'s code, compiled into each caller's instruction set (the AVX-512
+    /// caller gets sixteen more vector registers for the same instructions).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available.
+    #[inline(always)]
+    pub(super) unsafe fn q5_1_group_body(
+        qs: &[u8],
+        rb: usize,
+        a: &super::QuantizedActs,
+    ) -> [f32; 8] {
+        let nb = rb / 24;
+        assert_eq!(rb, nb * 24);
+        assert!(qs.len() >= 8 * rb);
+        assert!(a.q.len() >= nb * 32 && a.d.len() >= nb && a.s.len() >= nb);
+        let m4 = _mm_set1_epi8(0x0F);
+        // Byte j of the spread: byte j / 8 of qh, tested against bit j % 8.
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        );
+        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let ones = _mm256_set1_epi16(1);
+        let t16 = _mm256_set1_epi8(0x10);
+        // The next group starts after eight rows, padded to 64 bytes (`Packed` layout).
+        let ahead = (8 * rb).next_multiple_of(64);
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..nb {
+            // SAFETY: block b of every row and of the token is inside the slices (asserted
+            // above).
+            unsafe {
+                let x = _mm256_loadu_si256(a.q.as_ptr().add(32 * b).cast());
+                let base = qs.as_ptr().add(24 * b);
+                let mut s = [_mm256_setzero_si256(); 8];
+                for (r, sr) in s.iter_mut().enumerate() {
+                    let blk = base.add(r * rb);
+                    // Eight 24-byte-step streams are too many for the hardware
+                    // prefetcher: ask for the same place in the next group (a hint;
+                    // past the end of the matrix it is dropped).
+                    _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(ahead).cast());
+                    let q = _mm_loadu_si128(blk.add(8).cast());
+                    let nib = _mm256_setr_m128i(
+                        _mm_and_si128(q, m4),
+                        _mm_and_si128(_mm_srli_epi16(q, 4), m4),
+                    );
+                    let qh = blk.add(4).cast::<i32>().read_unaligned();
+                    let h = _mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bits), bits);
+                    let codes = _mm256_or_si256(nib, _mm256_and_si256(set, t16));
+                    // Pair sums ≤ 2·31·127: no saturation.
+                    *sr = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones);
+                }
+                let isum = _mm256_cvtepi32_ps(reduce8(&s));
+                // The eight rows' (d, m) f16 pairs as dwords, then d and m apart (in
+                // registers: a store of eight u16 read back as one vector would stall).
+                let dm = _mm256_setr_epi32(
+                    base.cast::<i32>().read_unaligned(),
+                    base.add(rb).cast::<i32>().read_unaligned(),
+                    base.add(2 * rb).cast::<i32>().read_unaligned(),
+                    base.add(3 * rb).cast::<i32>().read_unaligned(),
+                    base.add(4 * rb).cast::<i32>().read_unaligned(),
+                    base.add(5 * rb).cast::<i32>().read_unaligned(),
+                    base.add(6 * rb).cast::<i32>().read_unaligned(),
+                    base.add(7 * rb).cast::<i32>().read_unaligned(),
+                );
+                // packus per 128-bit half: [d0..4, m0..4 | d4..8, m4..8] (values ≤ 0xFFFF:
+                // no saturation), then the halves' quarters in order.
+                let dm = _mm256_permute4x64_epi64(
+                    _mm256_packus_epi32(
+                        _mm256_and_si256(dm, _mm256_set1_epi32(0xFFFF)),
+                        _mm256_srli_epi32(dm, 16),
+                    ),
+                    0b11_01_10_00,
+                );
+                let dw = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+                let mw = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
+                let dx = _mm256_set1_ps(a.d[b]);
+                let sx = _mm256_set1_ps(a.s[b]);
+                acc = _mm256_add_ps(
+                    acc,
+                    _mm256_add_ps(
+                        _mm256_mul_ps(isum, _mm256_mul_ps(dw, dx)),
+                        _mm256_mul_ps(mw, sx),
+                    ),
+                );
+            }
+        }
+        let mut out = [0.0f32; 8];
+        // SAFETY: `out` is 8 floats.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+        out
+    }
+
     /// Q6_K row · `T` tokens.
     ///
     /// # Safety
@@ -945,5 +1077,322 @@ pub(super) mod avx2 {
             }
         }
         acc
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx512 {
+    //! AVX-512 (F + BW) one-token K-quant groups for the `avx512vnni` variant: the AVX2
+    //! kernels' integer sums with 64 codes per instruction instead of 32. Integer sums are
+    //! exact in any order, and the float steps are the AVX2 kernels' (lane `r` = row `r`,
+    //! separate multiplies and adds), so every value is the twin's bit for bit.
+
+    use super::avx2::{f16x8, reduce8, reduce8_128};
+    use super::{Q8K, QK_K};
+    use std::arch::x86_64::*;
+    use tinygpt_reference::ggml_kdot::{Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES};
+
+    /// `super::avx2::q5_1_group` compiled with AVX-512 VL's 32 vector registers (the
+    /// AVX2 code spills with 16): the same instructions, the same values.
+    ///
+    /// # Safety
+    /// AVX-512 F, BW and VL, AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn q5_1_group(qs: &[u8], rb: usize, a: &super::QuantizedActs) -> [f32; 8] {
+        // SAFETY: the caller's.
+        unsafe { super::avx2::q5_1_group_body(qs, rb, a) }
+    }
+
+    /// The i16 scale lanes of one 64-code run starting at sub-block `4h`: lane `q` (the
+    /// `vpmaddubsw` pair `2q, 2q + 1`) belongs to sub-block `4h + q / 8`.
+    const fn scale_index(h: usize) -> [i16; 32] {
+        let mut idx = [0i16; 32];
+        let mut q = 0;
+        while q < 32 {
+            idx[q] = (4 * h + q / 8) as i16;
+            q += 1;
+        }
+        idx
+    }
+
+    const SCALE_IDX: [[i16; 32]; 4] = [
+        scale_index(0),
+        scale_index(1),
+        scale_index(2),
+        scale_index(3),
+    ];
+
+    /// One Q6_K super-block `blk` · the 256 codes at `q8` (`bs`: their 16 bsums): the
+    /// integer sum `Σ sc_k · (codes · q8)_k − 32 · Σ sc_k · bsums_k` spread over eight
+    /// 32-bit lanes (the same integer as `super::avx2`'s `q6_k_block`).
+    ///
+    /// # Safety
+    /// AVX-512 F and BW and AVX2 must be available; `blk` must point at a whole
+    /// super-block, `q8` at 256 codes.
+    #[target_feature(enable = "avx512f,avx512bw,avx2")]
+    #[inline]
+    unsafe fn q6_k_block(blk: *const u8, q8: *const i8, bs: __m256i) -> __m256i {
+        let m4 = _mm512_set1_epi8(0x0F);
+        let m30 = _mm512_set1_epi8(0x30);
+        // Shift counts per 256-bit half: codes 0..32 of a 64-code run take qh's bits 0-1
+        // (low half) or 2-3 (high half) for the first run, 4-5 or 6-7 for the second.
+        let up = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_set1_epi16(4)),
+            _mm256_set1_epi16(2),
+            1,
+        );
+        let down = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_setzero_si256()),
+            _mm256_set1_epi16(2),
+            1,
+        );
+        // SAFETY: the 16 scale bytes 192..208 are inside the 210-byte block.
+        let scb = unsafe { _mm_loadu_si128(blk.add(192).cast()) };
+        let sc16 = _mm256_cvtepi8_epi16(scb);
+        let off = _mm256_madd_epi16(sc16, bs);
+        let s_off = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(off, 5));
+        let sc16 = _mm512_castsi256_si512(sc16);
+        let mut s = _mm512_setzero_si512();
+        for n in 0..2 {
+            // SAFETY: ql 64n..64n + 64 and qh 128 + 32n..160 + 32n are inside the block,
+            // codes 128n..128n + 128 inside the 256.
+            let (ql, qh, x0, x1) = unsafe {
+                (
+                    _mm512_loadu_si512(blk.add(64 * n).cast()),
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(128 + 32 * n).cast())),
+                    _mm512_loadu_si512(q8.add(128 * n).cast()),
+                    _mm512_loadu_si512(q8.add(128 * n + 64).cast()),
+                )
+            };
+            // Codes 128n .. 128n + 64 (low nibbles) and 128n + 64 .. 128n + 128 (high),
+            // unsigned 0..63.
+            let c0 = _mm512_or_si512(
+                _mm512_and_si512(ql, m4),
+                _mm512_and_si512(_mm512_sllv_epi16(qh, up), m30),
+            );
+            let c1 = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                _mm512_and_si512(_mm512_srlv_epi16(qh, down), m30),
+            );
+            for (h, (c, x)) in [(c0, x0), (c1, x1)].into_iter().enumerate() {
+                // SAFETY: SCALE_IDX rows are 32 i16.
+                let idx = unsafe { _mm512_loadu_si512(SCALE_IDX[2 * n + h].as_ptr().cast()) };
+                let scv = _mm512_permutexvar_epi16(idx, sc16);
+                // Pair sums ≤ 2·63·128: no saturation.
+                let p = _mm512_maddubs_epi16(c, x);
+                s = _mm512_add_epi32(s, _mm512_madd_epi16(p, scv));
+            }
+        }
+        let folded = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+        _mm256_add_epi32(s_off, folded)
+    }
+
+    /// Q6_K: the eight rows of a group · one token, as `super::avx2::q6_k_group` (lane r:
+    /// `acc += isum·(d·dx)`).
+    ///
+    /// # Safety
+    /// AVX-512 F and BW, AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    pub unsafe fn q6_k_group(qs: &[u8], rb: usize, k: &Q8K) -> [f32; 8] {
+        let nb = rb / Q6_K_BYTES;
+        assert_eq!(rb, nb * Q6_K_BYTES);
+        assert!(qs.len() >= 8 * rb);
+        assert!(k.q.len() >= nb * QK_K && k.d.len() >= nb && k.bsums.len() >= nb * 16);
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..nb {
+            // SAFETY: super-block b of every row and of the token is inside the slices
+            // (asserted above).
+            unsafe {
+                let q8 = k.q.as_ptr().add(b * QK_K);
+                let bs = _mm256_loadu_si256(k.bsums.as_ptr().add(b * 16).cast());
+                let base = qs.as_ptr().add(b * Q6_K_BYTES);
+                let mut s = [_mm256_setzero_si256(); 8];
+                for (r, sr) in s.iter_mut().enumerate() {
+                    *sr = q6_k_block(base.add(r * rb), q8, bs);
+                }
+                let isum = _mm256_cvtepi32_ps(reduce8(&s));
+                let d = f16x8(base.add(208), rb);
+                let dx = _mm256_set1_ps(k.d[b]);
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(isum, _mm256_mul_ps(d, dx)));
+            }
+        }
+        let mut out = [0.0f32; 8];
+        // SAFETY: `out` is 8 floats.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+        out
+    }
+
+    /// The i16 lanes of a Q4_K/Q5_K 64-code run pair `p` (sub-blocks `4p + o` in the low
+    /// half, `4p + o + 2` in the high half; `o` = 0 for low nibbles, 1 for high), as
+    /// indices into the 16 i16 of the unpacked scales.
+    const fn k4_scale_index(p: usize, o: usize) -> [i16; 32] {
+        let mut idx = [0i16; 32];
+        let mut q = 0;
+        while q < 32 {
+            idx[q] = (4 * p + o + if q < 16 { 0 } else { 2 }) as i16;
+            q += 1;
+        }
+        idx
+    }
+
+    const K4_SCALE_IDX: [[i16; 32]; 4] = [
+        k4_scale_index(0, 0),
+        k4_scale_index(0, 1),
+        k4_scale_index(1, 0),
+        k4_scale_index(1, 1),
+    ];
+
+    /// One Q4_K/Q5_K super-block `blk` · the token's codes, already laid out per 64-byte
+    /// weight run pair (`x[2p]`: the codes of the low nibbles of weight bytes
+    /// `64p..64p + 64`, `x[2p + 1]`: of the high nibbles): the integer sum and `msum` of
+    /// `super::avx2`'s `k4_block`, the same integers.
+    ///
+    /// # Safety
+    /// AVX-512 F and BW and AVX2 must be available; `blk` must point at a whole super-block.
+    #[target_feature(enable = "avx512f,avx512bw,avx2")]
+    #[inline]
+    unsafe fn k4_block<const FIVE: bool>(
+        blk: *const u8,
+        x: &[__m512i; 4],
+        bp: __m128i,
+    ) -> (__m256i, __m128i) {
+        const K1: u32 = 0x3f3f_3f3f;
+        const K2: u32 = 0x0f0f_0f0f;
+        const K3: u32 = 0x0303_0303;
+        // SAFETY: bytes 4..16 are inside the block.
+        let (u0, u1, u2) = unsafe {
+            (
+                blk.add(4).cast::<u32>().read_unaligned(),
+                blk.add(8).cast::<u32>().read_unaligned(),
+                blk.add(12).cast::<u32>().read_unaligned(),
+            )
+        };
+        // Bytes: scales 0..4 (s[j] & 63), scales 4..8, mins 0..4, mins 4..8.
+        let sc03 = u0 & K1;
+        let sc47 = (u2 & K2) | (((u0 >> 6) & K3) << 4);
+        let mn03 = u1 & K1;
+        let mn47 = ((u2 >> 4) & K2) | (((u1 >> 6) & K3) << 4);
+        let sm = _mm256_cvtepu8_epi16(_mm_setr_epi32(
+            sc03 as i32,
+            sc47 as i32,
+            mn03 as i32,
+            mn47 as i32,
+        ));
+        let m = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), bp);
+        let sm = _mm512_castsi256_si512(sm);
+        let m4 = _mm512_set1_epi8(0x0F);
+        let qs_at = if FIVE { 48 } else { 16 };
+        let qh = if FIVE {
+            // SAFETY: bytes 16..48 are inside the 176-byte block.
+            _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(blk.add(16).cast()) })
+        } else {
+            _mm512_setzero_si512()
+        };
+        let mut s = _mm512_setzero_si512();
+        for p in 0..2 {
+            // SAFETY: weight bytes qs_at + 64p .. + 64 are inside the block.
+            let w = unsafe { _mm512_loadu_si512(blk.add(qs_at + 64 * p).cast()) };
+            let mut lo = _mm512_and_si512(w, m4);
+            let mut hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+            if FIVE {
+                // Sub-block 2j's fifth bits are bit 2j of qh, 2j + 1's bit 2j + 1; the
+                // low half holds j = 2p, the high half j = 2p + 1.
+                let bits = |o: u32| {
+                    let lo_bit = 1u8 << (4 * p as u32 + o);
+                    _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_set1_epi8(lo_bit as i8)),
+                        _mm256_set1_epi8((lo_bit << 2) as i8),
+                        1,
+                    )
+                };
+                let t16 = _mm512_set1_epi8(0x10);
+                lo = _mm512_or_si512(
+                    lo,
+                    _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bits(0)), t16),
+                );
+                hi = _mm512_or_si512(
+                    hi,
+                    _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bits(1)), t16),
+                );
+            }
+            // SAFETY: K4_SCALE_IDX rows are 32 i16.
+            let (il, ih) = unsafe {
+                (
+                    _mm512_loadu_si512(K4_SCALE_IDX[2 * p].as_ptr().cast()),
+                    _mm512_loadu_si512(K4_SCALE_IDX[2 * p + 1].as_ptr().cast()),
+                )
+            };
+            // Pair sums ≤ 2·31·128: no saturation.
+            let pl = _mm512_madd_epi16(
+                _mm512_maddubs_epi16(lo, x[2 * p]),
+                _mm512_permutexvar_epi16(il, sm),
+            );
+            let ph = _mm512_madd_epi16(
+                _mm512_maddubs_epi16(hi, x[2 * p + 1]),
+                _mm512_permutexvar_epi16(ih, sm),
+            );
+            s = _mm512_add_epi32(s, _mm512_add_epi32(pl, ph));
+        }
+        let folded = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+        (folded, m)
+    }
+
+    /// Q4_K (`FIVE = false`) or Q5_K (`FIVE = true`): the eight rows of a group · one
+    /// token, as `super::avx2::k4_group` (lane r: `acc += isum·(d·dx) − msum·(dmin·dx)`).
+    ///
+    /// # Safety
+    /// AVX-512 F and BW, AVX2, FMA and F16C must be available.
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    pub unsafe fn k4_group<const FIVE: bool>(qs: &[u8], rb: usize, k: &Q8K) -> [f32; 8] {
+        let bytes = if FIVE { Q5_K_BYTES } else { Q4_K_BYTES };
+        let nb = rb / bytes;
+        assert_eq!(rb, nb * bytes);
+        assert!(qs.len() >= 8 * rb);
+        assert!(k.q.len() >= nb * QK_K && k.d.len() >= nb && k.bsums.len() >= nb * 16);
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..nb {
+            // SAFETY: super-block b of every row and of the token is inside the slices
+            // (asserted above).
+            unsafe {
+                let q8 = k.q.as_ptr().add(b * QK_K);
+                // Weight bytes 64p..64p + 64 hold codes 128p + 0..32 and 128p + 64..96 in
+                // their low nibbles, 128p + 32..64 and 128p + 96..128 in their high ones.
+                let pair = |a: usize, c: usize| {
+                    _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_loadu_si256(q8.add(a).cast())),
+                        _mm256_loadu_si256(q8.add(c).cast()),
+                        1,
+                    )
+                };
+                let x = [pair(0, 64), pair(32, 96), pair(128, 192), pair(160, 224)];
+                let bsp = k.bsums.as_ptr().add(b * 16);
+                let bp = _mm_hadd_epi16(
+                    _mm_loadu_si128(bsp.cast()),
+                    _mm_loadu_si128(bsp.add(8).cast()),
+                );
+                let base = qs.as_ptr().add(b * bytes);
+                let mut s = [_mm256_setzero_si256(); 8];
+                let mut m = [_mm_setzero_si128(); 8];
+                for r in 0..8 {
+                    (s[r], m[r]) = k4_block::<FIVE>(base.add(r * rb), &x, bp);
+                }
+                let isum = _mm256_cvtepi32_ps(reduce8(&s));
+                let msum = _mm256_cvtepi32_ps(reduce8_128(&m));
+                let d = f16x8(base, rb);
+                let dmin = f16x8(base.add(2), rb);
+                let dx = _mm256_set1_ps(k.d[b]);
+                acc = _mm256_add_ps(
+                    acc,
+                    _mm256_sub_ps(
+                        _mm256_mul_ps(isum, _mm256_mul_ps(d, dx)),
+                        _mm256_mul_ps(msum, _mm256_mul_ps(dmin, dx)),
+                    ),
+                );
+            }
+        }
+        let mut out = [0.0f32; 8];
+        // SAFETY: `out` is 8 floats.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+        out
     }
 }
