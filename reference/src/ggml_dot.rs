@@ -224,17 +224,7 @@ mod tests {
     use super::*;
     use crate::ggml_more::q5_0_to_q8_0;
 
-    /// A small xorshift generator (the crate has no dependencies for tests).
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-    }
+    use crate::test_rng::Rng;
 
     /// `dot_q5_0` equals `dot_q8_0` on the blocks rewritten as Q8_0, bit for bit: random
     /// and extreme codes (every byte value, all-zero and all-one `qh`), f16 scales that are

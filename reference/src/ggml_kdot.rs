@@ -442,22 +442,7 @@ mod tests {
     use crate::ggml_more::{dequantize_q4_k, dequantize_q6_k};
     use half::f16;
 
-    /// A small deterministic generator (xorshift), so the tests need no crate.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn byte(&mut self) -> u8 {
-            self.next() as u8
-        }
-        fn unit(&mut self) -> f32 {
-            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        }
-    }
+    use crate::test_rng::Rng;
 
     fn put_f16(b: &mut [u8], at: usize, v: f32) {
         b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());

@@ -33,6 +33,8 @@ pub mod model;
 pub mod order;
 pub mod quant;
 pub mod rope;
+#[cfg(test)]
+mod test_rng;
 
 pub use config::{AttentionType, Config, RopeScaling};
 pub use kv_cache::{KvConfig, KvRotation, LayerCache, PositionsMode, Precision};

@@ -411,21 +411,13 @@ pub(super) mod avx2 {
         _mm256_cvtph_ps(unsafe { _mm_loadu_si128(h.as_ptr().cast()) })
     }
 
-    /// One Q4_K/Q5_K super-block `blk` · the 256 codes at `q8`: the integer sum
-    /// `Σ sc_j · (codes · q8)_j` spread over eight 32-bit lanes, and `msum = Σ m_j ·
-    /// (bsums_2j + bsums_2j+1)` over four (`bp` holds the eight pair sums of the bsums).
-    /// The six-bit scales and mins unpacked with 32-bit masks (the same values as
-    /// `scale_min_k4`).
+    /// A Q4_K/Q5_K super-block's eight six-bit scales (i16 lanes 0..8) and mins (lanes
+    /// 8..16), unpacked with 32-bit masks (the same values as `scale_min_k4`).
     ///
     /// # Safety
-    /// AVX2 must be available; `blk` must point at a whole super-block, `q8` at 256 codes.
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    unsafe fn k4_block<const FIVE: bool>(
-        blk: *const u8,
-        q8: *const i8,
-        bp: __m128i,
-    ) -> (__m256i, __m128i) {
+    /// AVX2 must be available; `blk` must point at a whole super-block.
+    #[inline(always)]
+    pub(super) unsafe fn k4_scales_mins(blk: *const u8) -> __m256i {
         const K1: u32 = 0x3f3f_3f3f;
         const K2: u32 = 0x0f0f_0f0f;
         const K3: u32 = 0x0303_0303;
@@ -448,6 +440,26 @@ pub(super) mod avx2 {
             mn03 as i32,
             mn47 as i32,
         ));
+        sm
+    }
+
+    /// One Q4_K/Q5_K super-block `blk` · the 256 codes at `q8`: the integer sum
+    /// `Σ sc_j · (codes · q8)_j` spread over eight 32-bit lanes, and `msum = Σ m_j ·
+    /// (bsums_2j + bsums_2j+1)` over four (`bp` holds the eight pair sums of the bsums).
+    /// The six-bit scales and mins unpacked with 32-bit masks (the same values as
+    /// `scale_min_k4`).
+    ///
+    /// # Safety
+    /// AVX2 must be available; `blk` must point at a whole super-block, `q8` at 256 codes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn k4_block<const FIVE: bool>(
+        blk: *const u8,
+        q8: *const i8,
+        bp: __m128i,
+    ) -> (__m256i, __m128i) {
+        // SAFETY: the caller's (a whole super-block).
+        let sm = unsafe { k4_scales_mins(blk) };
         let m = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), bp);
         let scales = _mm256_permute2x128_si256(sm, sm, 0x00);
         let m4 = _mm256_set1_epi8(0x0F);
@@ -507,6 +519,27 @@ pub(super) mod avx2 {
     /// AVX2, FMA and F16C must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn k4_group<const FIVE: bool>(qs: &[u8], rb: usize, k: &Q8K) -> [f32; 8] {
+        // SAFETY: `k4_block` needs AVX2, which this function has; the driver passes a
+        // whole super-block and the token's 256 codes.
+        let block = |blk, q8: &*const i8, bp| unsafe { k4_block::<FIVE>(blk, *q8, bp) };
+        // SAFETY: the caller's.
+        unsafe { k4_group_with::<FIVE, _>(qs, rb, k, |q8| q8, block) }
+    }
+
+    /// [`k4_group`]'s walk with the per-row integer step `block` (given the token's
+    /// super-block as `prep` lays it out once per super-block): the AVX2 and AVX-512
+    /// kernels share everything else, compiled into each caller's instruction set.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; `block` must be sound for a whole super-block.
+    #[inline(always)]
+    pub(super) unsafe fn k4_group_with<const FIVE: bool, S>(
+        qs: &[u8],
+        rb: usize,
+        k: &Q8K,
+        prep: impl Fn(*const i8) -> S,
+        block: impl Fn(*const u8, &S, __m128i) -> (__m256i, __m128i),
+    ) -> [f32; 8] {
         let bytes = if FIVE { Q5_K_BYTES } else { Q4_K_BYTES };
         let nb = rb / bytes;
         assert_eq!(rb, nb * bytes);
@@ -519,7 +552,7 @@ pub(super) mod avx2 {
             // SAFETY: super-block b of every row and of the token is inside the slices
             // (asserted above).
             unsafe {
-                let q8 = k.q.as_ptr().add(b * QK_K);
+                let q8 = prep(k.q.as_ptr().add(b * QK_K));
                 let bsp = k.bsums.as_ptr().add(b * 16);
                 let bp = _mm_hadd_epi16(
                     _mm_loadu_si128(bsp.cast()),
@@ -530,7 +563,7 @@ pub(super) mod avx2 {
                 let mut m = [_mm_setzero_si128(); 8];
                 for r in 0..8 {
                     prefetch_next_group(base.add(r * rb), ahead, bytes);
-                    (s[r], m[r]) = k4_block::<FIVE>(base.add(r * rb), q8, bp);
+                    (s[r], m[r]) = block(base.add(r * rb), &q8, bp);
                 }
                 let isum = _mm256_cvtepi32_ps(reduce8(&s));
                 let msum = _mm256_cvtepi32_ps(reduce8_128(&m));
@@ -634,6 +667,26 @@ pub(super) mod avx2 {
     /// AVX2, FMA and F16C must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn q6_k_group(qs: &[u8], rb: usize, k: &Q8K) -> [f32; 8] {
+        // SAFETY: `q6_k_block` needs AVX2, which this function has; the driver passes a
+        // whole super-block and 256 codes.
+        let block = |blk, q8, bs| unsafe { q6_k_block(blk, q8, bs) };
+        // SAFETY: the caller's.
+        unsafe { q6_k_group_with(qs, rb, k, block) }
+    }
+
+    /// [`q6_k_group`]'s walk with the per-row integer step `block`, shared by the AVX2
+    /// and AVX-512 kernels (compiled into each caller's instruction set).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; `block` must be sound for a whole super-block
+    /// and 256 codes.
+    #[inline(always)]
+    pub(super) unsafe fn q6_k_group_with(
+        qs: &[u8],
+        rb: usize,
+        k: &Q8K,
+        block: impl Fn(*const u8, *const i8, __m256i) -> __m256i,
+    ) -> [f32; 8] {
         let nb = rb / Q6_K_BYTES;
         assert_eq!(rb, nb * Q6_K_BYTES);
         assert!(qs.len() >= 8 * rb);
@@ -651,7 +704,7 @@ pub(super) mod avx2 {
                 let mut s = [_mm256_setzero_si256(); 8];
                 for (r, sr) in s.iter_mut().enumerate() {
                     prefetch_next_group(base.add(r * rb), ahead, Q6_K_BYTES);
-                    *sr = q6_k_block(base.add(r * rb), q8, bs);
+                    *sr = block(base.add(r * rb), q8, bs);
                 }
                 let isum = _mm256_cvtepi32_ps(reduce8(&s));
                 let d = f16x8(base.add(208), rb);
@@ -1110,10 +1163,9 @@ pub(super) mod avx512 {
     //! exact in any order, and the float steps are the AVX2 kernels' (lane `r` = row `r`,
     //! separate multiplies and adds), so every value is the twin's bit for bit.
 
-    use super::avx2::{f16x8, prefetch_next_group, reduce8, reduce8_128};
-    use super::{Q8K, QK_K};
+    use super::avx2::{k4_group_with, k4_scales_mins, q6_k_group_with};
+    use super::Q8K;
     use std::arch::x86_64::*;
-    use tinygpt_reference::ggml_kdot::{Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES};
 
     /// `super::avx2::q5_1_group` compiled with AVX-512 VL's 32 vector registers (the
     /// AVX2 code spills with 16): the same instructions, the same values.
@@ -1217,35 +1269,11 @@ pub(super) mod avx512 {
     /// AVX-512 F and BW, AVX2, FMA and F16C must be available.
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     pub unsafe fn q6_k_group(qs: &[u8], rb: usize, k: &Q8K) -> [f32; 8] {
-        let nb = rb / Q6_K_BYTES;
-        assert_eq!(rb, nb * Q6_K_BYTES);
-        assert!(qs.len() >= 8 * rb);
-        assert!(k.q.len() >= nb * QK_K && k.d.len() >= nb && k.bsums.len() >= nb * 16);
-        // The next group starts after eight rows, padded to 64 bytes (`Packed` layout).
-        let ahead = (8 * rb).next_multiple_of(64);
-        let mut acc = _mm256_setzero_ps();
-        for b in 0..nb {
-            // SAFETY: super-block b of every row and of the token is inside the slices
-            // (asserted above).
-            unsafe {
-                let q8 = k.q.as_ptr().add(b * QK_K);
-                let bs = _mm256_loadu_si256(k.bsums.as_ptr().add(b * 16).cast());
-                let base = qs.as_ptr().add(b * Q6_K_BYTES);
-                let mut s = [_mm256_setzero_si256(); 8];
-                for (r, sr) in s.iter_mut().enumerate() {
-                    prefetch_next_group(base.add(r * rb), ahead, Q6_K_BYTES);
-                    *sr = q6_k_block(base.add(r * rb), q8, bs);
-                }
-                let isum = _mm256_cvtepi32_ps(reduce8(&s));
-                let d = f16x8(base.add(208), rb);
-                let dx = _mm256_set1_ps(k.d[b]);
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(isum, _mm256_mul_ps(d, dx)));
-            }
-        }
-        let mut out = [0.0f32; 8];
-        // SAFETY: `out` is 8 floats.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
-        out
+        // SAFETY: `q6_k_block` needs AVX-512 F/BW, which this function has; the driver
+        // passes a whole super-block and 256 codes.
+        let block = |blk, q8, bs| unsafe { q6_k_block(blk, q8, bs) };
+        // SAFETY: the caller's.
+        unsafe { q6_k_group_with(qs, rb, k, block) }
     }
 
     /// The i16 lanes of a Q4_K/Q5_K 64-code run pair `p` (sub-blocks `4p + o` in the low
@@ -1282,28 +1310,8 @@ pub(super) mod avx512 {
         x: &[__m512i; 4],
         bp: __m128i,
     ) -> (__m256i, __m128i) {
-        const K1: u32 = 0x3f3f_3f3f;
-        const K2: u32 = 0x0f0f_0f0f;
-        const K3: u32 = 0x0303_0303;
-        // SAFETY: bytes 4..16 are inside the block.
-        let (u0, u1, u2) = unsafe {
-            (
-                blk.add(4).cast::<u32>().read_unaligned(),
-                blk.add(8).cast::<u32>().read_unaligned(),
-                blk.add(12).cast::<u32>().read_unaligned(),
-            )
-        };
-        // Bytes: scales 0..4 (s[j] & 63), scales 4..8, mins 0..4, mins 4..8.
-        let sc03 = u0 & K1;
-        let sc47 = (u2 & K2) | (((u0 >> 6) & K3) << 4);
-        let mn03 = u1 & K1;
-        let mn47 = ((u2 >> 4) & K2) | (((u1 >> 6) & K3) << 4);
-        let sm = _mm256_cvtepu8_epi16(_mm_setr_epi32(
-            sc03 as i32,
-            sc47 as i32,
-            mn03 as i32,
-            mn47 as i32,
-        ));
+        // SAFETY: the caller's (a whole super-block).
+        let sm = unsafe { k4_scales_mins(blk) };
         let m = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), bp);
         let sm = _mm512_castsi256_si512(sm);
         let m4 = _mm512_set1_epi8(0x0F);
@@ -1370,58 +1378,25 @@ pub(super) mod avx512 {
     /// AVX-512 F and BW, AVX2, FMA and F16C must be available.
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
     pub unsafe fn k4_group<const FIVE: bool>(qs: &[u8], rb: usize, k: &Q8K) -> [f32; 8] {
-        let bytes = if FIVE { Q5_K_BYTES } else { Q4_K_BYTES };
-        let nb = rb / bytes;
-        assert_eq!(rb, nb * bytes);
-        assert!(qs.len() >= 8 * rb);
-        assert!(k.q.len() >= nb * QK_K && k.d.len() >= nb && k.bsums.len() >= nb * 16);
-        // The next group starts after eight rows, padded to 64 bytes (`Packed` layout).
-        let ahead = (8 * rb).next_multiple_of(64);
-        let mut acc = _mm256_setzero_ps();
-        for b in 0..nb {
-            // SAFETY: super-block b of every row and of the token is inside the slices
-            // (asserted above).
-            unsafe {
-                let q8 = k.q.as_ptr().add(b * QK_K);
-                // Weight bytes 64p..64p + 64 hold codes 128p + 0..32 and 128p + 64..96 in
-                // their low nibbles, 128p + 32..64 and 128p + 96..128 in their high ones.
-                let pair = |a: usize, c: usize| {
+        // Weight bytes 64p..64p + 64 hold codes 128p + 0..32 and 128p + 64..96 in their low
+        // nibbles, 128p + 32..64 and 128p + 96..128 in their high ones.
+        let prep = |q8: *const i8| {
+            let pair = |a: usize, c: usize| {
+                // SAFETY: `q8` points at the token's 256 codes of this super-block.
+                unsafe {
                     _mm512_inserti64x4(
                         _mm512_castsi256_si512(_mm256_loadu_si256(q8.add(a).cast())),
                         _mm256_loadu_si256(q8.add(c).cast()),
                         1,
                     )
-                };
-                let x = [pair(0, 64), pair(32, 96), pair(128, 192), pair(160, 224)];
-                let bsp = k.bsums.as_ptr().add(b * 16);
-                let bp = _mm_hadd_epi16(
-                    _mm_loadu_si128(bsp.cast()),
-                    _mm_loadu_si128(bsp.add(8).cast()),
-                );
-                let base = qs.as_ptr().add(b * bytes);
-                let mut s = [_mm256_setzero_si256(); 8];
-                let mut m = [_mm_setzero_si128(); 8];
-                for r in 0..8 {
-                    prefetch_next_group(base.add(r * rb), ahead, bytes);
-                    (s[r], m[r]) = k4_block::<FIVE>(base.add(r * rb), &x, bp);
                 }
-                let isum = _mm256_cvtepi32_ps(reduce8(&s));
-                let msum = _mm256_cvtepi32_ps(reduce8_128(&m));
-                let d = f16x8(base, rb);
-                let dmin = f16x8(base.add(2), rb);
-                let dx = _mm256_set1_ps(k.d[b]);
-                acc = _mm256_add_ps(
-                    acc,
-                    _mm256_sub_ps(
-                        _mm256_mul_ps(isum, _mm256_mul_ps(d, dx)),
-                        _mm256_mul_ps(msum, _mm256_mul_ps(dmin, dx)),
-                    ),
-                );
-            }
-        }
-        let mut out = [0.0f32; 8];
-        // SAFETY: `out` is 8 floats.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
-        out
+            };
+            [pair(0, 64), pair(32, 96), pair(128, 192), pair(160, 224)]
+        };
+        // SAFETY: `k4_block` needs AVX-512 F/BW, which this function has; the driver
+        // passes a whole super-block.
+        let block = |blk, x: &[__m512i; 4], bp| unsafe { k4_block::<FIVE>(blk, x, bp) };
+        // SAFETY: the caller's.
+        unsafe { k4_group_with::<FIVE, _>(qs, rb, k, prep, block) }
     }
 }
