@@ -434,13 +434,12 @@ pub(super) mod avx2 {
         let sc47 = (u2 & K2) | (((u0 >> 6) & K3) << 4);
         let mn03 = u1 & K1;
         let mn47 = ((u2 >> 4) & K2) | (((u1 >> 6) & K3) << 4);
-        let sm = _mm256_cvtepu8_epi16(_mm_setr_epi32(
+        _mm256_cvtepu8_epi16(_mm_setr_epi32(
             sc03 as i32,
             sc47 as i32,
             mn03 as i32,
             mn47 as i32,
-        ));
-        sm
+        ))
     }
 
     /// One Q4_K/Q5_K super-block `blk` · the 256 codes at `q8`: the integer sum
