@@ -96,6 +96,13 @@ fn use_avx2(kernel: Kernel) -> bool {
     matches!(kernel, Kernel::Avx2 | Kernel::Avx512Vnni) && Kernel::Avx2.is_supported()
 }
 
+/// Whether `kernel` runs this module's AVX-512 one-token groups here (Q4_K, Q5_K, Q6_K,
+/// Q5_1; the other code of `avx512vnni` is the AVX2 code).
+#[cfg(target_arch = "x86_64")]
+fn use_avx512(kernel: Kernel) -> bool {
+    kernel == Kernel::Avx512Vnni && kernel.is_supported()
+}
+
 /// Whether `kernel` runs the NEON + dot-product rows ([`super::kquant_neon`]) here.
 #[cfg(target_arch = "aarch64")]
 fn use_neon(kernel: Kernel) -> bool {
@@ -165,7 +172,7 @@ pub fn group(kernel: Kernel, dtype: DType, g: &Group, a: &QuantizedActs, out: &m
             // group holds eight rows of `g.nb` blocks and the activations as many
             // (asserted above; the kernel asserts the lengths again).
             *out = unsafe {
-                if kernel == Kernel::Avx512Vnni && kernel.is_supported() {
+                if use_avx512(kernel) {
                     avx512::q5_1_group(g.qs, rb, a)
                 } else {
                     avx2::q5_1_group(g.qs, rb, a)
@@ -195,15 +202,9 @@ pub fn group(kernel: Kernel, dtype: DType, g: &Group, a: &QuantizedActs, out: &m
         // many (asserted above; the kernels assert the lengths again).
         *out = unsafe {
             match dtype {
-                DType::Q6_K if kernel == Kernel::Avx512Vnni && kernel.is_supported() => {
-                    avx512::q6_k_group(g.qs, rb, &a.k)
-                }
-                DType::Q4_K if kernel == Kernel::Avx512Vnni && kernel.is_supported() => {
-                    avx512::k4_group::<false>(g.qs, rb, &a.k)
-                }
-                DType::Q5_K if kernel == Kernel::Avx512Vnni && kernel.is_supported() => {
-                    avx512::k4_group::<true>(g.qs, rb, &a.k)
-                }
+                DType::Q6_K if use_avx512(kernel) => avx512::q6_k_group(g.qs, rb, &a.k),
+                DType::Q4_K if use_avx512(kernel) => avx512::k4_group::<false>(g.qs, rb, &a.k),
+                DType::Q5_K if use_avx512(kernel) => avx512::k4_group::<true>(g.qs, rb, &a.k),
                 DType::Q4_K => avx2::k4_group::<false>(g.qs, rb, &a.k),
                 DType::Q5_K => avx2::k4_group::<true>(g.qs, rb, &a.k),
                 DType::IQ4_XS => avx2::iq4_xs_group(g.qs, rb, &a.k),
@@ -938,27 +939,12 @@ pub(super) mod avx2 {
         for a in acts {
             assert!(a.q.len() >= nb * 32 && a.d.len() >= nb && a.s.len() >= nb);
         }
-        let m4 = _mm_set1_epi8(0x0F);
-        // Byte j of the spread: byte j / 8 of qh, tested against bit j % 8.
-        let spread = _mm256_setr_epi8(
-            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
-            3, 3, 3,
-        );
-        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [0.0f32; T];
         for b in 0..nb {
             let blk = &row[b * 24..(b + 1) * 24];
-            // SAFETY: bytes 8..24 are inside the 24-byte block.
-            let qs = unsafe { _mm_loadu_si128(blk.as_ptr().add(8).cast()) };
-            let nib = _mm256_setr_m128i(
-                _mm_and_si128(qs, m4),
-                _mm_and_si128(_mm_srli_epi16(qs, 4), m4),
-            );
-            let qh = u32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]);
-            let h = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), spread);
-            let set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bits), bits);
-            let codes = _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+            // SAFETY: `blk` is a whole 24-byte block.
+            let codes = unsafe { q5_1_codes(blk.as_ptr()) };
             let dw = f16_at(blk, 0);
             let mw = f16_at(blk, 2);
             for (t, a) in acts.iter().enumerate() {
@@ -970,6 +956,36 @@ pub(super) mod avx2 {
             }
         }
         acc
+    }
+
+    /// The 32 unsigned five-bit codes (0..=31) of the Q5_1 block at `blk`, in value order:
+    /// the nibbles of bytes 8..24 with bit `j` of the `qh` word at bytes 4..8 as `+16`.
+    ///
+    /// # Safety
+    /// AVX2 must be available; `blk` must point at a whole 24-byte block.
+    #[inline(always)]
+    unsafe fn q5_1_codes(blk: *const u8) -> __m256i {
+        let m4 = _mm_set1_epi8(0x0F);
+        // Byte j of the spread: byte j / 8 of qh, tested against bit j % 8.
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        );
+        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        // SAFETY: bytes 4..24 are inside the block.
+        let (q, qh) = unsafe {
+            (
+                _mm_loadu_si128(blk.add(8).cast()),
+                blk.add(4).cast::<i32>().read_unaligned(),
+            )
+        };
+        let nib = _mm256_setr_m128i(
+            _mm_and_si128(q, m4),
+            _mm_and_si128(_mm_srli_epi16(q, 4), m4),
+        );
+        let h = _mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bits), bits);
+        _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
     }
 
     /// Q5_1: the eight rows of a group (each `rb` bytes of 24-byte blocks, one after
@@ -1001,15 +1017,7 @@ pub(super) mod avx2 {
         assert_eq!(rb, nb * 24);
         assert!(qs.len() >= 8 * rb);
         assert!(a.q.len() >= nb * 32 && a.d.len() >= nb && a.s.len() >= nb);
-        let m4 = _mm_set1_epi8(0x0F);
-        // Byte j of the spread: byte j / 8 of qh, tested against bit j % 8.
-        let spread = _mm256_setr_epi8(
-            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
-            3, 3, 3,
-        );
-        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
         let ones = _mm256_set1_epi16(1);
-        let t16 = _mm256_set1_epi8(0x10);
         // The next group starts after eight rows, padded to 64 bytes (`Packed` layout).
         let ahead = (8 * rb).next_multiple_of(64);
         let mut acc = _mm256_setzero_ps();
@@ -1026,15 +1034,7 @@ pub(super) mod avx2 {
                     // prefetcher: ask for the same place in the next group (a hint;
                     // past the end of the matrix it is dropped).
                     _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(ahead).cast());
-                    let q = _mm_loadu_si128(blk.add(8).cast());
-                    let nib = _mm256_setr_m128i(
-                        _mm_and_si128(q, m4),
-                        _mm_and_si128(_mm_srli_epi16(q, 4), m4),
-                    );
-                    let qh = blk.add(4).cast::<i32>().read_unaligned();
-                    let h = _mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread);
-                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bits), bits);
-                    let codes = _mm256_or_si256(nib, _mm256_and_si256(set, t16));
+                    let codes = q5_1_codes(blk);
                     // Pair sums ≤ 2·31·127: no saturation.
                     *sr = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones);
                 }
