@@ -21,8 +21,9 @@
 //!
 //! * `scalar`: the reference's loops (`ggml_kdot::dot_q4_k` / `dot_q6_k`) per row;
 //! * `avx2` (and `avx512vnni`, which runs the AVX2 code for these types except the
-//!   one-token Q6_K group, whose [`avx512`] twin does the same integer steps 64 codes at a
-//!   time with per-half `vpsllvw`/`vpsrlvw` shifts and `vpermw` scale lanes): `vpmaddubsw`
+//!   one-token Q4_K/Q5_K/Q6_K groups, whose [`avx512`] twins do the same integer steps 64
+//!   codes at a time with per-half shifts and `vpermw` scale lanes, and the Q5_1 group,
+//!   compiled there with 32 vector registers): `vpmaddubsw`
 //!   of the unsigned codes (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 before its −32) with the signed
 //!   activation codes, `vpmaddwd` with the sub-block scales, summed in 32-bit lanes;
 //!   Q6_K's `−32` is applied as `−32 · Σ_k sc_k · bsums_k`. Same integers, same floats.
