@@ -171,55 +171,86 @@ fn engine_and_reference_agree_for_every_cache_combination() {
     let files = files();
     let model = Model::load(&files, WeightsDType::Native).unwrap();
     let reference = reference_model(&files, WeightsDType::Native).unwrap();
-    let mut worst = std::collections::BTreeMap::new();
-    for kv in combos() {
-        for (prompt, ids) in prompts() {
-            let mut e = EngineRun::new(&model, &kv);
-            let mut r = ReferenceRun::new(&reference, &kv);
-            let ge = greedy(&mut e, &ids, STEPS);
-            let gr = greedy(&mut r, &ids, STEPS);
-            let m = prefix_match(&ge.ids, &gr.ids);
-            if exact_kernels() {
-                // The engine adds in the reference's order: identical ids and logit bits.
-                assert_eq!(
-                    ge.ids, gr.ids,
-                    "{kv:?} prompt {prompt:?}: greedy ids differ"
-                );
-                for (i, (a, b)) in ge.logits.iter().zip(&gr.logits).enumerate() {
-                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(
-                        bits(a),
-                        bits(b),
-                        "{kv:?} prompt {prompt:?} step {i}: logits differ"
-                    );
+    let combos = combos();
+    let prompts = prompts();
+    let worst = std::sync::Mutex::new(std::collections::BTreeMap::new());
+    // The combinations are independent: two workers take them in turn (the 2-core CI
+    // machine runs two at once); each is checked exactly as alone.
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| loop {
+                let j = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(kv) = combos.get(j) else { break };
+                for (prompt, ids) in &prompts {
+                    let d = check_combination(&model, &reference, kv, prompt, ids);
+                    let mut w = worst.lock().unwrap();
+                    let w = w.entry(kv.quant_name()).or_insert(0.0f32);
+                    *w = w.max(d);
                 }
-            }
-            if m < STEPS {
-                let margin = common::margin(&gr.logits[m]);
-                // a flip is explained only by a near-tie within the logit budget
-                assert!(
-                    margin < budget(&kv),
-                    "{kv:?} prompt {prompt:?}: engine and reference diverge at step {m} (reference margin {margin})"
-                );
-            }
-            for i in 0..m {
-                let d = max_abs_diff(&ge.logits[i], &gr.logits[i]);
-                let w = worst.entry(kv.quant_name()).or_insert(0.0f32);
-                *w = w.max(d);
-                assert!(
-                    d <= budget(&kv),
-                    "{kv:?} prompt {prompt:?} step {i}: logits differ by {d}"
-                );
-            }
+            });
+        }
+    });
+    eprintln!(
+        "worst engine-vs-reference logit difference per precision: {:?}",
+        worst.into_inner().unwrap()
+    );
+}
+
+/// One cache combination and prompt, engine against reference: identical ids and logit
+/// bits under exact kernels, otherwise logits within the budget and a greedy flip only at
+/// a near-tie. Returns the largest logit difference before any flip.
+fn check_combination(
+    model: &Model,
+    reference: &tinygpt_reference::Model,
+    kv: &KvConfig,
+    prompt: &str,
+    ids: &[u32],
+) -> f32 {
+    let mut e = EngineRun::new(model, kv);
+    let mut r = ReferenceRun::new(reference, kv);
+    let ge = greedy(&mut e, ids, STEPS);
+    let gr = greedy(&mut r, ids, STEPS);
+    let m = prefix_match(&ge.ids, &gr.ids);
+    if exact_kernels() {
+        // The engine adds in the reference's order: identical ids and logit bits.
+        assert_eq!(
+            ge.ids, gr.ids,
+            "{kv:?} prompt {prompt:?}: greedy ids differ"
+        );
+        for (i, (a, b)) in ge.logits.iter().zip(&gr.logits).enumerate() {
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(
-                e.positions(0),
-                r.positions(0),
-                "{kv:?}: stored positions differ"
+                bits(a),
+                bits(b),
+                "{kv:?} prompt {prompt:?} step {i}: logits differ"
             );
-            assert_eq!(e.kv_bytes(), r.kv_bytes(), "{kv:?}: byte counts differ");
         }
     }
-    eprintln!("worst engine-vs-reference logit difference per precision: {worst:?}");
+    if m < STEPS {
+        let margin = common::margin(&gr.logits[m]);
+        // a flip is explained only by a near-tie within the logit budget
+        assert!(
+            margin < budget(kv),
+            "{kv:?} prompt {prompt:?}: engine and reference diverge at step {m} (reference margin {margin})"
+        );
+    }
+    let mut worst = 0.0f32;
+    for i in 0..m {
+        let d = max_abs_diff(&ge.logits[i], &gr.logits[i]);
+        worst = worst.max(d);
+        assert!(
+            d <= budget(kv),
+            "{kv:?} prompt {prompt:?} step {i}: logits differ by {d}"
+        );
+    }
+    assert_eq!(
+        e.positions(0),
+        r.positions(0),
+        "{kv:?}: stored positions differ"
+    );
+    assert_eq!(e.kv_bytes(), r.kv_bytes(), "{kv:?}: byte counts differ");
+    worst
 }
 
 #[test]
