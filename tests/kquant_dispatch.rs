@@ -221,6 +221,8 @@ proptest! {
 fn simd_kquant_rows_run_where_the_cpu_has_them() {
     use tinygpt_cpu::ops::kquant::has_simd_kquant;
     let types = [
+        DType::Q2_K,
+        DType::Q3_K,
         DType::Q4_K,
         DType::Q5_K,
         DType::Q6_K,

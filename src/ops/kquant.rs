@@ -149,7 +149,7 @@ pub fn has_simd_kquant(kernel: Kernel, dtype: DType) -> bool {
                 | DType::Q3_K
         );
     #[cfg(target_arch = "aarch64")]
-    let simd = if dtype == DType::Q5_1 {
+    let simd = if dtype == DType::Q5_1 || super::kquant_low::is_low(dtype) {
         use_neon(kernel)
     } else {
         neon_row::<1>(kernel, dtype).is_some()

@@ -17,6 +17,9 @@
 //!
 //! Q6_K subtracts its 32 from the codes before the products (`(q − 32) · x` exactly as the
 //! twin writes it), so it needs no activation block sums.
+//!
+//! The Q2_K and Q3_K rows (`super::kquant_low`) use this module's `fold4`, `lanes` and
+//! `f16_at`.
 
 use super::aarch64::sdot;
 use super::qdot::QuantizedActs;
@@ -28,21 +31,21 @@ use tinygpt_reference::ggml_kdot::{
 use tinygpt_reference::ggml_more::{scale_min_k4, IQ4_VALUES, QK_K};
 
 #[inline(always)]
-fn f16_at(b: &[u8], at: usize) -> f32 {
+pub(super) fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
 /// The four lanes of each of `p[0..4]` summed: `[Σ p0, Σ p1, Σ p2, Σ p3]` (exact).
 #[target_feature(enable = "neon")]
 #[inline]
-fn fold4(p: [int32x4_t; 4]) -> int32x4_t {
+pub(super) fn fold4(p: [int32x4_t; 4]) -> int32x4_t {
     vpaddq_s32(vpaddq_s32(p[0], p[1]), vpaddq_s32(p[2], p[3]))
 }
 
 /// Four signed scales as 32-bit lanes.
 #[target_feature(enable = "neon")]
 #[inline]
-fn lanes(s: [i32; 4]) -> int32x4_t {
+pub(super) fn lanes(s: [i32; 4]) -> int32x4_t {
     // SAFETY: `s` is four i32s.
     unsafe { vld1q_s32(s.as_ptr()) }
 }
