@@ -29,7 +29,10 @@ setting); a quantised V cache needs flash attention on. `--background-load N` ke
 CPU-bound processes (a busy loop each) running during every row, for both engines alike,
 as a browser tab or a build would. `match` is how many of the greedy tokens agree (a
 sanity check that both run the same model on the same prompt; quantised caches may
-legitimately diverge after a while).
+legitimately diverge after a while). `st%L` / `st%O` are the host's steal time during
+llama.cpp's / our runs of the row, as a percentage of all CPU time then (from /proc/stat:
+time the hypervisor gave our vCPUs to another guest; JSON `steal_pct_llama` /
+`steal_pct_ours`), so a row slowed by the host rather than by the engines shows it.
 
 Usage:
     python3 -m venv /root/benchenv
@@ -275,6 +278,37 @@ class BackgroundLoad:
         self.procs = []
 
 
+def cpu_ticks() -> tuple | None:
+    """(steal, total) jiffies of all CPUs from /proc/stat (None where there is none)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    vals = [int(v) for v in fields]
+    # user nice system idle iowait irq softirq steal [guest guest_nice, counted in user]
+    return (vals[7] if len(vals) > 7 else 0), sum(vals[:8])
+
+
+class StealMeter:
+    """Steal time (the hypervisor running another guest on our vCPUs) over the runs of
+    one engine, as a percentage of all CPU time in those runs."""
+
+    def __init__(self):
+        self.steal, self.total = 0, 0
+
+    def measure(self, f):
+        a = cpu_ticks()
+        out = f()
+        b = cpu_ticks()
+        if a is not None and b is not None:
+            self.steal += b[0] - a[0]
+            self.total += b[1] - a[1]
+        return out
+
+    def pct(self) -> float | None:
+        return 100.0 * self.steal / self.total if self.total else None
+
+
 def summary(values: list) -> dict:
     """Median and spread of one engine's tok/s over the rounds of a row."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
@@ -285,6 +319,11 @@ def fmt(s: dict | None) -> str:
     if s is None:
         return "-"
     return f"{s['median']:.1f} ({s['min']:.0f}-{s['max']:.0f})"
+
+
+def steal(m: StealMeter) -> str:
+    p = m.pct()
+    return "-" if p is None else f"{p:.1f}"
 
 
 def main() -> int:
@@ -353,7 +392,7 @@ def main() -> int:
     rows = []
     header = (f"{'threads':>7} {'context':>7} {'prompt':>6} {'kv (llama.cpp/ours)':>20} "
               f"{'llama.cpp tok/s (spread)':>25} {'ours tok/s (spread)':>22} {'ratio':>6} "
-              f"{'match':>6} {'fa':>3} {'load':>5}")
+              f"{'match':>6} {'fa':>3} {'load':>5} {'st%L':>5} {'st%O':>5}")
     print(header, flush=True)
     prompts = {ctx: tok.prompt_of(ctx - args.decode, text) for ctx in contexts}
     if args.prefill:
@@ -374,6 +413,7 @@ def main() -> int:
         load = wait_idle(args.idle_load, args.idle_timeout)
         runs_l = {fa: [] for fa in fa_settings}
         runs_o = []
+        steal_l, steal_o = StealMeter(), StealMeter()
         toks = llama.tokenize(model, prompt) if llama is not None else None
         # llama.cpp threads: the count asked for (0 means all cores, as ours).
         l_threads = threads or (os.cpu_count() or 1)
@@ -381,10 +421,12 @@ def main() -> int:
             for _ in range(args.repeats):
                 if llama is not None:
                     for fa in fa_settings:
-                        runs_l[fa].append(
-                            llama.run(model, toks, n_ctx, decode, l_threads, kv_type, fa))
-                runs_o.append(run_ours(args.binary, model, prompt, decode + 1, threads,
-                                       ours_kv, extra))
+                        runs_l[fa].append(steal_l.measure(
+                            lambda: llama.run(model, toks, n_ctx, decode, l_threads,
+                                              kv_type, fa)))
+                runs_o.append(steal_o.measure(
+                    lambda: run_ours(args.binary, model, prompt, decode + 1, threads,
+                                     ours_kv, extra)))
         s_o = summary([r["timing"][metric] for r in runs_o])
         s_l, best_fa, l_runs = None, None, None
         if llama is not None:
@@ -402,12 +444,14 @@ def main() -> int:
             "background_load": args.background_load,
             "load_avg_1min_before": load,
             "load_avg_1min_after": os.getloadavg()[0],
+            "steal_pct_ours": steal_o.pct(),
         }
         if s_l is not None:
             row.update({
                 "prompt_tokens_llama": l_runs[0]["prompt_tokens"],
                 "llama": s_l,
                 "llama_flash_attn": best_fa,
+                "steal_pct_llama": steal_l.pct(),
                 "ratio": s_o["median"] / s_l["median"],
                 "match": prefix_match(l_runs[0]["generated_ids"], runs_o[0]["generated_ids"]),
             })
@@ -418,7 +462,7 @@ def main() -> int:
         label = "prefill" if is_prefill else str(ctx)
         print(f"{threads:>7} {label:>7} {row['prompt_tokens_ours']:>6} {k + '/' + ours_kv:>20} "
               f"{fmt(s_l):>25} {fmt(s_o):>22} {ratio:>6} {match:>6} {fa:>3} "
-              f"{load:>5.1f}", flush=True)
+              f"{load:>5.1f} {steal(steal_l):>5} {steal(steal_o):>5}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
