@@ -174,21 +174,13 @@ fn engine_and_reference_agree_for_every_cache_combination() {
     let combos = combos();
     let prompts = prompts();
     let worst = std::sync::Mutex::new(std::collections::BTreeMap::new());
-    // The combinations are independent: two workers take them in turn (the 2-core CI
-    // machine runs two at once); each is checked exactly as alone.
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|s| {
-        for _ in 0..2 {
-            s.spawn(|| loop {
-                let j = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(kv) = combos.get(j) else { break };
-                for (prompt, ids) in &prompts {
-                    let d = check_combination(&model, &reference, kv, prompt, ids);
-                    let mut w = worst.lock().unwrap();
-                    let w = w.entry(kv.quant_name()).or_insert(0.0f32);
-                    *w = w.max(d);
-                }
-            });
+    // The combinations are independent: two at a time, each checked exactly as alone.
+    on_two_workers(&combos, |kv| {
+        for (prompt, ids) in &prompts {
+            let d = check_combination(&model, &reference, kv, prompt, ids);
+            let mut w = worst.lock().unwrap();
+            let w = w.entry(kv.quant_name()).or_insert(0.0f32);
+            *w = w.max(d);
         }
     });
     eprintln!(

@@ -490,21 +490,12 @@ fn run_smollm2(path: &std::path::Path, n: usize, modes: &[KvConfig], greedy_n: u
             jobs.push((pair, kv, 0));
         }
     }
-    // The jobs are independent (each its own runs and caches): two workers take them in
-    // turn, so the 2-core CI machine runs two scalar references at once. Each job compares
-    // exactly as alone; the engine's second run is in its own 2-thread pool.
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|s| {
-        for _ in 0..2 {
-            s.spawn(|| loop {
-                let j = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some((pair, kv, g)) = jobs.get(j) else {
-                    break;
-                };
-                let (what, engine, reference) = &pairs[*pair];
-                assert_identical_threads(engine, reference, kv, &toks, *g, what);
-            });
-        }
+    // The jobs are independent (each its own runs and caches): two at a time, so the
+    // 2-core CI machine runs two scalar references at once. Each job compares exactly as
+    // alone; the engine's second run is in its own 2-thread pool.
+    on_two_workers(&jobs, |(pair, kv, g)| {
+        let (what, engine, reference) = &pairs[*pair];
+        assert_identical_threads(engine, reference, kv, &toks, *g, what);
     });
     eprintln!(
         "smollm2: {} f32 modes, {} native, {} YOCO over {n} tokens in {:.0?}",

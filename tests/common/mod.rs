@@ -173,3 +173,22 @@ pub fn tiny_copy() -> tempfile::TempDir {
     }
     d
 }
+
+/// Runs `f` on every job, two jobs at a time (the CI machine has 2 cores; each job is a
+/// scalar reference run that would otherwise leave one idle). Jobs are independent and each
+/// checks exactly what it would alone; a panic in one fails the test.
+#[allow(dead_code)]
+pub fn on_two_workers<T: Sync>(jobs: &[T], f: impl Fn(&T) + Sync) {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| {
+                while let Some(job) =
+                    jobs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+                {
+                    f(job);
+                }
+            });
+        }
+    });
+}
