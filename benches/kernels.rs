@@ -229,13 +229,14 @@ fn random_blocks(dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
 }
 
 /// The quantised weight types `qdot` measures: every type the kernels read as stored
-/// (IQ4_NL is rewritten to Q8_0 blocks at load, so the Q8_0 rows are its; Q5_0 is packed
-/// for each variant as the engine would, as Q5_0 blocks or rewritten as Q8_0).
-const QDOT_TYPES: [DType; 11] = [
+/// (Q5_0 and IQ4_NL are packed for each variant as the engine would, as their own blocks
+/// or rewritten as Q8_0).
+const QDOT_TYPES: [DType; 12] = [
     DType::Q8_0,
     DType::Q4_0,
     DType::Q4_1,
     DType::Q5_0,
+    DType::IQ4_NL,
     DType::Q5_1,
     DType::Q4_K,
     DType::Q5_K,
@@ -276,7 +277,7 @@ fn bench_qdot(c: &mut Criterion) {
             let packed = Packed::new(dtype, rows, cols, &bytes);
             for k in Kernel::supported() {
                 let own;
-                let p = if dtype == DType::Q5_0 {
+                let p = if matches!(dtype, DType::Q5_0 | DType::IQ4_NL) {
                     own = Packed::new_for(k, dtype, rows, cols, &bytes);
                     &own
                 } else {

@@ -27,9 +27,9 @@ const BLOCK: usize = 32;
 /// into a type with kernels, and the rewritten bytes: Q5_0 and IQ4_NL become Q8_0
 /// (`tinygpt_reference::ggml_more::{q5_0_to_q8_0, iq4_nl_to_q8_0}`; same values, same dot
 /// products, 34 bytes per 32 values instead of 22 / 18). `None` for other types. `bytes`
-/// must hold whole blocks (an error names the lengths otherwise). The loader uses it for
-/// IQ4_NL; Q5_0 has kernels of its own and reaches the packer as Q5_0, which rewrites it
-/// the same way only for a kernel variant without Q5_0 code (`ops::qdot::Packed::new_for`).
+/// must hold whole blocks (an error names the lengths otherwise). Both types have kernels
+/// of their own and reach the packer as blocks, which rewrites them the same way only for a
+/// kernel variant without code for them (`ops::qdot::Packed::new_for`).
 pub fn repack_native(dtype: DType, bytes: &[u8]) -> Option<Result<(DType, Vec<u8>), DequantError>> {
     type Rewrite = fn(&[u8]) -> Vec<u8>;
     let (block, f): (usize, Rewrite) = match dtype {

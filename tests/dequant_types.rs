@@ -55,14 +55,15 @@ fn every_block_type_matches_gguf_py() {
     assert_eq!(checked, 12, "every block type has a fixture");
 }
 
-/// IQ4_NL (and Q5_0 for kernel variants without Q5_0 code) run on the Q8_0 kernels after
+/// Q5_0 and IQ4_NL run on the Q8_0 kernels for kernel variants without code for them after
 /// an exact rewrite of their blocks (`dequant::repack_native`): the rewritten Q8_0 blocks
 /// dequantise to exactly gguf-py's values of the original blocks, and ggml's dot product of
 /// the original block with a Q8_0 activation block, computed here from the original codes
 /// as ggml-quants.c writes it (`vec_dot_q5_0_q8_0`, `vec_dot_iq4_nl_q8_0`: an integer sum
-/// times `d_w · d_x`), is the Q8_0 formula over the rewritten codes. For Q5_0 it is also the
-/// reference's native `ggml_dot::dot_q5_0` and every engine variant's, on the blocks as
-/// Q5_0 (`qdot::Packed::new_for`; each block one row).
+/// times `d_w · d_x`), is the Q8_0 formula over the rewritten codes. It is also the
+/// reference's native `ggml_dot::dot_q5_0` / `dot_iq4_nl`, and every engine variant's, on
+/// the blocks as Q5_0 / IQ4_NL (`qdot::Packed::new_for`; each block one row: the test
+/// below).
 #[test]
 fn q5_0_and_iq4_nl_are_rewritten_exactly_as_q8_0() {
     let dir = fixtures().join("dequant");
@@ -122,31 +123,43 @@ fn q5_0_and_iq4_nl_are_rewritten_exactly_as_q8_0() {
             let as_q8 =
                 (f16(re, 0) * dx) * q8_codes.iter().zip(&x).map(|(c, x)| c * x).sum::<i32>() as f32;
             assert_eq!(ggml.to_bits(), as_q8.to_bits(), "{ty} block {b}");
-            if ty == DType::Q5_0 {
-                let acts = tinygpt_reference::ggml_dot::QuantizedActs {
-                    d: vec![dx],
-                    s: vec![dx * x.iter().sum::<i32>() as f32],
-                    q: x.iter().map(|&v| v as i8).collect(),
-                };
-                let native = tinygpt_reference::ggml_dot::dot_q5_0(orig, &acts);
-                // ggml accumulates from `sumf = 0` (so a −0 term gives +0)
-                let sumf = 0.0f32 + ggml;
-                assert_eq!(native.to_bits(), sumf.to_bits(), "dot_q5_0 block {b}");
-            }
+            let acts = tinygpt_reference::ggml_dot::QuantizedActs {
+                d: vec![dx],
+                s: vec![dx * x.iter().sum::<i32>() as f32],
+                q: x.iter().map(|&v| v as i8).collect(),
+            };
+            let native = match ty {
+                DType::Q5_0 => tinygpt_reference::ggml_dot::dot_q5_0(orig, &acts),
+                _ => tinygpt_reference::ggml_dot::dot_iq4_nl(orig, &acts),
+            };
+            // ggml accumulates from `sumf = 0` (so a −0 term gives +0)
+            let sumf = 0.0f32 + ggml;
+            assert_eq!(
+                native.to_bits(),
+                sumf.to_bits(),
+                "{ty} native dot block {b}"
+            );
         }
     }
     assert!(tinygpt_cpu::dequant::repack_native(DType::Q4_K, &[]).is_none());
 }
 
-/// The engine's Q5_0 kernels (every variant, Q5_0 packed as blocks and as Q8_0) on the
-/// gguf-py fixture's blocks (every code byte value, all-zero and all-0xFF blocks, f16
+/// The engine's Q5_0 and IQ4_NL kernels (every variant, packed as blocks and as Q8_0) on
+/// the gguf-py fixtures' blocks (every code byte value, all-zero and all-0xFF blocks, f16
 /// scales from subnormal to ±65504), one block per row, against ggml's formula computed
 /// from the original codes as in the test above, bit for bit.
 #[test]
-fn q5_0_kernels_follow_ggml_on_the_fixture_blocks() {
+fn q5_0_and_iq4_nl_kernels_follow_ggml_on_the_fixture_blocks() {
+    for ty in [DType::Q5_0, DType::IQ4_NL] {
+        kernels_follow_ggml_on_the_fixture_blocks(ty);
+    }
+}
+
+fn kernels_follow_ggml_on_the_fixture_blocks(ty: DType) {
     use tinygpt_cpu::ops::qdot::{self, Kernel, Packed, QuantizedActs, GROUP};
-    let blocks = std::fs::read(fixtures().join("dequant/Q5_0.blocks")).unwrap();
-    let rows = blocks.len() / 22;
+    let blocks = std::fs::read(fixtures().join(format!("dequant/{}.blocks", ty.name()))).unwrap();
+    let bs = ty.block_bytes();
+    let rows = blocks.len() / bs;
     assert!(rows >= 32, "{rows} blocks");
     let f16 = |b: &[u8], at: usize| half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
     // one activation block: codes −127..127 spread, amax 127 so d_x = 127 / 127
@@ -154,20 +167,31 @@ fn q5_0_kernels_follow_ggml_on_the_fixture_blocks() {
     let a = QuantizedActs::from_f32(&x);
     assert_eq!(a.d[0], 1.0);
     for k in Kernel::supported() {
-        // packed for `k` (as blocks where it has Q5_0 code), and as Q8_0 (for `portable`)
+        // packed for `k` (as blocks where it has code for them), and as Q8_0 (for
+        // `portable`)
         for pk in [k, Kernel::Portable] {
-            let p = Packed::new_for(pk, DType::Q5_0, rows, 32, &blocks);
+            let p = Packed::new_for(pk, ty, rows, 32, &blocks);
             for g in 0..p.groups() {
                 let mut out = [0.0f32; GROUP];
                 qdot::dot_group(k, &p, g, &a, &mut out);
                 for (j, &got) in out.iter().enumerate().take(rows - g * GROUP) {
-                    let blk = &blocks[(g * GROUP + j) * 22..][..22];
-                    let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                    let blk = &blocks[(g * GROUP + j) * bs..][..bs];
                     let isum: i32 = (0..32)
                         .map(|i| {
-                            let (byte, shift) = (blk[6 + i % 16], if i < 16 { 0 } else { 4 });
-                            let c = ((byte >> shift) & 0xF) as i32 | (((qh >> i) & 1) as i32) << 4;
-                            (c - 16) * a.q[i] as i32
+                            let shift = if i < 16 { 0 } else { 4 };
+                            let c = if ty == DType::Q5_0 {
+                                let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                                let nib = ((blk[6 + i % 16] >> shift) & 0xF) as i32;
+                                (nib | (((qh >> i) & 1) as i32) << 4) - 16
+                            } else {
+                                // ggml's kvalues_iq4nl, written out here
+                                const K: [i32; 16] = [
+                                    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53,
+                                    69, 89, 113,
+                                ];
+                                K[((blk[2 + i % 16] >> shift) & 0xF) as usize]
+                            };
+                            c * a.q[i] as i32
                         })
                         .sum();
                     // ggml's `sumf = 0; sumf += (d_w · d_x) · isum` over the one block
@@ -175,7 +199,7 @@ fn q5_0_kernels_follow_ggml_on_the_fixture_blocks() {
                     assert_eq!(
                         got.to_bits(),
                         ggml.to_bits(),
-                        "{} ({}) block {}",
+                        "{ty}: {} ({}) block {}",
                         k.name(),
                         p.dtype,
                         g * GROUP + j
@@ -205,8 +229,8 @@ fn unsupported_types_are_one_clear_error() {
 
 /// The re-quantised SmolLM2 files (`~/.cache/tinygpt-cpu/requant/`, made with llama.cpp's
 /// quantiser; skipped when absent): every `_K` / IQ4 mix loads, `inspect`'s summary names
-/// the file's types, IQ4_NL tensors are held as Q8_0, Q5_0 tensors as Q5_0 (packed as Q5_0
-/// blocks where the active kernel variant has Q5_0 code), and perplexity over 64
+/// the file's types, Q5_0 and IQ4_NL tensors are held as they are (packed as their own
+/// blocks where the active kernel variant has code for them), and perplexity over 64
 /// held-out tokens stays within 20% of the Q8_0 file's (Q3_K_M is the farthest: +13% at 256
 /// tokens, +15% at 64, in llama.cpp as in ours; docs/eval/quant-types.md).
 #[test]
@@ -248,33 +272,26 @@ fn requantised_files_load_and_evaluate() {
         for t in types {
             assert!(summary.contains_key(*t), "{q}: {summary:?} lacks {t}");
         }
-        // IQ4_NL tensors are held as Q8_0 blocks, Q5_0 as Q5_0 blocks (no f32 copy).
+        // Q8_0, Q5_0 and IQ4_NL tensors are held as their blocks (no rewrite, no f32 copy).
         let held = |ty: DType| files.tensors.values().filter(|t| t.dtype == ty).count();
-        let want: usize = ["IQ4_NL", "Q8_0"]
-            .iter()
-            .filter_map(|t| summary.get(*t))
-            .sum();
-        assert_eq!(held(DType::Q8_0), want, "{q}: {summary:?}");
-        assert_eq!(
-            held(DType::Q5_0),
-            summary.get("Q5_0").copied().unwrap_or(0),
-            "{q}: {summary:?}"
-        );
-        if let Some(t) = files.tensors.values().find(|t| t.dtype == DType::Q5_0) {
-            let m = tinygpt_cpu::ops::Matrix::from_tensor(t);
-            let k = tinygpt_cpu::ops::qdot::active();
-            let want = if k.has_q5_0() {
-                DType::Q5_0
-            } else {
-                DType::Q8_0
-            };
+        for ty in [DType::Q8_0, DType::Q5_0, DType::IQ4_NL] {
             assert_eq!(
-                m.packed_dtype(),
-                Some(want),
-                "{q} {} ({})",
-                t.name,
-                k.name()
+                held(ty),
+                summary.get(ty.name()).copied().unwrap_or(0),
+                "{q} {ty}: {summary:?}"
             );
+            if let Some(t) = files.tensors.values().find(|t| t.dtype == ty) {
+                let m = tinygpt_cpu::ops::Matrix::from_tensor(t);
+                let k = tinygpt_cpu::ops::qdot::active();
+                let want = if k.reads(ty) { ty } else { DType::Q8_0 };
+                assert_eq!(
+                    m.packed_dtype(),
+                    Some(want),
+                    "{q} {} ({})",
+                    t.name,
+                    k.name()
+                );
+            }
         }
         let p = ppl(q);
         assert!(

@@ -2,7 +2,7 @@
 //! `scalar` and the `wide`-based `portable` run on every machine, so they are always
 //! among them) against the scalar twin in the reference crate, bit for bit: odd row counts (partial
 //! row groups), 1 to 9 blocks per row, extreme codes (Q8_0 −128 and 127, Q4 nibbles 0
-//! and 15, Q5_0 codes 0 and 31), extreme f16 scales (0, subnormal, ±65504) and extreme activations (zero
+//! and 15, Q5_0 codes 0 and 31, IQ4_NL levels −127 and 113), extreme f16 scales (0, subnormal, ±65504) and extreme activations (zero
 //! blocks, 1e30, subnormal values, one large value among tiny ones).
 //!
 //! The multi-token kernels (`qdot::dot_group_tokens`, one weight block unpacked for
@@ -10,9 +10,10 @@
 //! the batched product `ops::matmul` on GGML blocks (its parallel, multi-token path) to
 //! the one-token `ops::matvec`, bit for bit.
 //!
-//! Q5_0 is checked packed both ways (`Packed::new_for`): as Q5_0 blocks (the variants
-//! with Q5_0 code) and rewritten as Q8_0 (the others), each read by every variant, against
-//! `ggml_dot::dot_q5_0` (itself equal to `dot_q8_0` on the rewrite: the reference's tests).
+//! Q5_0 and IQ4_NL are checked packed both ways (`Packed::new_for`): as their own blocks
+//! (the variants with code for them) and rewritten as Q8_0 (the others), each read by
+//! every variant, against `ggml_dot::dot_q5_0` / `dot_iq4_nl` (each equal to `dot_q8_0`
+//! on the rewrite: the reference's tests).
 
 use half::f16;
 use proptest::prelude::*;
@@ -20,15 +21,22 @@ use tinygpt_cpu::dtype::DType;
 use tinygpt_cpu::ops::qdot::{self, Kernel, Packed, QuantizedActs, GROUP};
 
 /// The GGML block types of the interleaved layout.
-const TYPES: [DType; 4] = [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0];
+const TYPES: [DType; 5] = [
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::IQ4_NL,
+];
 
-/// The packed forms of a matrix to test: the engine's (`Packed::new`), and for Q5_0 both
-/// its forms (as Q5_0 blocks for `scalar`, rewritten as Q8_0 for `portable`).
+/// The packed forms of a matrix to test: the engine's (`Packed::new`), and for Q5_0 and
+/// IQ4_NL both their forms (as their own blocks for `scalar`, rewritten as Q8_0 for
+/// `portable`).
 fn packings(dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<Packed> {
-    if dtype == DType::Q5_0 {
+    if matches!(dtype, DType::Q5_0 | DType::IQ4_NL) {
         let native = Packed::new_for(Kernel::Scalar, dtype, rows, cols, bytes);
         let q8 = Packed::new_for(Kernel::Portable, dtype, rows, cols, bytes);
-        assert_eq!((native.dtype, q8.dtype), (DType::Q5_0, DType::Q8_0));
+        assert_eq!((native.dtype, q8.dtype), (dtype, DType::Q8_0));
         vec![native, q8]
     } else {
         vec![Packed::new(dtype, rows, cols, bytes)]
@@ -104,6 +112,7 @@ fn reference_row(dtype: DType, row: &[u8], a: &ggml_dot::QuantizedActs) -> f32 {
         DType::Q8_0 => ggml_dot::dot_q8_0(row, a),
         DType::Q4_0 => ggml_dot::dot_q4_0(row, a),
         DType::Q5_0 => ggml_dot::dot_q5_0(row, a),
+        DType::IQ4_NL => ggml_dot::dot_iq4_nl(row, a),
         _ => ggml_dot::dot_q4_1(row, a),
     }
 }
@@ -175,10 +184,10 @@ fn every_variant_equals_the_scalar_twin_bit_for_bit() {
                 let bytes = rows_bytes(dtype, rows, nb, &codes, &scales);
                 for p in packings(dtype, rows, nb * 32, &bytes) {
                     // the packed copy gives the file's rows back (in the packed type)
-                    let file = if p.dtype == dtype {
-                        bytes.clone()
-                    } else {
-                        tinygpt_reference::ggml_more::q5_0_to_q8_0(&bytes)
+                    let file = match (p.dtype, dtype) {
+                        (a, b) if a == b => bytes.clone(),
+                        (_, DType::Q5_0) => tinygpt_reference::ggml_more::q5_0_to_q8_0(&bytes),
+                        _ => tinygpt_reference::ggml_more::iq4_nl_to_q8_0(&bytes),
                     };
                     let rb = p.dtype.block_bytes() * nb;
                     let mut back = vec![0u8; rb];
@@ -200,7 +209,7 @@ fn every_variant_equals_the_scalar_twin_bit_for_bit() {
 }
 
 /// The largest integer sums a block can produce (Q8_0 −128 × −127 everywhere, Q4 15 ×
-/// 127) and their negatives, with scales that keep the float result finite.
+/// 127, IQ4_NL −127 × −127) and their negatives, with scales that keep the float result finite.
 #[test]
 fn saturating_extremes_stay_exact() {
     let nb = 3;
@@ -473,6 +482,11 @@ fn matvec_many_equals_one_matvec_per_matrix_at_any_thread_count() {
             make(DType::Q5_0, 17),
             make(DType::Q4_1, 40),
         ],
+        vec![
+            make(DType::IQ4_NL, 131),
+            make(DType::IQ4_NL, 17),
+            make(DType::Q5_0, 40),
+        ],
     ];
     let x: Vec<f32> = (0..cols)
         .map(|_| (next() % 20001) as f32 / 1e4 - 1.0)
@@ -620,7 +634,7 @@ fn activation_quantiser_equals_the_reference_on_special_values() {
 /// every variant still equals the scalar twin on its first and last groups.
 #[test]
 fn prefetching_kernels_on_a_dram_sized_matrix_equal_the_scalar_twin() {
-    for dtype in [DType::Q4_1, DType::Q5_0] {
+    for dtype in [DType::Q4_1, DType::Q5_0, DType::IQ4_NL] {
         prefetching_on_a_dram_sized_matrix(dtype);
     }
 }
@@ -649,7 +663,7 @@ fn prefetching_on_a_dram_sized_matrix(dtype: DType) {
         .collect();
     let (ra, ea) = (ggml_dot::quantize_acts(&x), QuantizedActs::from_f32(&x));
     for k in Kernel::supported() {
-        // each variant on the matrix packed for it (Q5_0: as blocks or as Q8_0)
+        // each variant on the matrix packed for it (Q5_0, IQ4_NL: as blocks or as Q8_0)
         let p = Packed::new_for(k, dtype, rows, nb * 32, &bytes);
         assert!(p.byte_len() >= qdot::STREAM_PREFETCH_BYTES);
         for g in [0, 1, p.groups() - 1] {
@@ -659,60 +673,73 @@ fn prefetching_on_a_dram_sized_matrix(dtype: DType) {
     }
 }
 
-/// Q5_0 is kept as blocks (22 bytes per 32 weights, not Q8_0's 34) for every variant with
-/// Q5_0 code, and the x86 SIMD variants have it: fails if a change silently falls back to
-/// the load-time rewrite as Q8_0 there. A model matrix (`Matrix::from_tensor`, packed for
-/// the active variant) holds what that variant reads.
+/// Q5_0 and IQ4_NL are kept as blocks (22 and 18 bytes per 32 weights, not Q8_0's 34) for
+/// every variant with code for them, and the x86 SIMD variants have it: fails if a change
+/// silently falls back to the rewrite as Q8_0 there. A model matrix
+/// (`Matrix::from_tensor`, packed for the active variant) holds what that variant reads.
 #[test]
-fn q5_0_stays_blocks_for_the_variants_with_q5_0_code() {
+fn q5_0_and_iq4_nl_stay_blocks_for_the_variants_with_code() {
     #[cfg(target_arch = "x86_64")]
     {
         assert!(Kernel::Avx2.has_q5_0() && Kernel::Avx512Vnni.has_q5_0());
+        assert!(Kernel::Avx2.has_iq4_nl() && Kernel::Avx512Vnni.has_iq4_nl());
     }
-    assert!(Kernel::Scalar.has_q5_0());
+    assert!(Kernel::Scalar.has_q5_0() && Kernel::Scalar.has_iq4_nl());
+    for dtype in [DType::Q5_0, DType::IQ4_NL] {
+        stays_blocks(dtype);
+    }
+}
+
+fn stays_blocks(dtype: DType) {
     let (rows, nb) = (19, 18); // 576 columns, as SmolLM2's
-    let bytes: Vec<u8> = (0..rows * nb * 22).map(|i| (i * 7 % 251) as u8).collect();
+    let bs = dtype.block_bytes();
+    let bytes: Vec<u8> = (0..rows * nb * bs).map(|i| (i * 7 % 251) as u8).collect();
     for k in Kernel::supported() {
-        let p = Packed::new_for(k, DType::Q5_0, rows, nb * 32, &bytes);
-        let (want, block) = if k.has_q5_0() {
-            (DType::Q5_0, 22)
+        let p = Packed::new_for(k, dtype, rows, nb * 32, &bytes);
+        let (want, block) = if k.reads(dtype) {
+            (dtype, bs)
         } else {
             (DType::Q8_0, 34)
         };
-        assert_eq!(p.dtype, want, "{}", k.name());
+        assert_eq!(p.dtype, want, "{dtype} {}", k.name());
         // eight rows' blocks (with their scales) per group, padded to 64 bytes
         let group = (nb * block * GROUP).next_multiple_of(64);
-        assert_eq!(p.byte_len(), p.groups() * group, "{}", k.name());
+        assert_eq!(p.byte_len(), p.groups() * group, "{dtype} {}", k.name());
     }
     let m = Matrix::from_tensor(&Tensor {
         name: "w".into(),
-        dtype: DType::Q5_0,
+        dtype,
         shape: vec![rows, nb * 32],
         data: TensorBytes::owned(&bytes),
     });
     let active = qdot::active();
-    let want = if active.has_q5_0() {
-        DType::Q5_0
+    let want = if active.reads(dtype) {
+        dtype
     } else {
         DType::Q8_0
     };
-    assert_eq!(m.packed_dtype(), Some(want), "active {}", active.name());
-    assert_eq!(m.dtype, DType::Q5_0);
+    assert_eq!(
+        m.packed_dtype(),
+        Some(want),
+        "{dtype} active {}",
+        active.name()
+    );
+    assert_eq!(m.dtype, dtype);
     // the embedding lookup reads the packed copy: the file's values either way
     let mut row = vec![0.0f32; nb * 32];
     let mut want_row = vec![0.0f32; nb * 32];
     for r in [0, 8, rows - 1] {
         m.row_f32(r, &mut row);
         tinygpt_reference::ggml::dequantize_row(
-            DType::Q5_0,
-            &bytes[r * nb * 22..(r + 1) * nb * 22],
+            dtype,
+            &bytes[r * nb * bs..(r + 1) * nb * bs],
             &mut want_row,
         )
         .unwrap();
         assert_eq!(
             row.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             want_row.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            "row {r}"
+            "{dtype} row {r}"
         );
     }
 }

@@ -138,9 +138,9 @@ impl GgmlType {
     }
 
     /// Whether the engine multiplies this type's blocks directly (`--weights-dtype
-    /// native`; Q5_0 is rewritten exactly as Q8_0 when the matrix is packed for a kernel
-    /// variant without Q5_0 code); the other block types are dequantised to f32 (or, IQ4_NL,
-    /// rewritten exactly as Q8_0) when the model is loaded.
+    /// native`; Q5_0 and IQ4_NL are rewritten exactly as Q8_0 when the matrix is packed for
+    /// a kernel variant without code for them); the other block types are dequantised to
+    /// f32 when the model is loaded.
     pub fn has_native_kernels(self) -> bool {
         matches!(
             self,
@@ -152,6 +152,7 @@ impl GgmlType {
                 | GgmlType::Q4_1
                 | GgmlType::Q5_0
                 | GgmlType::Q5_1
+                | GgmlType::IQ4_NL
                 | GgmlType::Q2_K
                 | GgmlType::Q3_K
                 | GgmlType::Q4_K

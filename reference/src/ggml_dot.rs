@@ -12,6 +12,9 @@
 //! * Q5_0 block: `(d_w·d_x) · Σ (q_w − 16) q_x`, `q_w` the 5-bit code (nibble, plus bit
 //!   `j` of `qh` on top of value `j`): exactly Q8_0's step on the block rewritten as Q8_0
 //!   (`ggml_more::q5_0_to_q8_0`), as ggml's `ggml_vec_dot_q5_0_q8_0`
+//! * IQ4_NL block: `(d_w·d_x) · Σ K[n_w] q_x`, `K` the 16 non-linear levels
+//!   (`ggml_more::IQ4_VALUES`) and `n_w` the nibble: exactly Q8_0's step on the block
+//!   rewritten as Q8_0 (`ggml_more::iq4_nl_to_q8_0`), as ggml's `ggml_vec_dot_iq4_nl_q8_0`
 //!
 //! The integer sums are exact. Each row's float terms are accumulated block by block in
 //! the order written in the functions below (for Q4_1, `acc += isum · (d_w · d_x) +
@@ -20,6 +23,7 @@
 //! bit for bit.
 
 use crate::ggml::f16_at;
+use crate::ggml_more::IQ4_VALUES;
 
 /// Values per block.
 pub const QK: usize = 32;
@@ -183,6 +187,28 @@ pub fn dot_q5_0(row: &[u8], a: &QuantizedActs) -> f32 {
     acc
 }
 
+/// IQ4_NL row · quantised activations (18-byte blocks: `d`, 16 nibble bytes as Q4_0's):
+/// Q4_0's steps over the levels `K[nibble]` (`ggml_more::IQ4_VALUES`),
+/// `acc += isum · (d_w · d_x)`.
+pub fn dot_iq4_nl(row: &[u8], a: &QuantizedActs) -> f32 {
+    assert_eq!(
+        row.len(),
+        a.d.len() * 18,
+        "one weight block per activation block"
+    );
+    let mut acc = 0.0f32;
+    for (blk, x) in row.chunks_exact(18).zip(a.blocks()) {
+        let dw = f16_at(blk, 0);
+        let qs = &blk[2..18];
+        let mut isum = 0i32;
+        for i in 0..QK {
+            isum += IQ4_VALUES[nibble(qs, i) as usize] as i32 * x.q[i] as i32;
+        }
+        acc += isum as f32 * (dw * x.d);
+    }
+    acc
+}
+
 /// The 32 five-bit codes of a Q5_1 block (24 bytes: `d`, `m`, `qh: u32`, 16 nibble
 /// bytes) in value order: nibbles as Q4_1's, bit `j` of `qh` on top of value `j`.
 pub fn q5_1_codes(blk: &[u8]) -> [u8; QK] {
@@ -222,7 +248,7 @@ pub fn dot_q5_1(row: &[u8], a: &QuantizedActs) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ggml_more::q5_0_to_q8_0;
+    use crate::ggml_more::{iq4_nl_to_q8_0, q5_0_to_q8_0};
 
     use crate::test_rng::Rng;
 
@@ -273,6 +299,70 @@ mod tests {
                 "case {case}: {got} vs {want}"
             );
         }
+    }
+
+    /// `dot_iq4_nl` equals `dot_q8_0` on the blocks rewritten as Q8_0, bit for bit: random
+    /// and extreme nibbles (all 0x00, all 0xFF, all 0x0F / 0xF0, every byte value), f16
+    /// scales that are zero, subnormal, ordinary, huge (±65504) or random bit patterns
+    /// (non-finite included), ordinary, huge, tiny and zero activations, 1 to 9 blocks.
+    #[test]
+    fn dot_iq4_nl_equals_dot_q8_0_on_the_rewrite() {
+        let mut rng = Rng(0x5EED_0004_4E4C_0018);
+        let scales = [
+            0x0000u16, 0x0001, 0x03FF, 0x3C00, 0x2E66, 0x7BFF, 0xFBFF, 0x8001,
+        ];
+        for case in 0..3000 {
+            let nb = 1 + case % 9;
+            let mut row = Vec::with_capacity(nb * 18);
+            for _ in 0..nb {
+                let r = rng.next();
+                let d = match r % 4 {
+                    0 => scales[(r >> 8) as usize % scales.len()],
+                    _ => (r >> 16) as u16,
+                };
+                row.extend_from_slice(&d.to_le_bytes());
+                let fill = match (r >> 40) % 8 {
+                    0 => Some(0x00u8),
+                    1 => Some(0xFF),
+                    2 => Some(0x0F),
+                    3 => Some(0xF0),
+                    _ => None,
+                };
+                for _ in 0..16 {
+                    let b = fill.unwrap_or(rng.next() as u8);
+                    row.push(b);
+                }
+            }
+            let scale = match case % 4 {
+                0 => 1.0f32,
+                1 => 1e30,
+                2 => 1e-38,
+                _ => 0.0,
+            };
+            let x: Vec<f32> = (0..nb * QK)
+                .map(|_| ((rng.next() % 20001) as f32 / 1e4 - 1.0) * scale)
+                .collect();
+            let a = quantize_acts(&x);
+            let got = dot_iq4_nl(&row, &a);
+            let want = dot_q8_0(&iq4_nl_to_q8_0(&row), &a);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "case {case}: {got} vs {want}"
+            );
+        }
+    }
+
+    /// A hand-computed block: d = 0.5, nibble `j % 16` at element `j` (byte `j` =
+    /// `j << 4 | j`), activations all 127 (d_x = 1): `Σ 127 · 2 · K[n]` over the 16 levels
+    /// (−127 −104 −83 −65 −49 −35 −22 −10 +1 +13 +25 +38 +53 +69 +89 +113 = −94),
+    /// `127 · 2 · −94 = −23876`, times 0.5.
+    #[test]
+    fn dot_iq4_nl_hand_computed() {
+        let mut blk = vec![0x00, 0x38]; // 0.5
+        blk.extend((0..16u8).map(|j| (j << 4) | j));
+        let a = quantize_acts(&[127.0f32; 32]);
+        assert_eq!(a.d[0], 1.0);
+        assert_eq!(dot_iq4_nl(&blk, &a), -11938.0);
     }
 
     /// A hand-computed block: d = 0.5, codes 0..32 in value order (nibble `j % 16`, the

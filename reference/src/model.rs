@@ -84,6 +84,7 @@ impl Linear {
                         GgmlType::Q4_1 => ggml_dot::dot_q4_1(row, &acts),
                         GgmlType::Q5_0 => ggml_dot::dot_q5_0(row, &acts),
                         GgmlType::Q5_1 => ggml_dot::dot_q5_1(row, &acts),
+                        GgmlType::IQ4_NL => ggml_dot::dot_iq4_nl(row, &acts),
                         other => panic!("{other:?} is not a block type"),
                     };
                 }

@@ -1,6 +1,7 @@
 //! `tinygpt-cpu inspect`: what a model file holds.
 
 use super::common::human_bytes;
+use crate::dtype::DType;
 use crate::outln;
 use crate::weights::ModelFiles;
 use clap::Args;
@@ -33,16 +34,19 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
         .map(|(k, v)| format!("{k} x{v}"))
         .collect();
     outln!("dtypes:      {}", dt.join(", "))?;
-    if f.dtype_summary().contains_key("Q5_0") {
+    for ty in [DType::Q5_0, DType::IQ4_NL] {
+        if !f.dtype_summary().contains_key(ty.name()) {
+            continue;
+        }
         let k = crate::ops::qdot::active();
-        if k.has_q5_0() {
+        if k.reads(ty) {
             outln!(
-                "             (Q5_0 kept as blocks: native Q5_0 kernels, {})",
+                "             ({ty} kept as blocks: native {ty} kernels, {})",
                 k.name()
             )?;
         } else {
             outln!(
-                "             (Q5_0 rewritten exactly as Q8_0 when packed: the {} kernels have no Q5_0 code)",
+                "             ({ty} rewritten exactly as Q8_0 when packed: the {} kernels have no {ty} code)",
                 k.name()
             )?;
         }

@@ -781,7 +781,8 @@ impl GgufFile {
                 }
             };
             // A type without native kernels is rewritten exactly into one that has them
-            // where it can be (IQ4_NL → Q8_0), else becomes f32, once, here
+            // where it can be (`dequant::repack_native`; no type needs it today: Q5_0 and
+            // IQ4_NL reach the packer as blocks), else becomes f32, once, here
             // (docs/design.md §2.2).
             let repacked = (!t.dtype.has_native_kernels())
                 .then(|| crate::dequant::repack_native(t.dtype, &data))

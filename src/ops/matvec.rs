@@ -96,8 +96,8 @@ impl Matrix {
     }
 
     /// The type of the load-time repacked copy (`None` for float matrices): the file's,
-    /// or Q8_0 for a Q5_0 matrix packed for a kernel variant without Q5_0 code
-    /// ([`qdot::Kernel::has_q5_0`]).
+    /// or Q8_0 for a Q5_0 or IQ4_NL matrix packed for a kernel variant without code for it
+    /// ([`qdot::Kernel::reads`]).
     pub fn packed_dtype(&self) -> Option<DType> {
         self.packed.as_ref().map(|p| p.dtype)
     }
@@ -108,8 +108,8 @@ impl Matrix {
     }
 
     /// Row `r` as f32 (embedding lookup). A repacked matrix is read from its packed copy
-    /// (in the packed type: Q5_0 may be packed as Q8_0, the same values), so the file's
-    /// pages are not touched again after load.
+    /// (in the packed type: Q5_0 or IQ4_NL may be packed as Q8_0, the same values), so the
+    /// file's pages are not touched again after load.
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.cols);
         if let Some(p) = &self.packed {

@@ -1,4 +1,4 @@
-//! Dot products of GGML-quantised weights (Q8_0, Q4_0, Q4_1, Q5_0) with an activation vector
+//! Dot products of GGML-quantised weights (Q8_0, Q4_0, Q4_1, Q5_0, IQ4_NL) with an activation vector
 //! quantised to 8 bits per block, as llama.cpp does: a 4-bit model reads 4-bit weights.
 //!
 //! Numerics are exactly those of `tinygpt_reference::ggml_dot` (read its header): every
@@ -13,7 +13,7 @@
 //! the eight per-block integer sums are reduced together into one vector whose lane `k`
 //! is row `k` (one row's float chain per lane: the reference's order). Per group:
 //!
-//! * `qs`: `nb` 8-row blocks of codes, 128 bytes (Q4_0/Q4_1), 160 bytes (Q5_0: the 128
+//! * `qs`: `nb` 8-row blocks of codes, 128 bytes (Q4_0/Q4_1/IQ4_NL), 160 bytes (Q5_0: the 128
 //!   bytes of nibbles, then 32 bytes of fifth bits) or 256 bytes (Q8_0) each;
 //! * `d`: `nb × 8` f16 scales (16 bytes per block);
 //! * `m`: `nb × 8` f16 minimums (Q4_1 only);
@@ -21,9 +21,10 @@
 //! padded to a 64-byte boundary. Inside an 8-row block of codes, rows 0–3 come first,
 //! then rows 4–7, so a 64-byte vector holds four rows:
 //!
-//! * Q4: bytes `[(r / 4)·64 + (r % 4)·16 ..][..16]` are row `r`'s 16 nibble bytes as in
-//!   the file (element `i < 16` in the low nibble of byte `i`, element `i + 16` in its
-//!   high nibble);
+//! * Q4 (and IQ4_NL): bytes `[(r / 4)·64 + (r % 4)·16 ..][..16]` are row `r`'s 16 nibble
+//!   bytes as in the file (element `i < 16` in the low nibble of byte `i`, element `i + 16`
+//!   in its high nibble; IQ4_NL's nibble `n` stands for the level `K[n]`,
+//!   `tinygpt_reference::ggml_more::IQ4_VALUES`);
 //! * Q8: byte `(r / 4)·128 + (i / 16)·64 + (r % 4)·16 + i % 16` is row `r`'s element `i`;
 //! * Q5_0: the nibbles as Q4's; then, at `128 + (r / 4)·16 + (i / 16)·8 + (r % 4)·2`, the
 //!   little-endian `u16` whose bit `i % 16` is the fifth bit of row `r`'s element `i` (the
@@ -40,6 +41,12 @@
 //! Q8_0 when packed (`tinygpt_reference::ggml_more::q5_0_to_q8_0`; same codes, same
 //! products), so [`Packed::dtype`] says which form a matrix holds. Either way every value
 //! equals `tinygpt_reference::ggml_dot::dot_q5_0` bit for bit.
+//!
+//! IQ4_NL likewise ([`Kernel::has_iq4_nl`]): packed as its own blocks (18 bytes per 32
+//! weights; the nibbles in Q4's layout, looked up in the 16 levels by the kernels) for the
+//! variants with IQ4_NL code, else rewritten exactly as Q8_0 when packed
+//! (`tinygpt_reference::ggml_more::iq4_nl_to_q8_0`); every value equals
+//! `tinygpt_reference::ggml_dot::dot_iq4_nl` bit for bit.
 //!
 //! # Kernels, chosen once at run time
 //!
@@ -63,6 +70,7 @@ use crate::dtype::DType;
 use half::f16;
 use std::sync::OnceLock;
 use tinygpt_reference::ggml_kdot::Q8K;
+use tinygpt_reference::ggml_more::IQ4_VALUES;
 use wide::{f32x8, i32x8, CmpGe, CmpLe};
 
 /// Values per block.
@@ -282,6 +290,23 @@ impl Kernel {
         matches!(self, Kernel::Scalar | Kernel::Avx2 | Kernel::Avx512Vnni)
     }
 
+    /// Whether the variant has IQ4_NL code (else an IQ4_NL matrix is packed as Q8_0 for
+    /// it: module docs).
+    pub fn has_iq4_nl(self) -> bool {
+        matches!(self, Kernel::Scalar | Kernel::Avx2 | Kernel::Avx512Vnni)
+    }
+
+    /// Whether the variant reads blocks of `dtype` as they are packed: false only for
+    /// Q5_0 / IQ4_NL in a variant without code for them (their matrices are packed as
+    /// Q8_0 for it; [`Packed::new_for`]).
+    pub fn reads(self, dtype: DType) -> bool {
+        match dtype {
+            DType::Q5_0 => self.has_q5_0(),
+            DType::IQ4_NL => self.has_iq4_nl(),
+            _ => true,
+        }
+    }
+
     /// The variants this CPU supports, slowest first.
     pub fn supported() -> Vec<Kernel> {
         Kernel::ALL
@@ -377,7 +402,7 @@ pub(crate) fn qs_bytes(dtype: DType) -> usize {
     match dtype {
         DType::Q8_0 => 256,
         DType::Q5_0 => 160,
-        DType::Q4_0 | DType::Q4_1 => 128,
+        DType::Q4_0 | DType::Q4_1 | DType::IQ4_NL => 128,
         other => unreachable!("packed {other}"),
     }
 }
@@ -401,8 +426,8 @@ fn q5_bits_pos(r: usize, half: usize) -> usize {
 
 /// A GGML-block matrix repacked into interleaved groups of [`GROUP`] rows (module docs).
 pub struct Packed {
-    /// The type of the packed blocks: the file's, except a Q5_0 matrix packed for a
-    /// variant without Q5_0 code, which holds Q8_0.
+    /// The type of the packed blocks: the file's, except a Q5_0 or IQ4_NL matrix packed
+    /// for a variant without code for it, which holds Q8_0.
     pub dtype: DType,
     pub rows: usize,
     pub cols: usize,
@@ -437,16 +462,19 @@ impl Packed {
     }
 
     /// Repacks row-major GGML rows (`rows × cols`, validated lengths) for `kernel`: Q5_0
-    /// stays Q5_0 if the variant has Q5_0 code ([`Kernel::has_q5_0`]), else it becomes
-    /// Q8_0 (exact; module docs). Rows past the end of the last group are zero (scale 0)
+    /// (IQ4_NL) stays Q5_0 (IQ4_NL) if the variant has code for it ([`Kernel::reads`]),
+    /// else it becomes Q8_0 (exact; module docs). Rows past the end of the last group are zero (scale 0)
     /// and their results are never read. Any variant can read any packed matrix (one
     /// without code for its type runs the scalar loop).
     pub fn new_for(kernel: Kernel, dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Packed {
         if super::kquant::is_row_packed(dtype) {
             return Packed::new_rows(dtype, rows, cols, bytes);
         }
-        if dtype == DType::Q5_0 && !kernel.has_q5_0() {
-            let q8 = tinygpt_reference::ggml_more::q5_0_to_q8_0(bytes);
+        if !kernel.reads(dtype) {
+            let q8 = match dtype {
+                DType::Q5_0 => tinygpt_reference::ggml_more::q5_0_to_q8_0(bytes),
+                _ => tinygpt_reference::ggml_more::iq4_nl_to_q8_0(bytes),
+            };
             return Packed::new_for(kernel, DType::Q8_0, rows, cols, &q8);
         }
         let nb = cols / QK;
@@ -589,7 +617,7 @@ impl Packed {
                         blk[2 + i] = qs[code_pos(self.dtype, k, i)];
                     }
                 }
-                DType::Q4_0 => {
+                DType::Q4_0 | DType::IQ4_NL => {
                     for i in 0..16 {
                         blk[2 + i] = qs[code_pos(self.dtype, k, i)];
                     }
@@ -623,8 +651,9 @@ pub fn dot_group(kernel: Kernel, p: &Packed, g: usize, a: &QuantizedActs, out: &
         return super::kquant::group(kernel, p.dtype, &grp, a, out);
     }
     debug_assert_eq!(grp.nb, a.blocks());
-    // A Q5_0 matrix reaches a variant without Q5_0 code only if packed for another one.
-    let kernel = if p.dtype == DType::Q5_0 && !kernel.has_q5_0() {
+    // A Q5_0 (IQ4_NL) matrix reaches a variant without code for it only if packed for
+    // another one.
+    let kernel = if !kernel.reads(p.dtype) {
         Kernel::Scalar
     } else {
         kernel
@@ -670,7 +699,7 @@ pub fn dot_group_tokens(
 ) {
     debug_assert_eq!(acts.len(), out.len());
     let grp = p.group(g);
-    let kernel = if p.dtype == DType::Q5_0 && !kernel.has_q5_0() {
+    let kernel = if !kernel.reads(p.dtype) {
         Kernel::Scalar
     } else {
         kernel
@@ -809,6 +838,7 @@ pub fn dot_group_tile(
     #[cfg(target_arch = "x86_64")]
     if kernel == Kernel::Avx512Vnni
         && kernel.is_supported()
+        && kernel.reads(p.dtype)
         && !super::kquant::is_row_packed(p.dtype)
     {
         let grp = p.group(g);
@@ -844,7 +874,7 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 }
 
 /// The eight rows' codes of one 8-row block as signed values (Q4_0: `nibble − 8`;
-/// Q5_0: `(nibble | fifth bit << 4) − 16`).
+/// Q5_0: `(nibble | fifth bit << 4) − 16`; IQ4_NL: the level `K[nibble]`).
 #[inline(always)]
 fn unpack_block(dtype: DType, qs: &[u8], w: &mut [[i8; QK]; GROUP]) {
     for (k, wk) in w.iter_mut().enumerate() {
@@ -862,6 +892,14 @@ fn unpack_block(dtype: DType, qs: &[u8], w: &mut [[i8; QK]; GROUP]) {
                     let bits = u16::from_le_bytes([qs[at], qs[at + 1]]);
                     let fifth = ((bits >> (i % 16)) & 1) as u8;
                     *v = (nib | (fifth << 4)) as i8 - 16;
+                }
+            }
+            DType::IQ4_NL => {
+                let base = code_pos(dtype, k, 0);
+                let (lo, hi) = wk.split_at_mut(16);
+                for ((l, h), &byte) in lo.iter_mut().zip(hi).zip(&qs[base..base + 16]) {
+                    *l = IQ4_VALUES[(byte & 0x0F) as usize];
+                    *h = IQ4_VALUES[(byte >> 4) as usize];
                 }
             }
             _ => {

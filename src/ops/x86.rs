@@ -12,7 +12,9 @@
 //! `− 16` is applied as `− 16 · Σ q_x`; Q8_0 codes are
 //! flipped to `w + 128` for VNNI (then `− 128 · Σ q_x`) and split into `|w|` and the
 //! activation's sign-adjusted copy for AVX2 (whose 16-bit pair sums would saturate on
-//! `255 · 127 · 2`; `128 · 127 · 2` fits).
+//! `255 · 127 · 2`; `128 · 127 · 2` fits). IQ4_NL nibbles are looked up (`vpshufb`, the
+//! 16 levels in every 128-bit lane) as Q8_0 codes: `K[n] + 128` for VNNI (then
+//! `− 128 · Σ q_x`), `K[n]` for AVX2, which then takes Q8_0's `|w|` / sign path.
 //!
 //! The multi-token variants (`group_tokens_*`) run the same per-block steps for
 //! [`TOKENS`] activation vectors, loading and unpacking each weight block (and converting
@@ -22,6 +24,7 @@
 use super::qdot::{qs_bytes, Group, QuantizedActs, TileView, GROUP, QK, TILE, TOKENS};
 use crate::dtype::DType;
 use std::arch::x86_64::*;
+use tinygpt_reference::ggml_more::IQ4_VALUES;
 
 /// Block `b`'s eight f16 scales (and Q4_1 minimums; zero otherwise) as f32 lanes.
 ///
@@ -69,7 +72,7 @@ fn offset(dtype: DType) -> i32 {
     match dtype {
         DType::Q4_0 => 8,
         DType::Q5_0 => 16,
-        DType::Q8_0 => 128,
+        DType::Q8_0 | DType::IQ4_NL => 128,
         _ => 0,
     }
 }
@@ -94,10 +97,27 @@ fn fifth_bits_avx2(bits: u32) -> __m256i {
     _mm256_and_si256(set, _mm256_set1_epi8(0x10))
 }
 
+/// The 16 IQ4_NL levels `K[n]` (`flip` = 0) or `K[n] + 128` as unsigned bytes
+/// (`flip` = 0x80) in both 128-bit lanes: a `vpshufb` table indexed by the nibble.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn iq4_table_avx2(flip: u8) -> __m256i {
+    // SAFETY: reads 16 bytes of a 16-byte array; unaligned load.
+    let t = unsafe { _mm_loadu_si128(IQ4_VALUES.as_ptr().cast()) };
+    _mm256_xor_si256(_mm256_broadcastsi128_si256(t), _mm256_set1_epi8(flip as i8))
+}
+
+/// Whether `dtype`'s codes take the signed Q8_0 path on AVX2 (`|w|` and the sign).
+#[inline(always)]
+fn signed_codes(dtype: DType) -> bool {
+    matches!(dtype, DType::Q8_0 | DType::IQ4_NL)
+}
+
 /// One 8-row block of codes unpacked for AVX2, `j` = rows `2j` and `2j + 1`:
 /// Q4 `[4j]` low nibbles, `[4j + 1]` high nibbles (Q5_0: with the fifth bits, 0..31);
 /// Q8 `[4j]` `|w|` and `[4j + 1]` `w` of elements 0..16, `[4j + 2]`, `[4j + 3]` the same
-/// for elements 16..32.
+/// for elements 16..32 (IQ4_NL: the same, `w` the looked-up levels of the low and high
+/// nibbles).
 ///
 /// # Safety
 /// AVX2 must be available; `qp` must point at one block of codes of `dtype`.
@@ -106,11 +126,21 @@ fn fifth_bits_avx2(bits: u32) -> __m256i {
 unsafe fn unpack_avx2(dtype: DType, qp: *const u8) -> [__m256i; 16] {
     let q8 = dtype == DType::Q8_0;
     let mask = _mm256_set1_epi8(0x0F);
+    let table = iq4_table_avx2(0);
     let mut v = [_mm256_setzero_si256(); 16];
     for j in 0..4 {
         // SAFETY: every load stays inside the block (the caller's guarantee); unaligned.
         unsafe {
-            if q8 {
+            if dtype == DType::IQ4_NL {
+                let w = _mm256_loadu_si256(qp.add(j * 32).cast());
+                let wl = _mm256_shuffle_epi8(table, _mm256_and_si256(w, mask));
+                let wh =
+                    _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(w, 4), mask));
+                v[4 * j] = _mm256_abs_epi8(wl);
+                v[4 * j + 1] = wl;
+                v[4 * j + 2] = _mm256_abs_epi8(wh);
+                v[4 * j + 3] = wh;
+            } else if q8 {
                 let base = (j / 2) * 128 + (j % 2) * 32;
                 let wl = _mm256_loadu_si256(qp.add(base).cast());
                 let wh = _mm256_loadu_si256(qp.add(base + 64).cast());
@@ -144,7 +174,7 @@ unsafe fn unpack_avx2(dtype: DType, qp: *const u8) -> [__m256i; 16] {
 #[target_feature(enable = "avx2")]
 #[inline]
 unsafe fn isum_avx2(dtype: DType, v: &[__m256i; 16], ap: *const i8, qsum: i32) -> __m256i {
-    let q8 = dtype == DType::Q8_0;
+    let q8 = signed_codes(dtype);
     let ones = _mm256_set1_epi16(1);
     // SAFETY: the caller guarantees 32 bytes at `ap`; unaligned loads.
     let (alo, ahi) = unsafe {
@@ -251,7 +281,7 @@ pub unsafe fn group_tokens_avx2(
 /// One 8-row block of codes as the four unsigned byte vectors `vpdpbusd` takes: rows
 /// 0..4 elements 0..16 / 16..32, then rows 4..8 the same (Q4: nibbles; Q5_0: nibbles
 /// with the fifth bits ORed in as `0x10`, under the block's four 64-bit masks; Q8:
-/// `w + 128`).
+/// `w + 128`; IQ4_NL: the nibbles' levels `K[n] + 128`).
 ///
 /// # Safety
 /// AVX-512 F/BW must be available; `qp` must point at one block of codes of `dtype`.
@@ -278,6 +308,13 @@ unsafe fn unpack_512(dtype: DType, qp: *const u8) -> [__m512i; 4] {
                 _mm512_and_si512(w1, mask),
                 _mm512_and_si512(_mm512_srli_epi16(w1, 4), mask),
             ];
+            if dtype == DType::IQ4_NL {
+                let t = _mm_loadu_si128(IQ4_VALUES.as_ptr().cast());
+                let table = _mm512_xor_si512(_mm512_broadcast_i32x4(t), _mm512_set1_epi8(-128));
+                for wi in w.iter_mut() {
+                    *wi = _mm512_shuffle_epi8(table, *wi);
+                }
+            }
             if dtype == DType::Q5_0 {
                 let fifth = _mm512_set1_epi8(0x10);
                 for (i, wi) in w.iter_mut().enumerate() {

@@ -714,9 +714,10 @@ pub fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<usize> {
         }
         DType::F16 => scan16(bytes, 0x7c00),
         DType::BF16 => scan16(bytes, 0x7f80),
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 => {
-            // Q8_0, Q4_0 and Q5_0 start each block with an f16 scale, Q4_1 with a scale and
-            // a minimum (every value is the scale times a finite code, plus the minimum).
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::IQ4_NL => {
+            // Q8_0, Q4_0, Q5_0 and IQ4_NL start each block with an f16 scale, Q4_1 with a
+            // scale and a minimum (every value is the scale times a finite code or level,
+            // plus the minimum).
             let halves = if dtype == DType::Q4_1 { 4 } else { 2 };
             bytes
                 .chunks_exact(dtype.block_bytes())
