@@ -215,8 +215,9 @@ proptest! {
 /// The SIMD K-quant code this CPU should run is the code the dispatch runs: on aarch64
 /// with the dot-product extension (every build of `scripts/test-aarch64.sh`, under qemu)
 /// `neon-dotprod` is a supported variant and multiplies every K-quant type and Q5_1 with
-/// its NEON rows; on x86_64 with AVX2 `avx2` does. `scalar` and `portable` never claim
-/// SIMD rows. (Fails if a variant's dispatch falls back to the scalar loops.)
+/// its NEON rows; on x86_64 with AVX2 `avx2` does; `portable` runs its `wide` kernels
+/// everywhere; `scalar` never claims SIMD rows. (Fails if a variant's dispatch falls back
+/// to the scalar loops.)
 #[test]
 fn simd_kquant_rows_run_where_the_cpu_has_them() {
     use tinygpt_cpu::ops::kquant::has_simd_kquant;
@@ -248,9 +249,10 @@ fn simd_kquant_rows_run_where_the_cpu_has_them() {
             assert!(has_simd_kquant(Kernel::Avx2, t), "avx2 {t}");
         }
     }
+    // `portable` runs its `wide` kernels on every CPU (kquant_portable).
     for t in types {
         assert!(!has_simd_kquant(Kernel::Scalar, t));
-        assert!(!has_simd_kquant(Kernel::Portable, t));
+        assert!(has_simd_kquant(Kernel::Portable, t), "portable {t}");
     }
     // Float and 32-block types are not this module's.
     assert!(!Kernel::ALL

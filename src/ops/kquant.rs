@@ -91,6 +91,11 @@ pub fn quantize_into(x: &[f32], k: &mut Q8K) {
     }
 }
 
+/// Whether `kernel` runs [`super::kquant_portable`]'s `wide` kernels for `dtype`.
+fn use_portable(kernel: Kernel, dtype: DType) -> bool {
+    kernel == Kernel::Portable && super::kquant_portable::has(dtype)
+}
+
 /// Whether `kernel` has a SIMD K-quant path here (else the scalar one runs).
 #[cfg(target_arch = "x86_64")]
 fn use_avx2(kernel: Kernel) -> bool {
@@ -155,11 +160,8 @@ pub fn has_simd_kquant(kernel: Kernel, dtype: DType) -> bool {
         neon_row::<1>(kernel, dtype).is_some()
     };
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    let simd = {
-        let _ = (kernel, dtype);
-        false
-    };
-    simd
+    let simd = false;
+    simd || use_portable(kernel, dtype)
 }
 
 /// `out[k] = row (8g + k) · a` for a K-quant group (see [`super::qdot::dot_group`]).
@@ -167,6 +169,10 @@ pub fn group(kernel: Kernel, dtype: DType, g: &Group, a: &QuantizedActs, out: &m
     let rb = row_bytes(dtype, g.nb);
     if dtype == DType::Q5_1 {
         assert_eq!(a.blocks(), g.nb, "activation blocks vs matrix blocks");
+        if use_portable(kernel, dtype) {
+            *out = super::kquant_portable::q5_1_group::<1>(g.qs, rb, &[a])[0];
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         if use_avx2(kernel) {
             // SAFETY: AVX2 (with FMA and F16C) was detected at run time in `use_avx2`; the
@@ -191,6 +197,10 @@ pub fn group(kernel: Kernel, dtype: DType, g: &Group, a: &QuantizedActs, out: &m
         g.nb,
         "Q8_K activation super-blocks vs matrix super-blocks"
     );
+    if use_portable(kernel, dtype) {
+        *out = super::kquant_portable::group_tokens::<1>(dtype, g.qs, rb, &[&a.k])[0];
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if use_avx2(kernel)
         && matches!(
@@ -234,6 +244,10 @@ pub fn group_tokens(
         for a in acts {
             assert_eq!(a.blocks(), g.nb, "activation blocks vs matrix blocks");
         }
+        if use_portable(kernel, dtype) {
+            *out = super::kquant_portable::q5_1_group::<TOKENS>(g.qs, rb, acts);
+            return;
+        }
         for r in 0..GROUP {
             let v = q5_1_dots::<TOKENS>(kernel, &g.qs[r * rb..(r + 1) * rb], acts);
             for (o, vt) in out.iter_mut().zip(v) {
@@ -249,6 +263,10 @@ pub fn group_tokens(
             g.nb,
             "Q8_K activation super-blocks vs matrix super-blocks"
         );
+    }
+    if use_portable(kernel, dtype) {
+        *out = super::kquant_portable::group_tokens::<TOKENS>(dtype, g.qs, rb, &ks);
+        return;
     }
     for r in 0..GROUP {
         let row = &g.qs[r * rb..(r + 1) * rb];

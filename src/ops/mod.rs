@@ -12,6 +12,7 @@ pub mod kquant;
 pub mod kquant_low;
 #[cfg(target_arch = "aarch64")]
 mod kquant_neon;
+mod kquant_portable;
 pub mod matvec;
 mod portable;
 pub mod qdot;
