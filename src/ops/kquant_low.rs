@@ -87,37 +87,38 @@ pub fn row_dots<const T: usize>(
     })
 }
 
+/// The 16 Q3_K scales `s_k + 32` (bytes `0..=63`) from the 12 packed bytes, four at a
+/// time as ggml's `kmask` unpacking does (the same values as `ggml_more::q3_k_scales`,
+/// without its per-scale branches); shared by the AVX2 and NEON rows.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+fn q3_k_scale_bytes(s: &[u8]) -> [u8; 16] {
+    let w = |i: usize| u32::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3]]);
+    let (a0, a1, h) = (w(0), w(4), w(8));
+    let (lo, hi) = (0x0F0F_0F0Fu32, 0x0303_0303u32);
+    let r = [
+        (a0 & lo) | ((h & hi) << 4),
+        (a1 & lo) | (((h >> 2) & hi) << 4),
+        ((a0 >> 4) & lo) | (((h >> 4) & hi) << 4),
+        ((a1 >> 4) & lo) | (((h >> 6) & hi) << 4),
+    ];
+    let mut out = [0u8; 16];
+    for (o, v) in out.chunks_exact_mut(4).zip(r) {
+        o.copy_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     //! AVX2 Q2_K / Q3_K rows: integer sums in 32-bit lanes, reduced once per
     //! super-block, then the twin's float steps in scalar f32 (separate multiply and add).
 
     use super::super::kquant::avx2::{f16_at, hsum};
-    use super::Q8K;
+    use super::{q3_k_scale_bytes, Q8K};
     use std::arch::x86_64::*;
     use tinygpt_reference::ggml_kdot::{Q2_K_BYTES, Q3_K_BYTES};
     use tinygpt_reference::ggml_more::QK_K;
-
-    /// The 16 Q3_K scales `s_k + 32` (bytes `0..=63`) from the 12 packed bytes, four at a
-    /// time as ggml's `kmask` unpacking does (the same values as
-    /// `ggml_more::q3_k_scales`, without its per-scale branches).
-    #[inline(always)]
-    fn q3_k_scale_bytes(s: &[u8]) -> [u8; 16] {
-        let w = |i: usize| u32::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3]]);
-        let (a0, a1, h) = (w(0), w(4), w(8));
-        let (lo, hi) = (0x0F0F_0F0Fu32, 0x0303_0303u32);
-        let r = [
-            (a0 & lo) | ((h & hi) << 4),
-            (a1 & lo) | (((h >> 2) & hi) << 4),
-            ((a0 >> 4) & lo) | (((h >> 4) & hi) << 4),
-            ((a1 >> 4) & lo) | (((h >> 6) & hi) << 4),
-        ];
-        let mut out = [0u8; 16];
-        for (o, v) in out.chunks_exact_mut(4).zip(r) {
-            o.copy_from_slice(&v.to_le_bytes());
-        }
-        out
-    }
 
     /// `Σ_k w_k · bsums[k]` over a super-block's 16 block sums as eight 32-bit lanes
     /// (`|w_k| ≤ 128`, `|bsums[k]| ≤ 2048`: exact).
@@ -283,10 +284,10 @@ pub(super) mod neon {
 
     use super::super::aarch64::sdot;
     use super::super::kquant_neon::{f16_at, fold4, lanes};
-    use super::Q8K;
+    use super::{q3_k_scale_bytes, Q8K};
     use std::arch::aarch64::*;
     use tinygpt_reference::ggml_kdot::{Q2_K_BYTES, Q3_K_BYTES};
-    use tinygpt_reference::ggml_more::{q3_k_scales, QK_K};
+    use tinygpt_reference::ggml_more::QK_K;
 
     /// The 2-bit codes of a super-block (`qs`: 64 bytes) as 16 vectors of bytes `0..=3`:
     /// `[8n + 2j + h]` holds bits `2j..2j + 2` of bytes `32n + 16h .. 32n + 16h + 16`, the
@@ -403,7 +404,8 @@ pub(super) mod neon {
                 // Wrapping byte subtraction: the two's-complement signed code.
                 vreinterpretq_s8_u8(vsubq_u8(low[k], vbicq_u8(four, set)))
             });
-            let scv = scale_lanes(&q3_k_scales(&blk[96..108]));
+            let sb = q3_k_scale_bytes(&blk[96..108]);
+            let scv = scale_lanes(&std::array::from_fn(|k| sb[k] as i32 - 32));
             let d = f16_at(blk, 108);
             for (t, k) in ks.iter().enumerate() {
                 // SAFETY: the token holds nb·256 codes (asserted).
