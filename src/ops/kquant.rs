@@ -36,8 +36,12 @@
 //!   bytes in value order (Q6_K's codes already minus 32, IQ4_XS's levels by `tbl`), `sdot`
 //!   with the activation codes, one 32-bit sum per sub-block by pairwise adds, the
 //!   sub-block scales applied in 32-bit lanes. Same integers, same floats;
-//! * `portable`: **falls back to the scalar variant** for these types (correct, not fast;
-//!   a `wide` version is a follow-up).
+//! * `portable` (`super::kquant_portable`, `wide` only): each super-block unpacked once
+//!   into `i16x16` lanes in value order with every code already times its sub-block
+//!   scale, `i16x16::dot` with the widened activation codes, the lanes added and reduced
+//!   once per super-block (exact integers), the twin's float steps per row in scalar f32;
+//!   8 rows × [`TOKENS`] tokens per unpacked super-block column. Same integers, same floats.
+//!   (Q2_K and Q3_K, in [`super::kquant_low`], run the scalar loops under `portable`.)
 //!
 //! [`has_simd_kquant`] says which variant runs SIMD code for which type on this machine.
 //!
@@ -138,8 +142,9 @@ fn neon_row<const T: usize>(kernel: Kernel, dtype: DType) -> Option<NeonRow<T>> 
 
 /// Whether `kernel` multiplies `dtype` (a row-packed type, see [`is_row_packed`]) with
 /// SIMD code on this machine rather than the scalar loops: `avx2` / `avx512vnni` on x86_64
-/// with AVX2, `neon-dotprod` on aarch64 with the dot-product extension; never `portable`
-/// or `scalar`. Tests assert it so that a dispatch falling back to scalar fails them.
+/// with AVX2, `neon-dotprod` on aarch64 with the dot-product extension, `portable` (its
+/// `wide` kernels, every CPU) for the types of `super::kquant_portable`; never `scalar`.
+/// Tests assert it so that a dispatch falling back to scalar fails them.
 pub fn has_simd_kquant(kernel: Kernel, dtype: DType) -> bool {
     #[cfg(target_arch = "x86_64")]
     let simd = use_avx2(kernel)
