@@ -674,7 +674,7 @@ fn prefetching_on_a_dram_sized_matrix(dtype: DType) {
 }
 
 /// Q5_0 and IQ4_NL are kept as blocks (22 and 18 bytes per 32 weights, not Q8_0's 34) for
-/// every variant with code for them, and the x86 SIMD variants have it: fails if a change
+/// every variant with code for them, and the SIMD variants but `portable` have it: fails if a change
 /// silently falls back to the rewrite as Q8_0 there. A model matrix
 /// (`Matrix::from_tensor`, packed for the active variant) holds what that variant reads.
 #[test]
@@ -683,6 +683,10 @@ fn q5_0_and_iq4_nl_stay_blocks_for_the_variants_with_code() {
     {
         assert!(Kernel::Avx2.has_q5_0() && Kernel::Avx512Vnni.has_q5_0());
         assert!(Kernel::Avx2.has_iq4_nl() && Kernel::Avx512Vnni.has_iq4_nl());
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        assert!(Kernel::NeonDotprod.has_q5_0() && Kernel::NeonDotprod.has_iq4_nl());
     }
     assert!(Kernel::Scalar.has_q5_0() && Kernel::Scalar.has_iq4_nl());
     for dtype in [DType::Q5_0, DType::IQ4_NL] {

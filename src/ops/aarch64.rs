@@ -6,14 +6,19 @@
 //! four row sums, and the reference's float steps run on those lanes with separate
 //! multiplies and adds (never fused): each lane equals the scalar twin bit for bit.
 //! Q4 codes (0..15) are signed bytes already; Q4_0's `− 8` is applied as `− 8 · Σ q_x`.
+//! Q5_0 codes are unpacked to their signed values `(nibble | fifth bit << 4) − 16` (the
+//! fifth bits spread from the two bytes of each `u16` mask by `vtstq_u8` against the bit
+//! of each lane); IQ4_NL nibbles are looked up in the 16 levels (`vqtbl1q_s8`), the signed
+//! values `K[n]` (−127..113) as Q8_0 codes. Both need no correction after the `sdot`s.
 //!
 //! The multi-token variant runs the same steps for [`TOKENS`] activation vectors,
 //! unpacking each 8-row block once for all of them (equal values, bit for bit).
 
-use super::qdot::{Group, QuantizedActs, GROUP, QK, TOKENS};
+use super::qdot::{qs_bytes, Group, QuantizedActs, GROUP, QK, TOKENS};
 use crate::dtype::DType;
 use half::f16;
 use std::arch::aarch64::*;
+use tinygpt_reference::ggml_more::IQ4_VALUES;
 
 /// Eight f16 values at `b[at..at + 16]` as two f32x4 (exact conversion).
 #[inline(always)]
@@ -42,26 +47,64 @@ pub(super) fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
     acc
 }
 
-/// One 8-row block of codes as signed bytes: `[k]` row `k`'s elements 0..16, `[8 + k]`
-/// its elements 16..32 (Q4: low / high nibbles).
+/// Byte `i` of the result is `0x10` if bit `i` of the little-endian `u16` at `p` is set,
+/// else 0 (a Q5_0 fifth-bit mask of 16 elements).
 ///
 /// # Safety
-/// NEON must be available (baseline on aarch64); `qp` must point at one block of codes.
+/// NEON must be available; `p` must point at two readable bytes.
 #[target_feature(enable = "neon")]
 #[inline]
-unsafe fn unpack(q8: bool, qp: *const u8) -> [int8x16_t; 16] {
+unsafe fn fifth_bits(p: *const u8) -> uint8x16_t {
+    const BIT: [u8; 16] = [1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128];
+    // SAFETY: the caller guarantees the two bytes; `BIT` is 16 bytes.
+    unsafe {
+        let m = vcombine_u8(vdup_n_u8(*p), vdup_n_u8(*p.add(1)));
+        vandq_u8(vtstq_u8(m, vld1q_u8(BIT.as_ptr())), vdupq_n_u8(0x10))
+    }
+}
+
+/// One 8-row block of codes as signed bytes: `[k]` row `k`'s elements 0..16, `[8 + k]`
+/// its elements 16..32 (Q4: low / high nibbles; Q5_0: `(nibble | fifth bit << 4) − 16`;
+/// IQ4_NL: the levels `K[nibble]`).
+///
+/// # Safety
+/// NEON must be available (baseline on aarch64); `qp` must point at one block of codes
+/// of `dtype`.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn unpack(dtype: DType, qp: *const u8) -> [int8x16_t; 16] {
     let mut w = [vdupq_n_s8(0); 16];
+    // SAFETY: `IQ4_VALUES` is 16 bytes.
+    let table = unsafe { vld1q_s8(IQ4_VALUES.as_ptr()) };
     for k in 0..GROUP {
         // SAFETY: every load stays inside the block (the caller's guarantee).
         unsafe {
-            if q8 {
+            if dtype == DType::Q8_0 {
                 let base = (k / 4) * 128 + (k % 4) * 16;
                 w[k] = vld1q_s8(qp.add(base).cast());
                 w[8 + k] = vld1q_s8(qp.add(base + 64).cast());
-            } else {
-                let v = vld1q_u8(qp.add((k / 4) * 64 + (k % 4) * 16));
-                w[k] = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F)));
-                w[8 + k] = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
+                continue;
+            }
+            let v = vld1q_u8(qp.add((k / 4) * 64 + (k % 4) * 16));
+            let (lo, hi) = (vandq_u8(v, vdupq_n_u8(0x0F)), vshrq_n_u8::<4>(v));
+            match dtype {
+                DType::IQ4_NL => {
+                    w[k] = vqtbl1q_s8(table, lo);
+                    w[8 + k] = vqtbl1q_s8(table, hi);
+                }
+                DType::Q5_0 => {
+                    // row k's masks of elements 0..16 and 16..32 (`qdot::q5_bits_pos`)
+                    let at = 128 + (k / 4) * 16 + (k % 4) * 2;
+                    let sixteen = vdupq_n_s8(16);
+                    let l = vorrq_u8(lo, fifth_bits(qp.add(at)));
+                    let h = vorrq_u8(hi, fifth_bits(qp.add(at + 8)));
+                    w[k] = vsubq_s8(vreinterpretq_s8_u8(l), sixteen);
+                    w[8 + k] = vsubq_s8(vreinterpretq_s8_u8(h), sixteen);
+                }
+                _ => {
+                    w[k] = vreinterpretq_s8_u8(lo);
+                    w[8 + k] = vreinterpretq_s8_u8(hi);
+                }
             }
         }
     }
@@ -156,8 +199,7 @@ unsafe fn tokens<const T: usize>(
     acts: &[&QuantizedActs; T],
     out: &mut [[f32; GROUP]; TOKENS],
 ) {
-    let q8 = dtype == DType::Q8_0;
-    let qsb = if q8 { 256 } else { 128 };
+    let qsb = qs_bytes(dtype);
     assert!(g.qs.len() >= g.nb * qsb);
     for a in acts {
         assert!(a.q.len() >= g.nb * QK && a.d.len() >= g.nb && a.s.len() >= g.nb);
@@ -173,7 +215,7 @@ unsafe fn tokens<const T: usize>(
         // SAFETY: every pointer stays inside block `b` of `g.qs` (qsb bytes) and of each
         // `a.q` (32 bytes), checked by the asserts above; NEON loads need no alignment.
         unsafe {
-            let w = unpack(q8, g.qs.as_ptr().add(b * qsb));
+            let w = unpack(dtype, g.qs.as_ptr().add(b * qsb));
             for (a, acc_t) in acts.iter().zip(acc.iter_mut()) {
                 block_step(dtype, &w, a.q.as_ptr().add(b * QK), a, b, &dw, &mw, acc_t);
             }

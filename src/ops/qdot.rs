@@ -33,11 +33,11 @@
 //!   order: one 64-bit mask for AVX-512 (`k` register), one 32-bit word per row pair for
 //!   AVX2.
 //!
-//! # Q5_0: kept as blocks where a variant has code for it
+//! # Q5_0, IQ4_NL: kept as blocks where a variant has code for them
 //!
 //! A Q5_0 matrix is packed as Q5_0 (22 bytes per 32 weights, its 5-bit codes and scales as
 //! in the file) for the variants with Q5_0 code ([`Kernel::has_q5_0`]: `scalar`, `avx2`,
-//! `avx512vnni`); for the others (`portable`, `neon-dotprod`) it is rewritten exactly as
+//! `avx512vnni`, `neon-dotprod`); for `portable` it is rewritten exactly as
 //! Q8_0 when packed (`tinygpt_reference::ggml_more::q5_0_to_q8_0`; same codes, same
 //! products), so [`Packed::dtype`] says which form a matrix holds. Either way every value
 //! equals `tinygpt_reference::ggml_dot::dot_q5_0` bit for bit.
@@ -287,13 +287,19 @@ impl Kernel {
     /// Whether the variant has Q5_0 code (else a Q5_0 matrix is packed as Q8_0 for it:
     /// module docs).
     pub fn has_q5_0(self) -> bool {
-        matches!(self, Kernel::Scalar | Kernel::Avx2 | Kernel::Avx512Vnni)
+        matches!(
+            self,
+            Kernel::Scalar | Kernel::Avx2 | Kernel::Avx512Vnni | Kernel::NeonDotprod
+        )
     }
 
     /// Whether the variant has IQ4_NL code (else an IQ4_NL matrix is packed as Q8_0 for
     /// it: module docs).
     pub fn has_iq4_nl(self) -> bool {
-        matches!(self, Kernel::Scalar | Kernel::Avx2 | Kernel::Avx512Vnni)
+        matches!(
+            self,
+            Kernel::Scalar | Kernel::Avx2 | Kernel::Avx512Vnni | Kernel::NeonDotprod
+        )
     }
 
     /// Whether the variant reads blocks of `dtype` as they are packed: false only for
