@@ -252,19 +252,25 @@ mod tests {
 
     use crate::test_rng::Rng;
 
-    /// `dot_q5_0` equals `dot_q8_0` on the blocks rewritten as Q8_0, bit for bit: random
-    /// and extreme codes (every byte value, all-zero and all-one `qh`), f16 scales that are
-    /// zero, subnormal, ordinary, huge (±65504) or random bit patterns (non-finite
-    /// included), ordinary, huge, tiny and zero activations, 1 to 9 blocks, many rows.
-    #[test]
-    fn dot_q5_0_equals_dot_q8_0_on_the_rewrite() {
-        let mut rng = Rng(0x5EED_0005_0000_0022);
+    /// Checks `dot(row) == dot_q8_0(rewrite(row))` bit for bit (or both NaN) on 3000 rows
+    /// of 1 to 9 blocks of `1 + payload` f16-scaled blocks: f16 scales that are zero,
+    /// subnormal, ordinary, huge (±65504) or random bit patterns (non-finite included);
+    /// payload bytes random or one of `fills` for a whole block; ordinary, huge, tiny and
+    /// zero activations.
+    fn equals_dot_q8_0_on_the_rewrite(
+        seed: u64,
+        payload: usize,
+        fills: &[u8],
+        dot: fn(&[u8], &QuantizedActs) -> f32,
+        rewrite: fn(&[u8]) -> Vec<u8>,
+    ) {
+        let mut rng = Rng(seed);
         let scales = [
             0x0000u16, 0x0001, 0x03FF, 0x3C00, 0x2E66, 0x7BFF, 0xFBFF, 0x8001,
         ];
         for case in 0..3000 {
             let nb = 1 + case % 9;
-            let mut row = Vec::with_capacity(nb * 22);
+            let mut row = Vec::with_capacity(nb * (2 + payload));
             for _ in 0..nb {
                 let r = rng.next();
                 let d = match r % 4 {
@@ -272,13 +278,10 @@ mod tests {
                     _ => (r >> 16) as u16,
                 };
                 row.extend_from_slice(&d.to_le_bytes());
-                let fill = match (r >> 40) % 6 {
-                    0 => Some(0x00u8),
-                    1 => Some(0xFF),
-                    _ => None,
-                };
-                for _ in 0..20 {
-                    let b = fill.unwrap_or(rng.next() as u8);
+                // a fixed fill for one block in (fills + 4)
+                let fill = fills.get(((r >> 40) % (fills.len() as u64 + 4)) as usize);
+                for _ in 0..payload {
+                    let b = fill.copied().unwrap_or(rng.next() as u8);
                     row.push(b);
                 }
             }
@@ -292,8 +295,8 @@ mod tests {
                 .map(|_| ((rng.next() % 20001) as f32 / 1e4 - 1.0) * scale)
                 .collect();
             let a = quantize_acts(&x);
-            let got = dot_q5_0(&row, &a);
-            let want = dot_q8_0(&q5_0_to_q8_0(&row), &a);
+            let got = dot(&row, &a);
+            let want = dot_q8_0(&rewrite(&row), &a);
             assert!(
                 got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
                 "case {case}: {got} vs {want}"
@@ -301,55 +304,30 @@ mod tests {
         }
     }
 
+    /// `dot_q5_0` equals `dot_q8_0` on the blocks rewritten as Q8_0, bit for bit: random and
+    /// extreme codes (every byte value, all-zero and all-one `qh` and nibbles).
+    #[test]
+    fn dot_q5_0_equals_dot_q8_0_on_the_rewrite() {
+        equals_dot_q8_0_on_the_rewrite(
+            0x5EED_0005_0000_0022,
+            20,
+            &[0x00, 0xFF],
+            dot_q5_0,
+            q5_0_to_q8_0,
+        );
+    }
+
     /// `dot_iq4_nl` equals `dot_q8_0` on the blocks rewritten as Q8_0, bit for bit: random
-    /// and extreme nibbles (all 0x00, all 0xFF, all 0x0F / 0xF0, every byte value), f16
-    /// scales that are zero, subnormal, ordinary, huge (±65504) or random bit patterns
-    /// (non-finite included), ordinary, huge, tiny and zero activations, 1 to 9 blocks.
+    /// and extreme nibbles (all 0x00, all 0xFF, all 0x0F / 0xF0, every byte value).
     #[test]
     fn dot_iq4_nl_equals_dot_q8_0_on_the_rewrite() {
-        let mut rng = Rng(0x5EED_0004_4E4C_0018);
-        let scales = [
-            0x0000u16, 0x0001, 0x03FF, 0x3C00, 0x2E66, 0x7BFF, 0xFBFF, 0x8001,
-        ];
-        for case in 0..3000 {
-            let nb = 1 + case % 9;
-            let mut row = Vec::with_capacity(nb * 18);
-            for _ in 0..nb {
-                let r = rng.next();
-                let d = match r % 4 {
-                    0 => scales[(r >> 8) as usize % scales.len()],
-                    _ => (r >> 16) as u16,
-                };
-                row.extend_from_slice(&d.to_le_bytes());
-                let fill = match (r >> 40) % 8 {
-                    0 => Some(0x00u8),
-                    1 => Some(0xFF),
-                    2 => Some(0x0F),
-                    3 => Some(0xF0),
-                    _ => None,
-                };
-                for _ in 0..16 {
-                    let b = fill.unwrap_or(rng.next() as u8);
-                    row.push(b);
-                }
-            }
-            let scale = match case % 4 {
-                0 => 1.0f32,
-                1 => 1e30,
-                2 => 1e-38,
-                _ => 0.0,
-            };
-            let x: Vec<f32> = (0..nb * QK)
-                .map(|_| ((rng.next() % 20001) as f32 / 1e4 - 1.0) * scale)
-                .collect();
-            let a = quantize_acts(&x);
-            let got = dot_iq4_nl(&row, &a);
-            let want = dot_q8_0(&iq4_nl_to_q8_0(&row), &a);
-            assert!(
-                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
-                "case {case}: {got} vs {want}"
-            );
-        }
+        equals_dot_q8_0_on_the_rewrite(
+            0x5EED_0004_4E4C_0018,
+            16,
+            &[0x00, 0xFF, 0x0F, 0xF0],
+            dot_iq4_nl,
+            iq4_nl_to_q8_0,
+        );
     }
 
     /// A hand-computed block: d = 0.5, nibble `j % 16` at element `j` (byte `j` =
