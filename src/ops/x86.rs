@@ -113,34 +113,56 @@ fn signed_codes(dtype: DType) -> bool {
     matches!(dtype, DType::Q8_0 | DType::IQ4_NL)
 }
 
+/// [`unpack_avx2`] for IQ4_NL: the levels of the low and high nibbles looked up, laid out
+/// as Q8_0's `|w|` / `w` pairs.
+///
+/// # Safety
+/// AVX2 must be available; `qp` must point at one 8-row block of IQ4_NL codes.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn unpack_iq4_nl_avx2(qp: *const u8) -> [__m256i; 16] {
+    let mask = _mm256_set1_epi8(0x0F);
+    let table = iq4_table_avx2(0);
+    let mut v = [_mm256_setzero_si256(); 16];
+    for j in 0..4 {
+        // SAFETY: 32 bytes at `qp + 32j` are inside the 128-byte block; unaligned.
+        let w = unsafe { _mm256_loadu_si256(qp.add(j * 32).cast()) };
+        let wl = _mm256_shuffle_epi8(table, _mm256_and_si256(w, mask));
+        let wh = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(w, 4), mask));
+        v[4 * j] = _mm256_abs_epi8(wl);
+        v[4 * j + 1] = wl;
+        v[4 * j + 2] = _mm256_abs_epi8(wh);
+        v[4 * j + 3] = wh;
+    }
+    v
+}
+
 /// One 8-row block of codes unpacked for AVX2, `j` = rows `2j` and `2j + 1`:
 /// Q4 `[4j]` low nibbles, `[4j + 1]` high nibbles (Q5_0: with the fifth bits, 0..31);
 /// Q8 `[4j]` `|w|` and `[4j + 1]` `w` of elements 0..16, `[4j + 2]`, `[4j + 3]` the same
 /// for elements 16..32 (IQ4_NL: the same, `w` the looked-up levels of the low and high
 /// nibbles).
 ///
+/// Always inlined (so without `#[target_feature]`, which Rust does not allow with
+/// `inline(always)`; its callers enable AVX2): out of line it returns its 16 vectors through
+/// memory, which cost the group kernels up to 47% (the 1536x768 qdot bench) after the
+/// IQ4_NL branch made it too large for the inliner's choice.
+///
 /// # Safety
 /// AVX2 must be available; `qp` must point at one block of codes of `dtype`.
-#[target_feature(enable = "avx2")]
-#[inline]
+#[inline(always)]
 unsafe fn unpack_avx2(dtype: DType, qp: *const u8) -> [__m256i; 16] {
-    let q8 = dtype == DType::Q8_0;
-    let mask = _mm256_set1_epi8(0x0F);
-    let table = iq4_table_avx2(0);
-    let mut v = [_mm256_setzero_si256(); 16];
-    for j in 0..4 {
-        // SAFETY: every load stays inside the block (the caller's guarantee); unaligned.
-        unsafe {
-            if dtype == DType::IQ4_NL {
-                let w = _mm256_loadu_si256(qp.add(j * 32).cast());
-                let wl = _mm256_shuffle_epi8(table, _mm256_and_si256(w, mask));
-                let wh =
-                    _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(w, 4), mask));
-                v[4 * j] = _mm256_abs_epi8(wl);
-                v[4 * j + 1] = wl;
-                v[4 * j + 2] = _mm256_abs_epi8(wh);
-                v[4 * j + 3] = wh;
-            } else if q8 {
+    // SAFETY: AVX2 is available and every load stays inside the block (the caller's
+    // guarantee); unaligned loads.
+    unsafe {
+        if dtype == DType::IQ4_NL {
+            return unpack_iq4_nl_avx2(qp);
+        }
+        let q8 = dtype == DType::Q8_0;
+        let mask = _mm256_set1_epi8(0x0F);
+        let mut v = [_mm256_setzero_si256(); 16];
+        for j in 0..4 {
+            if q8 {
                 let base = (j / 2) * 128 + (j % 2) * 32;
                 let wl = _mm256_loadu_si256(qp.add(base).cast());
                 let wh = _mm256_loadu_si256(qp.add(base + 64).cast());
@@ -162,8 +184,8 @@ unsafe fn unpack_avx2(dtype: DType, qp: *const u8) -> [__m256i; 16] {
                 }
             }
         }
+        v
     }
-    v
 }
 
 /// The eight rows' exact integer sums of one unpacked block against one activation block
