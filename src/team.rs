@@ -234,82 +234,178 @@ pub enum Mode {
 /// and runs the faster one, except that now and then one step (a *probe*) runs the other
 /// mode to keep its average current: on a calm machine the team wins; when another process
 /// takes a core, a team step waits for its descheduled member and one thread wins, and the
-/// probe notices when the core comes back. A step's first run of each mode only warms
-/// up (its time counts nothing). Step times grow slowly with the context, so two averages
-/// taken a few steps apart compare like for like.
+/// probe notices when the core comes back. Step times grow slowly with the context, so two
+/// averages taken a few steps apart compare like for like.
+///
+/// Start: each mode is measured twice before the averages decide alone (a single step can
+/// be an outlier): the team first, unless the machine is [`crowded`] just then — then one
+/// thread, and the team only as a probe (below).
 ///
 /// Probes are paced by what they cost: the next one runs once the faster mode has run at
-/// least [`PROBE_EVERY`] steps since the last and for at least [`PROBE_BUDGET`] times the
-/// other mode's average step time. A probe then takes at most about 1/[`PROBE_BUDGET`] of
-/// the time, however much slower the other mode is just now (a team whose member lost its
-/// core can take several solo steps' time), and the probes come as often as that allows.
+/// least [`PROBE_EVERY`] steps since the last and for at least `budget` times the other
+/// mode's average step time, where `budget` is [`PROBE_BUDGET`] doubled for each probe in a
+/// row that found the other mode still slower (at most [`MAX_BACKOFF`] doublings; a change
+/// of the faster mode resets it). A probe then takes at most about 1/`budget` of the time,
+/// however much slower the other mode is just now (a team whose member lost its core can
+/// take several one-thread steps' time), and a steady state costs less and less.
+///
+/// A probe of the team that falls due while the machine is [`crowded`] (another process
+/// holds the core a member needs, so the probe would only measure that) waits for a step
+/// where it is not, or for [`CROWDED_WAIT`] times its budget, whichever comes first; and a
+/// team measured while crowded is tried again as soon as the crowd has gone (at most once
+/// in [`PROBE_EVERY`] steps), its crowded average forgotten.
 #[derive(Debug, Clone, Default)]
 pub struct Pace {
-    steps: u64,
     /// steps run in each mode: team, solo
     runs: [u64; 2],
-    team: Option<f64>,
-    solo: Option<f64>,
-    warm: [bool; 2],
+    /// each mode's average step time in seconds: team, solo
+    avg: [Option<f64>; 2],
     /// steps, and their seconds, run in the faster mode since the last probe
     since_probe: (u64, f64),
+    /// probes in a row that found the other mode still slower
+    misses: u32,
+    /// the team's last step ran while the machine was [`crowded`]
+    team_crowded: bool,
 }
 
 /// A probe runs at most once in this many steps.
 pub const PROBE_EVERY: u64 = 16;
 
 /// A probe runs only after the faster mode has run this many times the probed mode's
-/// average step time since the last probe.
+/// average step time since the last probe (before any doubling, see [`Pace`]).
 pub const PROBE_BUDGET: f64 = 16.0;
 
+/// The most times the probe budget doubles while probes keep finding the same mode faster.
+pub const MAX_BACKOFF: u32 = 2;
+
+/// A due probe of the team waits at most this many times its budget for the machine to
+/// stop being [`crowded`].
+pub const CROWDED_WAIT: f64 = 8.0;
+
+/// A mode is measured this many times before the averages alone decide.
+const FIRST_RUNS: u64 = 2;
+
+impl Mode {
+    fn index(self) -> usize {
+        (self == Mode::Solo) as usize
+    }
+
+    fn other(self) -> Mode {
+        match self {
+            Mode::Team => Mode::Solo,
+            Mode::Solo => Mode::Team,
+        }
+    }
+}
+
 impl Pace {
-    /// The faster mode by the averages, and the other mode's average (`None` until both
-    /// modes are measured).
-    fn best(&self) -> Option<(Mode, f64)> {
-        match (self.team, self.solo) {
-            (Some(t), Some(s)) if t <= s => Some((Mode::Team, s)),
-            (Some(t), Some(_)) => Some((Mode::Solo, t)),
-            _ => None,
+    /// The faster mode by the averages (the only measured one if one is).
+    fn faster(&self) -> Option<Mode> {
+        match self.avg {
+            [Some(t), Some(s)] if t <= s => Some(Mode::Team),
+            [Some(_), Some(_)] | [None, Some(_)] => Some(Mode::Solo),
+            [Some(_), None] => Some(Mode::Team),
+            [None, None] => None,
         }
     }
 
-    /// The mode of the next step.
-    pub fn next(&self) -> Mode {
-        let Some((best, other)) = self.best() else {
-            // Measure both first: team, team, solo, solo (the first of each warms up).
-            return match self.team {
-                None => Mode::Team,
-                Some(_) => Mode::Solo,
+    /// The mode of the next step. `crowded` is asked (at most once) when the step could
+    /// be a probe of the team: whether other processes now hold a core a member needs
+    /// ([`crowded`]).
+    pub fn next(&mut self, crowded: impl FnOnce() -> bool) -> Mode {
+        let Some(best) = self.faster() else {
+            self.team_crowded = crowded();
+            return match self.team_crowded {
+                true => Mode::Solo,
+                false => Mode::Team,
             };
         };
+        let other = best.other();
         let (steps, secs) = self.since_probe;
-        match (steps >= PROBE_EVERY && secs >= PROBE_BUDGET * other, best) {
-            (false, m) => m,
-            (true, Mode::Team) => Mode::Solo,
-            (true, Mode::Solo) => Mode::Team,
+        // The probed mode's average step time (or, never measured, the faster mode's).
+        let cost = self.avg[other.index()]
+            .or(self.avg[best.index()])
+            .unwrap_or(0.0);
+        let budget = PROBE_BUDGET * f64::from(1u32 << self.misses.min(MAX_BACKOFF));
+        let spent = |budget: f64| steps >= PROBE_EVERY && secs >= budget * cost;
+        let due = self.runs[other.index()] < FIRST_RUNS || spent(budget);
+        match other {
+            Mode::Solo if due => Mode::Solo,
+            Mode::Solo => best,
+            // The team's last measure was taken crowded: try it as soon as the crowd
+            // has gone.
+            Mode::Team if due || (self.team_crowded && steps >= PROBE_EVERY) => {
+                let now = crowded();
+                match spent(CROWDED_WAIT * budget) || !now {
+                    true => {
+                        if self.team_crowded && !now {
+                            // Measured in a crowd, the average says nothing of now.
+                            self.avg[Mode::Team.index()] = None;
+                        }
+                        self.team_crowded = now;
+                        Mode::Team
+                    }
+                    false => best,
+                }
+            }
+            Mode::Team => best,
         }
     }
 
     /// Records how long a step in `mode` took.
     pub fn record(&mut self, mode: Mode, took: Duration) {
-        self.steps += 1;
-        let i = (mode == Mode::Solo) as usize;
+        let i = mode.index();
+        let before = self.faster();
+        let measured = self.runs[i] >= FIRST_RUNS;
         self.runs[i] += 1;
         let t = took.as_secs_f64();
-        match self.best() {
-            Some((best, _)) if best != mode => self.since_probe = (0, 0.0),
+        self.avg[i] = Some(self.avg[i].map_or(t, |a| 0.5 * (a + t)));
+        let after = self.faster();
+        match before {
+            // The faster mode changed (by a probe or by its own steps): probe at the
+            // first pace again.
+            Some(best) if after != Some(best) => {
+                self.since_probe = (0, 0.0);
+                self.misses = 0;
+            }
+            Some(best) if best != mode => {
+                self.since_probe = (0, 0.0);
+                if measured {
+                    self.misses = self.misses.saturating_add(1);
+                }
+            }
             Some(_) => self.since_probe = (self.since_probe.0 + 1, self.since_probe.1 + t),
             None => {}
         }
-        if !self.warm[i] {
-            self.warm[i] = true;
-            return;
-        }
-        let avg = match mode {
-            Mode::Team => &mut self.team,
-            Mode::Solo => &mut self.solo,
+    }
+}
+
+/// Whether other processes' runnable threads leave fewer idle cores than a team of `n`
+/// threads needs just now, by the kernel's count of runnable threads at this instant
+/// (Linux: `/proc/loadavg`'s fourth field, `running/total`, which counts the calling
+/// thread; the cores are [`std::thread::available_parallelism`]). `false` where that count
+/// cannot be read (other systems): then team probes run when due, paced as above.
+pub fn crowded(n: usize) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        let Ok(line) = std::fs::read_to_string("/proc/loadavg") else {
+            return false;
         };
-        *avg = Some(avg.map_or(t, |a| 0.5 * (a + t)));
+        let running = line
+            .split_whitespace()
+            .nth(3)
+            .and_then(|f| f.split('/').next())
+            .and_then(|r| r.parse::<usize>().ok());
+        let Some(running) = running else {
+            return false;
+        };
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        cores.saturating_sub(running.saturating_sub(1)) < n
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = n;
+        false
     }
 }
 
@@ -516,12 +612,12 @@ mod tests {
         assert!(r.is_err());
     }
 
-    /// Feeds `pace` steps whose time is `team` / `solo` microseconds by mode; returns the
-    /// modes chosen.
-    fn feed(pace: &mut Pace, steps: usize, team: u64, solo: u64) -> Vec<Mode> {
+    /// Feeds `pace` steps whose time is `team` / `solo` microseconds by mode, the machine
+    /// `crowded` or not; returns the modes chosen.
+    fn feed(pace: &mut Pace, steps: usize, team: u64, solo: u64, crowded: bool) -> Vec<Mode> {
         (0..steps)
             .map(|_| {
-                let m = pace.next();
+                let m = pace.next(|| crowded);
                 let us = if m == Mode::Team { team } else { solo };
                 pace.record(m, Duration::from_micros(us));
                 m
@@ -540,53 +636,104 @@ mod tests {
     #[test]
     fn pace_measures_both_then_runs_the_faster_and_probes_the_other() {
         let mut p = Pace::default();
-        let first = feed(&mut p, 4, 100, 300);
-        assert_eq!(first, [Mode::Team, Mode::Team, Mode::Solo, Mode::Solo]);
-        // Calm: the team runs; solo probes keep coming, but in at most 1/16 of the time
-        // (300 µs probes after >= 16 · 300 µs of team steps: one in 49 steps).
-        let calm = feed(&mut p, 400, 100, 300);
+        let first = feed(&mut p, 4, 100, 300, false);
+        assert_eq!(first, [Mode::Team, Mode::Solo, Mode::Solo, Mode::Team]);
+        // Calm: the team runs; solo probes keep coming, ever rarer (the budget doubles
+        // twice: 16, 32, 64 times 300 µs of team steps), in at most 1/16 of the time.
+        let calm = feed(&mut p, 800, 100, 300, false);
         let (probes, time) = share(&calm, Mode::Solo, 100, 300);
-        assert!((6..=9).contains(&probes), "{probes} probes: {calm:?}");
+        assert!((4..=8).contains(&probes), "{probes} probes: {calm:?}");
         assert!(time <= 1.0 / PROBE_BUDGET, "probe share {time}");
-        // The machine gets busy: team steps now take 500 µs; the pace turns to one thread
-        // at the next team step and probes the team in at most 1/16 of the time.
-        let busy = feed(&mut p, 400, 500, 300);
-        assert!(busy[300..].contains(&Mode::Team), "no probe late");
-        let (_, time) = share(&busy[100..], Mode::Team, 500, 300);
-        assert!(time <= 1.0 / PROBE_BUDGET + 0.01, "probe share {time}");
-        let first_team = busy.iter().position(|&m| m == Mode::Team);
+        let gaps: Vec<usize> = calm
+            .iter()
+            .enumerate()
+            .filter(|(_, &m)| m == Mode::Solo)
+            .map(|(i, _)| i)
+            .collect::<Vec<_>>()
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .collect();
+        assert!(gaps.windows(2).all(|g| g[1] >= g[0]), "gaps {gaps:?}");
+        assert!(
+            gaps.last().is_some_and(|&g| g >= 150),
+            "no backoff: {gaps:?}"
+        );
+        // The machine gets busy (not seen as crowded): team steps now take 500 µs; the
+        // pace turns to one thread at once and probes the team in at most 1/16 of the time.
+        let busy = feed(&mut p, 800, 500, 300, false);
         let first_solo = busy.iter().position(|&m| m == Mode::Solo).expect("solo");
         assert!(
             first_solo <= 2,
             "still the team at step {first_solo}: {busy:?}"
         );
-        // Calm again: team probes bring the team back (averages halve toward 100 µs);
-        // from then on only the solo probes run alone.
-        let again = feed(&mut p, 400, 100, 300);
+        let (n, time) = share(&busy[3..], Mode::Team, 500, 300);
+        assert!(n >= 3, "the team was probed {n} times: {busy:?}");
+        assert!(time <= 1.0 / PROBE_BUDGET, "probe share {time}");
+        // Calm again: a team probe brings the team back (within the longest budget,
+        // 64 · 500 µs of solo steps), then only solo probes run alone.
+        let again = feed(&mut p, 800, 100, 300, false);
         let back = again
             .windows(4)
             .position(|w| w.iter().all(|&m| m == Mode::Team));
         assert!(
-            back.is_some_and(|b| b <= 64),
+            back.is_some_and(|b| b <= 110),
             "team back at {back:?}: {again:?}"
         );
-        let (_, time) = share(&again[100..], Mode::Solo, 100, 300);
-        assert!(
-            time <= 1.0 / PROBE_BUDGET,
-            "{first_team:?}: probe share {time}"
-        );
+        let (_, time) = share(&again[200..], Mode::Solo, 100, 300);
+        assert!(time <= 1.0 / PROBE_BUDGET, "probe share {time}");
         let (t, s) = p.runs();
-        assert_eq!(t + s, 1204);
+        assert_eq!(t + s, 2404);
     }
 
     #[test]
     fn a_much_slower_mode_is_probed_rarely() {
-        // One thread 8.5 ms, a team step 20 ms (one busy process on two cores): after
-        // the warm-up, the team runs at most 1/16 of the time.
+        // One thread 8.5 ms, a team step 20 ms (one busy process on two cores, not seen
+        // as crowded): after the start, the team runs at most 1/16 of the time, and
+        // still now and then.
         let mut p = Pace::default();
-        let modes = feed(&mut p, 1000, 20_000, 8_500);
+        let modes = feed(&mut p, 1000, 20_000, 8_500, false);
+        assert_eq!(modes[..4], [Mode::Team, Mode::Solo, Mode::Team, Mode::Solo]);
         let (n, time) = share(&modes[4..], Mode::Team, 20_000, 8_500);
         assert!(time <= 1.0 / PROBE_BUDGET, "{n} team steps, share {time}");
         assert!(n >= 3, "the team was never probed again: {n}");
+    }
+
+    #[test]
+    fn a_crowded_machine_delays_team_probes() {
+        // Crowded from the start: one thread runs, and the team is first tried only
+        // after CROWDED_WAIT times the probe budget of one-thread time.
+        let mut p = Pace::default();
+        let modes = feed(&mut p, 3000, 20_000, 8_500, true);
+        let first_team = modes.iter().position(|&m| m == Mode::Team);
+        let wait = (CROWDED_WAIT * PROBE_BUDGET) as usize;
+        assert!(
+            first_team.is_some_and(|t| (wait..wait + 8).contains(&t)),
+            "first team step {first_team:?}"
+        );
+        let (n, time) = share(&modes, Mode::Team, 20_000, 8_500);
+        assert!(n >= 3, "the team was tried {n} times");
+        assert!(
+            time <= 1.0 / (CROWDED_WAIT * PROBE_BUDGET),
+            "team share {time}"
+        );
+        // The crowd leaves: the team is tried within PROBE_EVERY steps and wins.
+        let calm = feed(&mut p, 300, 5_000, 8_500, false);
+        let back = calm
+            .windows(4)
+            .position(|w| w.iter().all(|&m| m == Mode::Team));
+        assert!(
+            back.is_some_and(|b| b as u64 <= PROBE_EVERY),
+            "team back at {back:?}"
+        );
+    }
+
+    #[test]
+    fn crowded_reads_the_running_count() {
+        // An empty team needs no core; a team far larger than the machine always lacks
+        // some (where the count can be read).
+        assert!(!crowded(0));
+        if std::fs::read_to_string("/proc/loadavg").is_ok() {
+            assert!(crowded(4096));
+        }
     }
 }

@@ -289,7 +289,7 @@ impl Model {
         }
         self.check_token(token)?;
         let mode = match team::adaptive() {
-            true => s.pace.next(),
+            true => s.pace.next(|| team::crowded(team::threads())),
             false => team::Mode::Team,
         };
         let t0 = std::time::Instant::now();
