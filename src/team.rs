@@ -218,6 +218,14 @@ pub fn set_adaptive(on: bool) {
     ADAPTIVE.store(on && !env_off, Ordering::Relaxed);
 }
 
+static CROWD_CHECK: AtomicBool = AtomicBool::new(true);
+
+/// Turns [`crowded`]'s look at the machine on or off for the process (tests that need
+/// both modes to run whatever else the machine is doing turn it off).
+pub fn set_crowd_check(on: bool) {
+    CROWD_CHECK.store(on, Ordering::Relaxed);
+}
+
 /// How a decode step runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -384,10 +392,14 @@ impl Pace {
 /// threads needs just now, by the kernel's count of runnable threads at this instant
 /// (Linux: `/proc/loadavg`'s fourth field, `running/total`, which counts the calling
 /// thread; the cores are [`std::thread::available_parallelism`]). `false` where that count
-/// cannot be read (other systems): then team probes run when due, paced as above.
+/// cannot be read (other systems), or after [`set_crowd_check`]`(false)`: then team
+/// probes run when due, paced as above.
 pub fn crowded(n: usize) -> bool {
     #[cfg(target_os = "linux")]
     {
+        if !CROWD_CHECK.load(Ordering::Relaxed) {
+            return false;
+        }
         let Ok(line) = std::fs::read_to_string("/proc/loadavg") else {
             return false;
         };
