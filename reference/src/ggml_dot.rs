@@ -114,6 +114,12 @@ fn nibble(qs: &[u8], i: usize) -> i32 {
 
 /// Q4_0 row · quantised activations.
 pub fn dot_q4_0(row: &[u8], a: &QuantizedActs) -> f32 {
+    dot_nibble_blocks(row, a, |q| q - 8)
+}
+
+/// A row of 18-byte blocks (`d`, 16 nibble bytes: Q4_0, IQ4_NL) · quantised activations,
+/// each nibble read as the weight code `level(nibble)`.
+fn dot_nibble_blocks(row: &[u8], a: &QuantizedActs, level: impl Fn(i32) -> i32) -> f32 {
     assert_eq!(
         row.len(),
         a.d.len() * 18,
@@ -125,7 +131,7 @@ pub fn dot_q4_0(row: &[u8], a: &QuantizedActs) -> f32 {
         let qs = &blk[2..18];
         let mut isum = 0i32;
         for i in 0..QK {
-            isum += (nibble(qs, i) - 8) * x.q[i] as i32;
+            isum += level(nibble(qs, i)) * x.q[i] as i32;
         }
         acc += isum as f32 * (dw * x.d);
     }
@@ -191,22 +197,7 @@ pub fn dot_q5_0(row: &[u8], a: &QuantizedActs) -> f32 {
 /// Q4_0's steps over the levels `K[nibble]` (`ggml_more::IQ4_VALUES`),
 /// `acc += isum · (d_w · d_x)`.
 pub fn dot_iq4_nl(row: &[u8], a: &QuantizedActs) -> f32 {
-    assert_eq!(
-        row.len(),
-        a.d.len() * 18,
-        "one weight block per activation block"
-    );
-    let mut acc = 0.0f32;
-    for (blk, x) in row.chunks_exact(18).zip(a.blocks()) {
-        let dw = f16_at(blk, 0);
-        let qs = &blk[2..18];
-        let mut isum = 0i32;
-        for i in 0..QK {
-            isum += IQ4_VALUES[nibble(qs, i) as usize] as i32 * x.q[i] as i32;
-        }
-        acc += isum as f32 * (dw * x.d);
-    }
-    acc
+    dot_nibble_blocks(row, a, |q| IQ4_VALUES[q as usize] as i32)
 }
 
 /// The 32 five-bit codes of a Q5_1 block (24 bytes: `d`, `m`, `qh: u32`, 16 nibble
