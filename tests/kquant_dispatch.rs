@@ -249,12 +249,10 @@ fn simd_kquant_rows_run_where_the_cpu_has_them() {
             assert!(has_simd_kquant(Kernel::Avx2, t), "avx2 {t}");
         }
     }
-    // `portable` runs its `wide` kernels on every CPU (kquant_portable), except for Q2_K and
-    // Q3_K, which it runs with the scalar loops (docs/design.md §2.2).
+    // `portable` runs its `wide` kernels on every CPU (kquant_portable).
     for t in types {
         assert!(!has_simd_kquant(Kernel::Scalar, t));
-        let low = matches!(t, DType::Q2_K | DType::Q3_K);
-        assert_eq!(has_simd_kquant(Kernel::Portable, t), !low, "portable {t}");
+        assert!(has_simd_kquant(Kernel::Portable, t), "portable {t}");
     }
     // Float and 32-block types are not this module's.
     assert!(!Kernel::ALL

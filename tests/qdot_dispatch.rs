@@ -10,9 +10,9 @@
 //! the batched product `ops::matmul` on GGML blocks (its parallel, multi-token path) to
 //! the one-token `ops::matvec`, bit for bit.
 //!
-//! Q5_0 and IQ4_NL are checked packed both ways (`Packed::new_for`): as their own blocks
-//! (the variants with code for them) and rewritten as Q8_0 (the others), each read by
-//! every variant, against `ggml_dot::dot_q5_0` / `dot_iq4_nl` (each equal to `dot_q8_0`
+//! Q5_0 and IQ4_NL are checked packed both ways: as their own blocks (`Packed::new_for`;
+//! every variant has code for them) and rewritten as Q8_0 (what the packer gives a variant
+//! without that code), each read by every variant, against `ggml_dot::dot_q5_0` / `dot_iq4_nl` (each equal to `dot_q8_0`
 //! on the rewrite: the reference's tests).
 
 use half::f16;
@@ -30,12 +30,16 @@ const TYPES: [DType; 5] = [
 ];
 
 /// The packed forms of a matrix to test: the engine's (`Packed::new`), and for Q5_0 and
-/// IQ4_NL both their forms (as their own blocks for `scalar`, rewritten as Q8_0 for
-/// `portable`).
+/// IQ4_NL both their forms (as their own blocks, and rewritten as Q8_0 as the packer does
+/// for a variant without code for them: every variant has it today).
 fn packings(dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<Packed> {
     if matches!(dtype, DType::Q5_0 | DType::IQ4_NL) {
         let native = Packed::new_for(Kernel::Scalar, dtype, rows, cols, bytes);
-        let q8 = Packed::new_for(Kernel::Portable, dtype, rows, cols, bytes);
+        let rewrite = match dtype {
+            DType::Q5_0 => tinygpt_reference::ggml_more::q5_0_to_q8_0(bytes),
+            _ => tinygpt_reference::ggml_more::iq4_nl_to_q8_0(bytes),
+        };
+        let q8 = Packed::new(DType::Q8_0, rows, cols, &rewrite);
         assert_eq!((native.dtype, q8.dtype), (dtype, DType::Q8_0));
         vec![native, q8]
     } else {
@@ -674,8 +678,8 @@ fn prefetching_on_a_dram_sized_matrix(dtype: DType) {
 }
 
 /// Q5_0 and IQ4_NL are kept as blocks (22 and 18 bytes per 32 weights, not Q8_0's 34) for
-/// every variant with code for them, and the SIMD variants but `portable` have it: fails if a change
-/// silently falls back to the rewrite as Q8_0 there. A model matrix
+/// every variant with code for them, and every variant has it: fails if a change silently
+/// falls back to the rewrite as Q8_0 there. A model matrix
 /// (`Matrix::from_tensor`, packed for the active variant) holds what that variant reads.
 #[test]
 fn q5_0_and_iq4_nl_stay_blocks_for_the_variants_with_code() {
@@ -689,6 +693,7 @@ fn q5_0_and_iq4_nl_stay_blocks_for_the_variants_with_code() {
         assert!(Kernel::NeonDotprod.has_q5_0() && Kernel::NeonDotprod.has_iq4_nl());
     }
     assert!(Kernel::Scalar.has_q5_0() && Kernel::Scalar.has_iq4_nl());
+    assert!(Kernel::Portable.has_q5_0() && Kernel::Portable.has_iq4_nl());
     for dtype in [DType::Q5_0, DType::IQ4_NL] {
         stays_blocks(dtype);
     }

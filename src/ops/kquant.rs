@@ -41,7 +41,8 @@
 //!   scale, `i16x16::dot` with the widened activation codes, the lanes added and reduced
 //!   once per super-block (exact integers), the twin's float steps per row in scalar f32;
 //!   8 rows × [`TOKENS`] tokens per unpacked super-block column. Same integers, same floats.
-//!   (Q2_K and Q3_K, in [`super::kquant_low`], run the scalar loops under `portable`.)
+//!   Q2_K and Q3_K too (their 2-bit fields shifted out of 16-byte lanes, Q3_K's `hmask`
+//!   bit added as `+4` before the `−4`; Q2_K's mins as one more `dot` with the bsums).
 //!
 //! [`has_simd_kquant`] says which variant runs SIMD code for which type on this machine.
 //!

@@ -23,7 +23,7 @@
 //!   token, pairwise adds to one 32-bit sum per sub-block, the scales multiplied in
 //!   32-bit lanes. Q2_K's mins come in as `Σ_k m_k · bsums_k` (widening 16-bit
 //!   multiplies); Q3_K needs no block sums. The same integers as the twin;
-//! * `portable`: **falls back to the scalar variant** for these types.
+//! * `portable`: in `super::kquant_portable` (on `wide`, with the other K-quants).
 //!
 //! The multi-token form unpacks each weight super-block once for `T` tokens; every
 //! token's value is the one-token value, bit for bit.

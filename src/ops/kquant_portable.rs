@@ -28,9 +28,9 @@ use super::qdot::{QuantizedActs, GROUP};
 use crate::dtype::DType;
 use half::f16;
 use tinygpt_reference::ggml_kdot::{
-    iq4_xs_scale, IQ4_XS_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8K,
+    iq4_xs_scale, IQ4_XS_BYTES, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8K,
 };
-use tinygpt_reference::ggml_more::{scale_min_k4, IQ4_VALUES, QK_K};
+use tinygpt_reference::ggml_more::{q3_k_scales, scale_min_k4, IQ4_VALUES, QK_K};
 use wide::{i16x16, i32x8, i8x16, u8x16, CmpEq};
 
 /// One super-block's 256 values in 16-bit lanes: `[i]` = values `16i .. 16i + 16`.
@@ -40,7 +40,13 @@ type Lanes = [i16x16; 16];
 pub fn has(dtype: DType) -> bool {
     matches!(
         dtype,
-        DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS | DType::Q5_1
+        DType::Q2_K
+            | DType::Q3_K
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K
+            | DType::IQ4_XS
+            | DType::Q5_1
     )
 }
 
@@ -156,6 +162,8 @@ pub fn group_tokens<const T: usize>(
         DType::Q5_K => k4_group::<T, true>(qs, rb, ks),
         DType::Q6_K => q6_k_group::<T>(qs, rb, ks),
         DType::IQ4_XS => iq4_xs_group::<T>(qs, rb, ks),
+        DType::Q2_K => q2_k_group::<T>(qs, rb, ks),
+        DType::Q3_K => q3_k_group::<T>(qs, rb, ks),
         _ => panic!("no portable K-quant kernel for {dtype}"),
     }
 }
@@ -256,6 +264,87 @@ fn iq4_xs_group<const T: usize>(qs: &[u8], rb: usize, ks: &[&Q8K; T]) -> [[f32; 
     acc
 }
 
+/// The 2-bit codes of lanes `[i]` (values `16i .. 16i + 16`, sub-block `i`) of a Q2_K or
+/// Q3_K super-block whose 64 code bytes start at `qs_at`: value `128n + 32j + l` is bits
+/// `2j, 2j + 1` of byte `32n + l`.
+#[inline(always)]
+fn two_bit_lanes(blk: &[u8], qs_at: usize, i: usize) -> i16x16 {
+    let (n, j, l0) = (i / 8, (i % 8) / 2, 16 * (i % 2));
+    (bytes16(blk, qs_at + 32 * n + l0) >> (2 * j as i32)) & i16x16::splat(3)
+}
+
+/// A Q2_K super-block: its 2-bit codes times their sub-block scales (`scales[k] & 15`),
+/// in value order, and the sixteen mins (`scales[k] >> 4`, to meet the sixteen bsums).
+#[inline(always)]
+fn q2_k_unpack(blk: &[u8]) -> (Lanes, i16x16) {
+    let scales: [u8; 16] = blk[0..16].try_into().expect("16 scale bytes");
+    let w = std::array::from_fn(|i| {
+        two_bit_lanes(blk, 16, i) * i16x16::splat((scales[i] & 0x0F) as i16)
+    });
+    (w, i16x16::from(scales.map(|s| (s >> 4) as i16)))
+}
+
+/// A Q3_K super-block: its signed 3-bit codes (the 2-bit code, minus 4 unless bit
+/// `4n + j` of `hmask[l]` is set) times their signed sub-block scales, in value order.
+#[inline(always)]
+fn q3_k_unpack(blk: &[u8]) -> Lanes {
+    let scales = q3_k_scales(&blk[96..108]);
+    let one = i16x16::splat(1);
+    std::array::from_fn(|i| {
+        let (n, j, l0) = (i / 8, (i % 8) / 2, 16 * (i % 2));
+        let high = (bytes16(blk, l0) >> (4 * n + j) as i32) & one;
+        let code = two_bit_lanes(blk, 32, i) + (high << 2) - i16x16::splat(4);
+        code * i16x16::splat(scales[i] as i16)
+    })
+}
+
+/// The twin's steps of `tinygpt_reference::ggml_kdot::dot_q2_k`:
+/// `acc += isum · (d_w · d_x) − msum · (dmin_w · d_x)`.
+fn q2_k_group<const T: usize>(qs: &[u8], rb: usize, ks: &[&Q8K; T]) -> [[f32; GROUP]; T] {
+    let nb = check(qs, rb, Q2_K_BYTES, ks);
+    let mut acc = [[0.0f32; GROUP]; T];
+    for b in 0..nb {
+        let xs: [Lanes; T] = std::array::from_fn(|t| widen(&ks[t].q[b * QK_K..(b + 1) * QK_K]));
+        let bs: [i16x16; T] = std::array::from_fn(|t| {
+            let s: [i16; 16] = ks[t].bsums[b * 16..(b + 1) * 16]
+                .try_into()
+                .expect("16 bsums");
+            i16x16::from(s)
+        });
+        for r in 0..GROUP {
+            let blk = &qs[r * rb + b * Q2_K_BYTES..r * rb + (b + 1) * Q2_K_BYTES];
+            let (w, mins) = q2_k_unpack(blk);
+            let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
+            for t in 0..T {
+                let isum = isum(&w, &xs[t]);
+                let msum = mins.dot(bs[t]).reduce_add();
+                let dx = ks[t].d[b];
+                acc[t][r] += isum as f32 * (d * dx) - msum as f32 * (dmin * dx);
+            }
+        }
+    }
+    acc
+}
+
+/// The twin's steps of `tinygpt_reference::ggml_kdot::dot_q3_k`: `acc += isum · (d_w · d_x)`.
+fn q3_k_group<const T: usize>(qs: &[u8], rb: usize, ks: &[&Q8K; T]) -> [[f32; GROUP]; T] {
+    let nb = check(qs, rb, Q3_K_BYTES, ks);
+    let mut acc = [[0.0f32; GROUP]; T];
+    for b in 0..nb {
+        let xs: [Lanes; T] = std::array::from_fn(|t| widen(&ks[t].q[b * QK_K..(b + 1) * QK_K]));
+        for r in 0..GROUP {
+            let blk = &qs[r * rb + b * Q3_K_BYTES..r * rb + (b + 1) * Q3_K_BYTES];
+            let w = q3_k_unpack(blk);
+            let d = f16_at(blk, 108);
+            for t in 0..T {
+                let isum = isum(&w, &xs[t]);
+                acc[t][r] += isum as f32 * (d * ks[t].d[b]);
+            }
+        }
+    }
+    acc
+}
+
 /// Bytes of one Q5_1 block of 32.
 const Q5_1_BYTES: usize = 24;
 
@@ -264,11 +353,7 @@ const Q5_1_BYTES: usize = 24;
 #[inline(always)]
 fn q5_1_unpack(blk: &[u8]) -> [i16x16; 2] {
     // Lane l tests bit l of a 16-bit half of qh.
-    const BITS: [i16; 16] = [
-        0x0001, 0x0002, 0x0004, 0x0008, 0x0010, 0x0020, 0x0040, 0x0080, 0x0100, 0x0200, 0x0400,
-        0x0800, 0x1000, 0x2000, 0x4000, -0x8000,
-    ];
-    let bits = i16x16::from(BITS);
+    let bits = super::portable::LANE_BITS;
     let spread = |h: u16| (i16x16::splat(h as i16) & bits).cmp_eq(bits) & i16x16::splat(0x10);
     let v = bytes16(blk, 8);
     [

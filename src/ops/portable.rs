@@ -12,8 +12,11 @@
 //! lane `k` is row `k`'s exact block sum. The reference's float steps then run on the
 //! eight lanes with separate multiplies and adds (never fused), as in the other
 //! variants, so each lane equals the scalar twin bit for bit. Q4 codes are 0..15 after
-//! the nibble split; Q4_0's `− 8` is applied as `− 8 · Σ q_x`. No sum can overflow: a
-//! 32-bit lane holds at most `4 · 128 · 127`.
+//! the nibble split; Q4_0's `− 8` is applied as `− 8 · Σ q_x`. Q5_0 codes are unpacked
+//! signed (`(nibble | fifth bit << 4) − 16`, the fifth bits spread to lanes by a mask
+//! compare) and IQ4_NL's levels come from a 16-entry table shuffle (`i8x16::swizzle`:
+//! `pshufb` / `tbl`), both read from their own blocks (22 and 18 bytes per 32 weights). No
+//! sum can overflow: a 32-bit lane holds at most `4 · 128 · 127`.
 //!
 //! The multi-token variant unpacks (widens) each 8-row block once for [`TOKENS`]
 //! activation vectors and runs the one-token steps for each of them (equal values, bit
@@ -21,10 +24,12 @@
 
 use super::qdot::{Group, QuantizedActs, GROUP, QK, TOKENS};
 use crate::dtype::DType;
+use tinygpt_reference::ggml_more::IQ4_VALUES;
 use wide::{f32x8, i16x16, i32x8, i8x16, u8x16, CmpEq};
 
 /// One 8-row block of codes widened to 16 bits: `[k]` row `k`'s elements 0..16, `[8 + k]`
-/// its elements 16..32 (Q4: the low and the high nibbles of its 16 bytes, 0..15).
+/// its elements 16..32 (Q4: the low and the high nibbles of its 16 bytes, 0..15; Q5_0:
+/// those topped by their fifth bits, minus 16; IQ4_NL: the nibbles' levels).
 #[inline(always)]
 fn unpack(dtype: DType, qs: &[u8]) -> [i16x16; 16] {
     let mut w = [i16x16::ZERO; 16];
@@ -41,14 +46,56 @@ fn unpack(dtype: DType, qs: &[u8]) -> [i16x16; 16] {
         } else {
             let base = (k / 4) * 64 + (k % 4) * 16;
             let bytes: [u8; 16] = qs[base..base + 16].try_into().expect("16 code bytes");
+            if dtype == DType::IQ4_NL {
+                // Each nibble picks its level from the 16-entry table (one shuffle).
+                let levels = i8x16::from(IQ4_VALUES);
+                let (lo, hi) = (
+                    bytes.map(|b| (b & 0x0F) as i8),
+                    bytes.map(|b| (b >> 4) as i8),
+                );
+                w[k] = i16x16::from_i8x16(levels.swizzle(i8x16::from(lo)));
+                w[8 + k] = i16x16::from_i8x16(levels.swizzle(i8x16::from(hi)));
+                continue;
+            }
             let v = i16x16::from(u8x16::from(bytes));
             let mask = i16x16::splat(0x0F);
             w[k] = v & mask;
             w[8 + k] = v >> 4;
+            if dtype == DType::Q5_0 {
+                // `(nibble | fifth bit << 4) − 16`: lane `i` of each half takes bit `i` of
+                // its row's `u16` of fifth bits (qdot's Q5_0 layout).
+                for half in 0..2 {
+                    let at = 128 + (k / 4) * 16 + half * 8 + (k % 4) * 2;
+                    let bits = i16x16::splat(i16::from_le_bytes([qs[at], qs[at + 1]]));
+                    let clear = (bits & LANE_BITS).cmp_eq(i16x16::ZERO);
+                    let fifth = clear.blend(i16x16::ZERO, i16x16::splat(16));
+                    w[8 * half + k] = w[8 * half + k] + fifth - i16x16::splat(16);
+                }
+            }
         }
     }
     w
 }
+
+/// Lane `i` holds bit `i` (as an `i16`): a 16-bit mask ANDed with it shows each lane its bit.
+pub(super) const LANE_BITS: i16x16 = i16x16::new([
+    1,
+    2,
+    4,
+    8,
+    16,
+    32,
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+    i16::MIN,
+]);
 
 /// One activation block widened to 16 bits: elements 0..16 and 16..32.
 #[inline(always)]
@@ -142,10 +189,10 @@ fn combine(
 /// Bytes of one 8-row block of codes.
 #[inline(always)]
 fn qs_bytes(dtype: DType) -> usize {
-    if dtype == DType::Q8_0 {
-        256
-    } else {
-        128
+    match dtype {
+        DType::Q8_0 => 256,
+        DType::Q5_0 => 160,
+        _ => 128,
     }
 }
 

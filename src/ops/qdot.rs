@@ -36,8 +36,8 @@
 //! # Q5_0, IQ4_NL: kept as blocks where a variant has code for them
 //!
 //! A Q5_0 matrix is packed as Q5_0 (22 bytes per 32 weights, its 5-bit codes and scales as
-//! in the file) for the variants with Q5_0 code ([`Kernel::has_q5_0`]: `scalar`, `avx2`,
-//! `avx512vnni`, `neon-dotprod`); for `portable` it is rewritten exactly as
+//! in the file) for the variants with Q5_0 code ([`Kernel::has_q5_0`]: all of them since
+//! `portable` got its own); a variant without it would get the matrix rewritten exactly as
 //! Q8_0 when packed (`tinygpt_reference::ggml_more::q5_0_to_q8_0`; same codes, same
 //! products), so [`Packed::dtype`] says which form a matrix holds. Either way every value
 //! equals `tinygpt_reference::ggml_dot::dot_q5_0` bit for bit.
@@ -289,7 +289,11 @@ impl Kernel {
     pub fn has_q5_0(self) -> bool {
         matches!(
             self,
-            Kernel::Scalar | Kernel::Avx2 | Kernel::Avx512Vnni | Kernel::NeonDotprod
+            Kernel::Scalar
+                | Kernel::Portable
+                | Kernel::Avx2
+                | Kernel::Avx512Vnni
+                | Kernel::NeonDotprod
         )
     }
 
@@ -298,7 +302,11 @@ impl Kernel {
     pub fn has_iq4_nl(self) -> bool {
         matches!(
             self,
-            Kernel::Scalar | Kernel::Avx2 | Kernel::Avx512Vnni | Kernel::NeonDotprod
+            Kernel::Scalar
+                | Kernel::Portable
+                | Kernel::Avx2
+                | Kernel::Avx512Vnni
+                | Kernel::NeonDotprod
         )
     }
 
