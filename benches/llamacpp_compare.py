@@ -33,6 +33,9 @@ legitimately diverge after a while). `st%L` / `st%O` are the host's steal time d
 llama.cpp's / our runs of the row, as a percentage of all CPU time then (from /proc/stat:
 time the hypervisor gave our vCPUs to another guest; JSON `steal_pct_llama` /
 `steal_pct_ours`), so a row slowed by the host rather than by the engines shows it.
+`--interleave` runs every row once per round instead (round 1: each row in turn, round 2:
+...), under one background load and one idle wait: rows that are compared with each other
+(our thread counts, say) then see the same drift, not minutes apart.
 
 Usage:
     python3 -m venv /root/benchenv
@@ -348,6 +351,9 @@ def main() -> int:
     ap.add_argument("--idle-timeout", type=float, default=120.0,
                     help="seconds to wait for --idle-load at most (then run anyway)")
     ap.add_argument("--ours-only", action="store_true")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run every row once per round (rows compared with each other, "
+                         "e.g. our thread counts, then share the host's drift)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
     # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the background load is stopped.
@@ -401,32 +407,43 @@ def main() -> int:
     if args.prefill:
         jobs += [(t, "prefill", "f16") for t in threads_list]
     extra = args.ours_args.split()
-    for threads, ctx, k in jobs:
-        prompt = prompts[ctx]
+
+    def prepare(job, load):
+        threads, ctx, k = job
         is_prefill = ctx == "prefill"
-        decode = 1 if is_prefill else args.decode
-        n_ctx = args.prefill + 64 if is_prefill else ctx
         kv_type, ours_kv = KV_TYPES[k]
-        metric = "prefill_tok_s" if is_prefill else "decode_tok_s"
-        # llama.cpp's best flash-attention setting: both for f16, on for a quantised V.
-        fa_settings = [False, True] if k == "f16" else [True]
-        load = wait_idle(args.idle_load, args.idle_timeout)
-        runs_l = {fa: [] for fa in fa_settings}
-        runs_o = []
-        steal_l, steal_o = StealMeter(), StealMeter()
-        toks = llama.tokenize(model, prompt) if llama is not None else None
-        # llama.cpp threads: the count asked for (0 means all cores, as ours).
-        l_threads = threads or (os.cpu_count() or 1)
-        with BackgroundLoad(args.background_load):
-            for _ in range(args.repeats):
-                if llama is not None:
-                    for fa in fa_settings:
-                        runs_l[fa].append(steal_l.measure(
-                            lambda: llama.run(model, toks, n_ctx, decode, l_threads,
-                                              kv_type, fa)))
-                runs_o.append(steal_o.measure(
-                    lambda: run_ours(args.binary, model, prompt, decode + 1, threads,
-                                     ours_kv, extra)))
+        return {
+            "threads": threads, "ctx": ctx, "k": k, "prompt": prompts[ctx],
+            "is_prefill": is_prefill,
+            "decode": 1 if is_prefill else args.decode,
+            "n_ctx": args.prefill + 64 if is_prefill else ctx,
+            "kv_type": kv_type, "ours_kv": ours_kv,
+            "metric": "prefill_tok_s" if is_prefill else "decode_tok_s",
+            # llama.cpp's best flash-attention setting: both for f16, on for a quantised V.
+            "fa_settings": [False, True] if k == "f16" else [True],
+            "load": load,
+            "runs_l": {fa: [] for fa in ([False, True] if k == "f16" else [True])},
+            "runs_o": [],
+            "steal_l": StealMeter(), "steal_o": StealMeter(),
+            "toks": llama.tokenize(model, prompts[ctx]) if llama is not None else None,
+            # llama.cpp threads: the count asked for (0 means all cores, as ours).
+            "l_threads": threads or (os.cpu_count() or 1),
+        }
+
+    def one_round(j):
+        """One round of a row: llama.cpp (each flash-attention setting), then ours."""
+        if llama is not None:
+            for fa in j["fa_settings"]:
+                j["runs_l"][fa].append(j["steal_l"].measure(
+                    lambda: llama.run(model, j["toks"], j["n_ctx"], j["decode"],
+                                      j["l_threads"], j["kv_type"], fa)))
+        j["runs_o"].append(j["steal_o"].measure(
+            lambda: run_ours(args.binary, model, j["prompt"], j["decode"] + 1, j["threads"],
+                             j["ours_kv"], extra)))
+
+    def finish(j):
+        threads, k, decode, metric = j["threads"], j["k"], j["decode"], j["metric"]
+        runs_o, runs_l = j["runs_o"], j["runs_l"]
         s_o = summary([r["timing"][metric] for r in runs_o])
         s_l, best_fa, l_runs = None, None, None
         if llama is not None:
@@ -434,24 +451,25 @@ def main() -> int:
             best_fa = max(by_fa, key=lambda fa: by_fa[fa]["median"])
             s_l, l_runs = by_fa[best_fa], runs_l[best_fa]
         row = {
-            "kind": "prefill" if is_prefill else "decode",
-            "context": n_ctx,
+            "kind": "prefill" if j["is_prefill"] else "decode",
+            "context": j["n_ctx"],
             "prompt_tokens_ours": len(runs_o[0]["prompt_ids"]),
             "kv_llama": k,
-            "kv_ours": ours_kv,
+            "kv_ours": j["ours_kv"],
             "ours": s_o,
             "threads": threads,
             "background_load": args.background_load,
-            "load_avg_1min_before": load,
+            "interleaved": args.interleave,
+            "load_avg_1min_before": j["load"],
             "load_avg_1min_after": os.getloadavg()[0],
-            "steal_pct_ours": steal_o.pct(),
+            "steal_pct_ours": j["steal_o"].pct(),
         }
         if s_l is not None:
             row.update({
                 "prompt_tokens_llama": l_runs[0]["prompt_tokens"],
                 "llama": s_l,
                 "llama_flash_attn": best_fa,
-                "steal_pct_llama": steal_l.pct(),
+                "steal_pct_llama": j["steal_l"].pct(),
                 "ratio": s_o["median"] / s_l["median"],
                 "match": prefix_match(l_runs[0]["generated_ids"], runs_o[0]["generated_ids"]),
             })
@@ -459,10 +477,29 @@ def main() -> int:
         ratio = f"{row['ratio']:.2f}" if s_l else "-"
         match = f"{row['match']}/{decode + 1}" if s_l else "-"
         fa = "-" if s_l is None else ("on" if best_fa else "off")
-        label = "prefill" if is_prefill else str(ctx)
-        print(f"{threads:>7} {label:>7} {row['prompt_tokens_ours']:>6} {k + '/' + ours_kv:>20} "
+        label = "prefill" if j["is_prefill"] else str(j["ctx"])
+        print(f"{threads:>7} {label:>7} {row['prompt_tokens_ours']:>6} {k + '/' + j['ours_kv']:>20} "
               f"{fmt(s_l):>25} {fmt(s_o):>22} {ratio:>6} {match:>6} {fa:>3} "
-              f"{load:>5.1f} {steal(steal_l):>5} {steal(steal_o):>5}", flush=True)
+              f"{j['load']:>5.1f} {steal(j['steal_l']):>5} {steal(j['steal_o']):>5}", flush=True)
+
+    if args.interleave:
+        # Every row in every round (round 1: row 1, row 2, ...; round 2: ...), under one
+        # background load: rows compared with each other see the same host drift.
+        load = wait_idle(args.idle_load, args.idle_timeout)
+        states = [prepare(job, load) for job in jobs]
+        with BackgroundLoad(args.background_load):
+            for _ in range(args.repeats):
+                for j in states:
+                    one_round(j)
+        for j in states:
+            finish(j)
+    else:
+        for job in jobs:
+            j = prepare(job, wait_idle(args.idle_load, args.idle_timeout))
+            with BackgroundLoad(args.background_load):
+                for _ in range(args.repeats):
+                    one_round(j)
+            finish(j)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_name(),
