@@ -185,6 +185,22 @@ fn k4_group<const T: usize, const FIVE: bool>(
     ks: &[&Q8K; T],
 ) -> [[f32; GROUP]; T] {
     let bytes = if FIVE { Q5_K_BYTES } else { Q4_K_BYTES };
+    mins_group(qs, rb, ks, bytes, 0, k4_unpack::<FIVE>)
+}
+
+/// The walk of the types with mins (Q4_K, Q5_K, Q2_K): super-blocks of `bytes` bytes with
+/// `d`, `dmin` at `d_at`, `d_at + 2`, each unpacked by `unpack` into its scaled codes and
+/// its mins against the sixteen bsums; the twins' steps
+/// `acc += isum · (d_w · d_x) − msum · (dmin_w · d_x)`.
+#[inline(always)]
+fn mins_group<const T: usize>(
+    qs: &[u8],
+    rb: usize,
+    ks: &[&Q8K; T],
+    bytes: usize,
+    d_at: usize,
+    unpack: impl Fn(&[u8]) -> (Lanes, i16x16),
+) -> [[f32; GROUP]; T] {
     let nb = check(qs, rb, bytes, ks);
     let mut acc = [[0.0f32; GROUP]; T];
     for b in 0..nb {
@@ -197,8 +213,8 @@ fn k4_group<const T: usize, const FIVE: bool>(
         });
         for r in 0..GROUP {
             let blk = &qs[r * rb + b * bytes..r * rb + (b + 1) * bytes];
-            let (w, mins) = k4_unpack::<FIVE>(blk);
-            let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+            let (w, mins) = unpack(blk);
+            let (d, dmin) = (f16_at(blk, d_at), f16_at(blk, d_at + 2));
             for t in 0..T {
                 let isum = isum(&w, &xs[t]);
                 let msum = mins.dot(bs[t]).reduce_add();
@@ -298,32 +314,9 @@ fn q3_k_unpack(blk: &[u8]) -> Lanes {
     })
 }
 
-/// The twin's steps of `tinygpt_reference::ggml_kdot::dot_q2_k`:
-/// `acc += isum · (d_w · d_x) − msum · (dmin_w · d_x)`.
+/// The twin's steps of `tinygpt_reference::ggml_kdot::dot_q2_k` (`d`, `dmin` at 80, 82).
 fn q2_k_group<const T: usize>(qs: &[u8], rb: usize, ks: &[&Q8K; T]) -> [[f32; GROUP]; T] {
-    let nb = check(qs, rb, Q2_K_BYTES, ks);
-    let mut acc = [[0.0f32; GROUP]; T];
-    for b in 0..nb {
-        let xs: [Lanes; T] = std::array::from_fn(|t| widen(&ks[t].q[b * QK_K..(b + 1) * QK_K]));
-        let bs: [i16x16; T] = std::array::from_fn(|t| {
-            let s: [i16; 16] = ks[t].bsums[b * 16..(b + 1) * 16]
-                .try_into()
-                .expect("16 bsums");
-            i16x16::from(s)
-        });
-        for r in 0..GROUP {
-            let blk = &qs[r * rb + b * Q2_K_BYTES..r * rb + (b + 1) * Q2_K_BYTES];
-            let (w, mins) = q2_k_unpack(blk);
-            let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
-            for t in 0..T {
-                let isum = isum(&w, &xs[t]);
-                let msum = mins.dot(bs[t]).reduce_add();
-                let dx = ks[t].d[b];
-                acc[t][r] += isum as f32 * (d * dx) - msum as f32 * (dmin * dx);
-            }
-        }
-    }
-    acc
+    mins_group(qs, rb, ks, Q2_K_BYTES, 80, q2_k_unpack)
 }
 
 /// The twin's steps of `tinygpt_reference::ggml_kdot::dot_q3_k`: `acc += isum · (d_w · d_x)`.
