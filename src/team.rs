@@ -218,12 +218,22 @@ pub fn set_adaptive(on: bool) {
     ADAPTIVE.store(on && !env_off, Ordering::Relaxed);
 }
 
-static CROWD_CHECK: AtomicBool = AtomicBool::new(true);
+static CROWD_CHECK: AtomicUsize = AtomicUsize::new(CrowdCheck::Read as usize);
 
-/// Turns [`crowded`]'s look at the machine on or off for the process (tests that need
-/// both modes to run whatever else the machine is doing turn it off).
-pub fn set_crowd_check(on: bool) {
-    CROWD_CHECK.store(on, Ordering::Relaxed);
+/// What [`crowded`] answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CrowdCheck {
+    /// Read the machine's counts (the default).
+    Read = 0,
+    /// Never crowded (tests that need both modes to run whatever else the machine does).
+    Never = 1,
+    /// Always crowded (tests of what a crowd changes).
+    Always = 2,
+}
+
+/// Sets what [`crowded`] answers, for the process.
+pub fn set_crowd_check(check: CrowdCheck) {
+    CROWD_CHECK.store(check as usize, Ordering::Relaxed);
 }
 
 /// How a decode step runs.
@@ -389,20 +399,28 @@ impl Pace {
 }
 
 /// Whether other processes' runnable threads leave fewer idle cores than a team of `n`
-/// threads needs just now, by the kernel's count of runnable threads at this instant
-/// (Linux: `/proc/loadavg`'s fourth field, `running/total`, which counts the calling
-/// thread; the cores are [`std::thread::available_parallelism`]). `false` where that count
-/// cannot be read (other systems), or after [`set_crowd_check`]`(false)`: then team
-/// probes run when due, paced as above.
+/// threads needs just now: `cores − others < n`, where `others` is the kernel's count of
+/// runnable threads at this instant (Linux: `/proc/loadavg`'s fourth field,
+/// `running/total`) less this process's own runnable threads (`/proc/self/task/*/stat`,
+/// state `R`: the calling thread, and a pool worker still spinning after a parallel
+/// region, are not a crowd). The own count is read before and after the global one and the
+/// larger is taken, so a worker that falls asleep in between is not counted as another
+/// process. The cores are [`std::thread::available_parallelism`]. `false` where the counts
+/// cannot be read (other systems), or after [`set_crowd_check`]`(CrowdCheck::Never)`: then team probes
+/// run when due, paced as above, and batches run on the whole pool.
 pub fn crowded(n: usize) -> bool {
     #[cfg(target_os = "linux")]
     {
-        if !CROWD_CHECK.load(Ordering::Relaxed) {
-            return false;
+        match CROWD_CHECK.load(Ordering::Relaxed) {
+            c if c == CrowdCheck::Never as usize => return false,
+            c if c == CrowdCheck::Always as usize => return true,
+            _ => {}
         }
+        let own_before = own_running();
         let Ok(line) = std::fs::read_to_string("/proc/loadavg") else {
             return false;
         };
+        let own = own_before.max(own_running()).max(1);
         let running = line
             .split_whitespace()
             .nth(3)
@@ -412,13 +430,55 @@ pub fn crowded(n: usize) -> bool {
             return false;
         };
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-        cores.saturating_sub(running.saturating_sub(1)) < n
+        cores.saturating_sub(running.saturating_sub(own)) < n
     }
     #[cfg(not(target_os = "linux"))]
     {
         let _ = n;
-        false
+        CROWD_CHECK.load(Ordering::Relaxed) == CrowdCheck::Always as usize
     }
+}
+
+/// This process's threads in state `R` (running or runnable), by `/proc/self/task`; 1 (the
+/// caller) where that cannot be read.
+#[cfg(target_os = "linux")]
+fn own_running() -> usize {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 1;
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
+        .filter(|stat| {
+            // `pid (comm) state ...`: the name may hold spaces and parentheses, the
+            // state follows the last `)`.
+            stat.rfind(')')
+                .and_then(|i| stat[i + 1..].split_whitespace().next())
+                == Some("R")
+        })
+        .count()
+}
+
+/// Runs `f` (a batch: a prefill chunk, or a step of several sequences) on the calling
+/// thread alone ([`solo`]) when the adaptive choice is on ([`adaptive`]), the pool has
+/// more than one thread and the machine is [`crowded`] just now: a product split between
+/// two threads waits for the one whose core another process holds, and one thread is
+/// faster. Otherwise `f` runs on the whole pool. Same values either way.
+pub fn batch<R>(f: impl FnOnce() -> R) -> R {
+    let n = threads();
+    if n > 1 && adaptive() && crowded(n) {
+        ALONE_BATCHES.fetch_add(1, Ordering::Relaxed);
+        solo(f)
+    } else {
+        f()
+    }
+}
+
+static ALONE_BATCHES: AtomicUsize = AtomicUsize::new(0);
+
+/// Batches that [`batch`] ran on one thread because the machine was crowded, since the
+/// process started.
+pub fn alone_batches() -> usize {
+    ALONE_BATCHES.load(Ordering::Relaxed)
 }
 
 impl Pace {
@@ -737,6 +797,29 @@ mod tests {
             back.is_some_and(|b| b as u64 <= PROBE_EVERY),
             "team back at {back:?}"
         );
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn own_running_counts_a_spinning_thread_of_ours() {
+        let stop = AtomicBool::new(false);
+        let started = AtomicBool::new(false);
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                started.store(true, Ordering::SeqCst);
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            });
+            while !started.load(Ordering::SeqCst) {
+                std::hint::spin_loop();
+            }
+            // The caller and the spinner are running or runnable (other tests' threads
+            // may add more).
+            let n = own_running();
+            stop.store(true, Ordering::Relaxed);
+            assert!(n >= 2, "{n}");
+        });
     }
 
     #[test]

@@ -39,7 +39,7 @@ fn logits(
 fn switching_between_team_and_one_thread_changes_no_bit() {
     team::set_adaptive(true);
     // Both modes must run here even if the machine is busy with other tests.
-    team::set_crowd_check(false);
+    team::set_crowd_check(team::CrowdCheck::Never);
     for dir in [None, Some(fixtures().join("yoco"))] {
         let files = ModelFiles::open(dir.as_deref()).expect("model");
         let model = Model::load(&files, WeightsDType::Native).expect("load");

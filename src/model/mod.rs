@@ -316,6 +316,9 @@ impl Model {
     /// attention in order, so the cache ends exactly as after token-by-token decoding.
     /// `s.logits` receives the last token's logits; `all_logits`, if given, receives
     /// `(tokens, vocab)`. Every value equals the token-by-token forward's bit for bit.
+    ///
+    /// With [`team::adaptive`] on and another process holding a core the pool needs, the
+    /// batch runs on the calling thread alone ([`team::batch`]; same values).
     pub fn forward_batch(
         &self,
         s: &mut Session,
@@ -331,7 +334,7 @@ impl Model {
             tokens,
             start,
         }];
-        rows::run(self, &mut steps, all_logits)
+        team::batch(|| rows::run(self, &mut steps, all_logits))
     }
 
     /// Continuous batching: advances several independent sequences in one forward pass.
@@ -345,9 +348,11 @@ impl Model {
     ///
     /// Every value equals what [`forward`](Self::forward) gives for that sequence alone,
     /// token after token, bit for bit ([`matmul`] computes each token's row as [`matvec`]
-    /// does), so a sequence's output does not depend on what else is in the batch.
+    /// does), so a sequence's output does not depend on what else is in the batch. Like
+    /// [`forward_batch`](Self::forward_batch), it runs alone on a crowded machine
+    /// ([`team::batch`]).
     pub fn forward_sequences(&self, steps: &mut [SeqStep<'_>]) -> Result<()> {
-        rows::run(self, steps, None)
+        team::batch(|| rows::run(self, steps, None))
     }
 
     /// The forward pass, written once: every layer's stages in order, each run by the
