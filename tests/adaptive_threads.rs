@@ -4,7 +4,7 @@
 
 mod common;
 use common::*;
-use tinygpt_cpu::kv_cache::{KvConfig, Precision};
+use tinygpt_cpu::kv_cache::KvConfig;
 use tinygpt_cpu::model::{Model, WeightsDType};
 use tinygpt_cpu::team;
 use tinygpt_cpu::weights::ModelFiles;
@@ -46,16 +46,7 @@ fn switching_between_team_and_one_thread_changes_no_bit() {
         let feed: Vec<u32> = (0..STEPS as u32)
             .map(|i| (i * 7 + 1) % model.cfg.vocab_size as u32)
             .collect();
-        for kv in [
-            KvConfig::default(),
-            KvConfig {
-                precision: Precision::Int4,
-                group_size: 8,
-                sink: 4,
-                window: Some(20),
-                ..KvConfig::default()
-            },
-        ] {
+        for kv in [KvConfig::default(), int4_window()] {
             let (one, _) = logits(&model, &kv, 1, &feed);
             let (two, (team_steps, solo_steps)) = logits(&model, &kv, 2, &feed);
             // Both modes ran (each at least twice, to be measured) and the

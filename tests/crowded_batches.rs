@@ -6,7 +6,7 @@
 
 mod common;
 use common::*;
-use tinygpt_cpu::kv_cache::{KvConfig, Precision};
+use tinygpt_cpu::kv_cache::KvConfig;
 use tinygpt_cpu::model::{Model, WeightsDType};
 use tinygpt_cpu::team::{self, CrowdCheck};
 use tinygpt_cpu::weights::ModelFiles;
@@ -58,16 +58,7 @@ fn a_crowded_machine_runs_batches_alone_with_the_same_bits() {
         let vocab = model.cfg.vocab_size as u32;
         let prompt: Vec<u32> = (0..40u32).map(|i| (i * 11 + 3) % vocab).collect();
         let decode: Vec<u32> = (0..6u32).map(|i| (i * 5 + 2) % vocab).collect();
-        for kv in [
-            KvConfig::default(),
-            KvConfig {
-                precision: Precision::Int4,
-                group_size: 8,
-                sink: 4,
-                window: Some(20),
-                ..KvConfig::default()
-            },
-        ] {
+        for kv in [KvConfig::default(), int4_window()] {
             team::set_adaptive(false);
             team::set_crowd_check(CrowdCheck::Never);
             let (one, _) = run(&model, &kv, 1, &prompt, &decode);

@@ -25,16 +25,7 @@ fn pool(n: usize) -> rayon::ThreadPool {
 fn caches() -> Vec<(&'static str, KvConfig)> {
     vec![
         ("fp32 dense", KvConfig::default()),
-        (
-            "int4 sink 4 + window 20",
-            KvConfig {
-                precision: Precision::Int4,
-                group_size: 8,
-                sink: 4,
-                window: Some(20),
-                ..KvConfig::default()
-            },
-        ),
+        ("int4 sink 4 + window 20", int4_window()),
         (
             "int2 residual 8, pre-RoPE keys",
             KvConfig {

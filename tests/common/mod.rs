@@ -6,6 +6,7 @@ pub mod server;
 
 use std::path::PathBuf;
 use tinygpt_cpu::generate::Engine;
+use tinygpt_cpu::kv_cache::{KvConfig, Precision};
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -191,4 +192,17 @@ pub fn on_two_workers<T: Sync>(jobs: &[T], f: impl Fn(&T) + Sync) {
             });
         }
     });
+}
+
+/// The small windowed cache the thread-count tests run beside the dense one: int4 in
+/// groups of 8, StreamingLLM sink 4 + window 20 (eviction and requantisation within 70
+/// steps).
+pub fn int4_window() -> KvConfig {
+    KvConfig {
+        precision: Precision::Int4,
+        group_size: 8,
+        sink: 4,
+        window: Some(20),
+        ..KvConfig::default()
+    }
 }
