@@ -406,8 +406,8 @@ impl Pace {
 /// region, are not a crowd). The own count is read before and after the global one and the
 /// larger is taken, so a worker that falls asleep in between is not counted as another
 /// process. The cores are [`std::thread::available_parallelism`]. `false` where the counts
-/// cannot be read (other systems), or after [`set_crowd_check`]`(CrowdCheck::Never)`: then team probes
-/// run when due, paced as above, and batches run on the whole pool.
+/// cannot be read (other systems), or after [`set_crowd_check`]`(CrowdCheck::Never)`: then
+/// team probes run when due, paced as above, and batches run on the whole pool.
 pub fn crowded(n: usize) -> bool {
     #[cfg(target_os = "linux")]
     {
@@ -416,27 +416,37 @@ pub fn crowded(n: usize) -> bool {
             c if c == CrowdCheck::Always as usize => return true,
             _ => {}
         }
-        let own_before = own_running();
-        let Ok(line) = std::fs::read_to_string("/proc/loadavg") else {
-            return false;
-        };
-        let own = own_before.max(own_running()).max(1);
-        let running = line
-            .split_whitespace()
-            .nth(3)
-            .and_then(|f| f.split('/').next())
-            .and_then(|r| r.parse::<usize>().ok());
-        let Some(running) = running else {
-            return false;
-        };
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-        cores.saturating_sub(running.saturating_sub(own)) < n
+        let crowd =
+            |running: usize, own: usize| cores.saturating_sub(running - own.min(running)) < n;
+        // Counting only the caller as ours is the cheap first look; the own threads are
+        // read (before and after a second global count) only when that says crowded.
+        if !running_threads().is_some_and(|r| crowd(r, 1)) {
+            return false;
+        }
+        let own_before = own_running();
+        let Some(running) = running_threads() else {
+            return false;
+        };
+        crowd(running, own_before.max(own_running()).max(1))
     }
     #[cfg(not(target_os = "linux"))]
     {
         let _ = n;
         CROWD_CHECK.load(Ordering::Relaxed) == CrowdCheck::Always as usize
     }
+}
+
+/// The kernel's count of runnable threads now (`/proc/loadavg`'s `running/total`).
+#[cfg(target_os = "linux")]
+fn running_threads() -> Option<usize> {
+    let line = std::fs::read_to_string("/proc/loadavg").ok()?;
+    line.split_whitespace()
+        .nth(3)?
+        .split('/')
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// This process's threads in state `R` (running or runnable), by `/proc/self/task`; 1 (the

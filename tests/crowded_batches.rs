@@ -11,8 +11,8 @@ use tinygpt_cpu::model::{Model, WeightsDType};
 use tinygpt_cpu::team::{self, CrowdCheck};
 use tinygpt_cpu::weights::ModelFiles;
 
-/// Prefills `prompt` in chunks of 16, then decodes `decode` tokens greedily-fed from a
-/// fixed list; returns every logits vector and the batches run alone meanwhile.
+/// Prefills `prompt` in chunks of 16, then feeds the tokens `decode` one at
+/// a time; returns every logits vector and the batches run alone meanwhile.
 fn run(
     model: &Model,
     kv: &KvConfig,
