@@ -20,6 +20,14 @@
 //!   a sequence lock. A thread that lost its core finds the phase gone when it is back,
 //!   drops its work and joins the current one. The two threads run every token without
 //!   meeting (persistent threads, as a helper thread outside the rayon pool would).
+//! * `relay-drain`: the same relay on persistent threads, but driven token by token as
+//!   an engine's step would be: the calling thread opens a token (the helper may not start
+//!   it earlier: the next token is not sampled yet), works on it, and returns only once
+//!   the helper is not inside a phase (a helper still computing a chunk that was taken
+//!   over holds references into the step's buffers and cache).
+//! * `relay-drain-1/4`: as `relay-drain`, but only the second product of each layer (a
+//!   quarter of the work, as attention, whose reads of the cache outlive nothing else)
+//!   makes the step wait; the others read only what outlives the step.
 //! * `relay-join`: the same relay, but each token is one rayon broadcast, as the engine's
 //!   team is: the token ends when both threads have returned.
 //!
@@ -29,7 +37,8 @@
 //! (`sh -c 'while :; do :; done'`) beside every round.
 
 use std::process::{Child, Command};
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Rows per chunk.
@@ -189,6 +198,15 @@ struct Relay {
     advance: AtomicU64,
     out: Out,
     taken_over: AtomicUsize,
+    /// products the driver has let start (`relay-drain`; unlimited otherwise)
+    open: AtomicU64,
+    /// the helper is inside a phase (`relay-drain`: holds references into the step)
+    inside: AtomicBool,
+    /// which products of each layer (bit `index % 4`) hold references into the step
+    /// while they run (`relay-drain`: the step waits for them to finish)
+    held: AtomicU64,
+    /// the last finished token's output
+    result: Mutex<Vec<f32>>,
 }
 
 impl Relay {
@@ -200,6 +218,10 @@ impl Relay {
             advance: AtomicU64::new(0),
             out: Out(out),
             taken_over: AtomicUsize::new(0),
+            open: AtomicU64::new(u64::MAX),
+            inside: AtomicBool::new(false),
+            held: AtomicU64::new(0),
+            result: Mutex::new(Vec::new()),
         };
         for (a, v) in r.input.iter().zip(x0) {
             a.store(v.to_bits(), Ordering::Relaxed);
@@ -232,13 +254,16 @@ impl Relay {
         }
     }
 
-    /// Member `me` runs products until `end` of them are done; returns the output of the
-    /// last token whose final serial step it ran, with that step's phase.
-    fn member(&self, m: &[Mat], x0: &[f32], me: u64, end: u64) -> Option<(u64, Vec<f32>)> {
+    /// Member `me` runs products until `end` of them are done (the output of each token
+    /// goes to `result`), none past `open`.
+    fn member(&self, m: &[Mat], x0: &[f32], me: u64, end: u64) {
         let mut x = vec![0f32; WIDEST];
         let mut mine = vec![0f32; CHUNK];
-        let mut last = None;
+        let mut idle = Instant::now();
         loop {
+            if me != 0 {
+                self.inside.store(false, Ordering::Release);
+            }
             let seq = self.phase.load(Ordering::Acquire);
             if seq & 1 == 1 {
                 std::hint::spin_loop();
@@ -247,7 +272,19 @@ impl Relay {
             // Products done so far; chunk tags count phases from 1 (0 is "never claimed").
             let done = seq / 2;
             if done >= end {
-                return last;
+                return;
+            }
+            if done >= self.open.load(Ordering::Acquire) {
+                // The driver has not started the next token yet.
+                match idle.elapsed() > SPIN {
+                    true => std::thread::yield_now(),
+                    false => std::hint::spin_loop(),
+                }
+                continue;
+            }
+            idle = Instant::now();
+            if me != 0 && self.held.load(Ordering::Relaxed) >> (done % 4) & 1 == 1 {
+                self.inside.store(true, Ordering::SeqCst);
             }
             let p = done + 1;
             let w = &m[done as usize % m.len()];
@@ -256,7 +293,7 @@ impl Relay {
                 *v = f32::from_bits(a.load(Ordering::Relaxed));
             }
             fence(Ordering::Acquire);
-            if self.phase.load(Ordering::Relaxed) != seq {
+            if self.phase.load(Ordering::SeqCst) != seq {
                 continue;
             }
             let items = w.chunks();
@@ -335,7 +372,7 @@ impl Relay {
                 a.store(x.to_bits(), Ordering::Relaxed);
             }
             if token_ends {
-                last = Some((p, v));
+                *self.result.lock().expect("result") = v;
             }
             self.advance.store(seq + 2, Ordering::Relaxed);
             self.phase.store(seq + 2, Ordering::Release);
@@ -363,30 +400,51 @@ fn run_design(design: &str, m: &[Mat], x0: &[f32], want: &[f32], tokens: usize) 
         "relay" => {
             let relay = Relay::new(out.as_mut_ptr(), x0);
             let end = (tokens * m.len()) as u64;
-            let last: Vec<Option<(u64, Vec<f32>)>> = std::thread::scope(|s| {
-                let t: Vec<_> = (0..2)
-                    .map(|me| {
-                        let relay = &relay;
-                        s.spawn(move || relay.member(m, x0, me, end))
-                    })
-                    .collect();
-                t.into_iter().map(|t| t.join().expect("member")).collect()
+            std::thread::scope(|s| {
+                for me in 0..2 {
+                    let relay = &relay;
+                    s.spawn(move || relay.member(m, x0, me, end));
+                }
             });
-            // The member that ran the last serial step holds the last token's output.
-            let got = last
-                .into_iter()
-                .flatten()
-                .max_by_key(|l| l.0)
-                .expect("a last token");
-            check(&got.1);
+            check(&relay.result.lock().expect("result"));
+            taken_over = relay.taken_over.load(Ordering::Relaxed);
+        }
+        "relay-drain" | "relay-drain-1/4" => {
+            let relay = Relay::new(out.as_mut_ptr(), x0);
+            relay.open.store(0, Ordering::Relaxed);
+            let held = if design == "relay-drain" {
+                0b1111
+            } else {
+                0b0010
+            };
+            relay.held.store(held, Ordering::Relaxed);
+            let end = (tokens * m.len()) as u64;
+            std::thread::scope(|s| {
+                let r = &relay;
+                s.spawn(move || r.member(m, x0, 1, end));
+                for t in 1..=tokens {
+                    let token_end = (t * m.len()) as u64;
+                    relay.open.store(token_end, Ordering::Release);
+                    relay.member(m, x0, 0, token_end);
+                    // The step may return only once the helper holds nothing of it.
+                    let since = Instant::now();
+                    while relay.inside.load(Ordering::SeqCst) {
+                        match since.elapsed() > SPIN {
+                            true => std::thread::yield_now(),
+                            false => std::hint::spin_loop(),
+                        }
+                    }
+                    check(&relay.result.lock().expect("result"));
+                }
+            });
             taken_over = relay.taken_over.load(Ordering::Relaxed);
         }
         "relay-join" => {
             for _ in 0..tokens {
                 let relay = Relay::new(out.as_mut_ptr(), x0);
                 let end = m.len() as u64;
-                let last = rayon::broadcast(|ctx| relay.member(m, x0, ctx.index() as u64, end));
-                check(&last.into_iter().flatten().next().expect("a last token").1);
+                rayon::broadcast(|ctx| relay.member(m, x0, ctx.index() as u64, end));
+                check(&relay.result.lock().expect("result"));
                 taken_over += relay.taken_over.load(Ordering::Relaxed);
             }
         }
@@ -422,7 +480,14 @@ fn main() {
     let m = model();
     let x0: Vec<f32> = (0..576).map(|i| (i as f32 * 0.37).sin()).collect();
     let want = solo_token(&m, &x0);
-    let designs = ["solo", "barrier", "relay", "relay-join"];
+    let designs = [
+        "solo",
+        "barrier",
+        "relay",
+        "relay-drain",
+        "relay-drain-1/4",
+        "relay-join",
+    ];
     let mut rates = vec![Vec::new(); designs.len()];
     let mut busy: Option<Child> = load.then(|| {
         Command::new("sh")
@@ -433,7 +498,7 @@ fn main() {
     for round in 1..=rounds {
         for (d, design) in designs.iter().enumerate() {
             let (rate, taken) = run_design(design, &m, &x0, &want, tokens);
-            println!("round {round} {design:<10} {rate:7.1} tok/s  chunks taken over: {taken}");
+            println!("round {round} {design:<15} {rate:7.1} tok/s  chunks taken over: {taken}");
             rates[d].push(rate);
         }
     }
