@@ -31,6 +31,7 @@ pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod quant;
+pub mod relay;
 pub mod rope;
 pub mod sampler;
 pub mod server;

@@ -176,6 +176,29 @@ pub fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("TINYGPT_TEAM").map_or(true, |v| v != "off"))
 }
 
+/// How a session's team steps run ([`crate::model::Session::team_design`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TeamDesign {
+    /// Every member claims parts of each stage and meets the others at a barrier after it.
+    Barrier,
+    /// No barriers: a late member's work is taken over ([`crate::relay`]). Steps whose
+    /// eviction policy observes attention's weights, or whose session records them, run
+    /// as [`TeamDesign::Barrier`].
+    #[default]
+    Relay,
+}
+
+impl TeamDesign {
+    /// The default of new sessions: [`TeamDesign::Relay`], or `TINYGPT_TEAM=barrier`.
+    pub fn from_env() -> Self {
+        static ENV: std::sync::OnceLock<TeamDesign> = std::sync::OnceLock::new();
+        *ENV.get_or_init(|| match std::env::var("TINYGPT_TEAM").as_deref() {
+            Ok("barrier") => TeamDesign::Barrier,
+            _ => TeamDesign::Relay,
+        })
+    }
+}
+
 thread_local! {
     /// Set while [`solo`] runs: the calling thread computes alone.
     static SOLO: Cell<bool> = const { Cell::new(false) };

@@ -4,13 +4,16 @@
 //! the fixtures have (head_dim 32, 64 and 256, GQA, MQA, biases, a sliding window, Gemma 3's
 //! sliding layers, f16/bf16 weights, YOCO shared layers, GGML-block weights) and every
 //! kind of cache — with attention split within KV heads (`AttnSplit::Always`, forced at
-//! every context length) and not (`Never`, and `Auto` at these short contexts).
+//! every context length) and not (`Never`, and `Auto` at these short contexts) — both as
+//! the barrier team and as a relay (`TeamDesign::Relay`; sessions recording attention
+//! weights run with barriers either way).
 
 mod common;
 use common::*;
 use tinygpt_cpu::attention::AttnSplit;
 use tinygpt_cpu::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
 use tinygpt_cpu::model::{Model, WeightsDType};
+use tinygpt_cpu::team::TeamDesign;
 use tinygpt_cpu::weights::ModelFiles;
 
 const STEPS: usize = 40;
@@ -93,11 +96,13 @@ fn run(
     probs: bool,
     feed: Option<&[u32]>,
     split: AttnSplit,
+    design: TeamDesign,
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
     pool(threads).install(|| {
         let mut s = model.session(kv);
         s.record_probs = probs;
         s.attn_split = split;
+        s.team_design = design;
         let mut tokens = vec![1u32];
         let mut out = Vec::new();
         for pos in 0..STEPS {
@@ -117,19 +122,23 @@ fn run(
 fn check(name: &str, model: &Model) {
     for (cache, kv) in caches() {
         for probs in [false, true] {
-            let (tokens, one) = run(model, &kv, 1, probs, None, AttnSplit::Never);
+            let barrier = TeamDesign::Barrier;
+            let (tokens, one) = run(model, &kv, 1, probs, None, AttnSplit::Never, barrier);
             for threads in [2, 3] {
                 for split in [AttnSplit::Never, AttnSplit::Always, AttnSplit::Auto] {
-                    let (_, team) = run(model, &kv, threads, probs, Some(&tokens), split);
-                    for (pos, (a, b)) in one.iter().zip(&team).enumerate() {
-                        let same = a.len() == b.len()
-                            && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                        assert!(
-                            same,
-                            "{name}, {cache}, probs {probs}, {split:?}: {threads} threads \
-                             differ from 1 at step {pos} (max |diff| {})",
-                            max_abs_diff(a, b)
-                        );
+                    for design in [TeamDesign::Barrier, TeamDesign::Relay] {
+                        let feed = Some(&tokens[..]);
+                        let (_, team) = run(model, &kv, threads, probs, feed, split, design);
+                        for (pos, (a, b)) in one.iter().zip(&team).enumerate() {
+                            let same = a.len() == b.len()
+                                && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                            assert!(
+                                same,
+                                "{name}, {cache}, probs {probs}, {split:?}, {design:?}: \
+                                 {threads} threads differ from 1 at step {pos} (max |diff| {})",
+                                max_abs_diff(a, b)
+                            );
+                        }
                     }
                 }
             }
@@ -188,14 +197,18 @@ fn team_equals_one_thread_on_smollm2_q4_1() {
     let model = load(&files);
     // One cache per kind of store is enough at this size.
     for (cache, kv) in caches().into_iter().take(3) {
-        let (tokens, one) = run(&model, &kv, 1, false, None, AttnSplit::Never);
+        let barrier = TeamDesign::Barrier;
+        let (tokens, one) = run(&model, &kv, 1, false, None, AttnSplit::Never, barrier);
         for split in [AttnSplit::Never, AttnSplit::Always] {
-            let (_, team) = run(&model, &kv, 2, false, Some(&tokens), split);
-            for (pos, (a, b)) in one.iter().zip(&team).enumerate() {
-                assert!(
-                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "SmolLM2, {cache}, {split:?}: 2 threads differ from 1 at step {pos}"
-                );
+            for design in [TeamDesign::Barrier, TeamDesign::Relay] {
+                let (_, team) = run(&model, &kv, 2, false, Some(&tokens), split, design);
+                for (pos, (a, b)) in one.iter().zip(&team).enumerate() {
+                    assert!(
+                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "SmolLM2, {cache}, {split:?}, {design:?}: 2 threads differ from 1 \
+                         at step {pos}"
+                    );
+                }
             }
         }
     }

@@ -30,6 +30,7 @@ use crate::weights::ModelTensors;
 use crate::weights::{ModelFiles, Tensor};
 
 mod reference;
+mod relay_step;
 mod rows;
 mod team_step;
 
@@ -133,6 +134,9 @@ pub struct Session {
     /// bit either way; tests force both paths). Default: `TINYGPT_ATTN_SPLIT` (`always`,
     /// `never`), else `Auto`.
     pub attn_split: crate::attention::AttnSplit,
+    /// How team steps run: as a relay or with barriers ([`team::TeamDesign`]; the same
+    /// results bit for bit). Default: the relay, or barriers with `TINYGPT_TEAM=barrier`.
+    pub team_design: team::TeamDesign,
 }
 
 fn matrix(t: &Tensor, want: WeightsDType) -> Matrix {
@@ -269,6 +273,7 @@ impl Model {
             record_probs: false,
             probs: vec![Vec::new(); c.n_layers],
             attn_split: crate::attention::AttnSplit::from_env(),
+            team_design: team::TeamDesign::from_env(),
         }
     }
 
@@ -294,6 +299,12 @@ impl Model {
         };
         let t0 = std::time::Instant::now();
         let result = match mode {
+            team::Mode::Team
+                if s.team_design == team::TeamDesign::Relay && relay_step::supports(s) =>
+            {
+                relay_step::run_step(self, s, token, pos, team::threads())
+                    .unwrap_or_else(|| team_step::run_step(self, s, token, pos))
+            }
             team::Mode::Team => team_step::run_step(self, s, token, pos),
             team::Mode::Solo => team::solo(|| self.forward_rows(s, token, pos)),
         };

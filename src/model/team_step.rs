@@ -332,7 +332,7 @@ fn team_product(
 /// KV head `h`'s `(group, stored)` scores buffer, as member 0 sized it for a split
 /// attention: `(pointer, length)`.
 #[derive(Clone, Copy)]
-struct ProbsPtr(*mut f32, usize);
+pub(super) struct ProbsPtr(pub(super) *mut f32, pub(super) usize);
 
 // SAFETY: a plain address into the heads' scratch; who writes where is the protocol of
 // `TeamMember::attend_split`.
@@ -340,7 +340,7 @@ unsafe impl Send for ProbsPtr {}
 
 /// Rows per range of a split attention's scoring: about four ranges per member over all
 /// KV heads (a late member's share is taken by the others), a multiple of 16 rows.
-fn score_chunk(stored: usize, members: usize, n_kv_heads: usize) -> usize {
+pub(super) fn score_chunk(stored: usize, members: usize, n_kv_heads: usize) -> usize {
     let per_head = (4 * members).div_ceil(n_kv_heads).max(1);
     stored.div_ceil(per_head).next_multiple_of(16)
 }
