@@ -17,11 +17,7 @@ fn logits(
     threads: usize,
     feed: &[u32],
 ) -> (Vec<Vec<f32>>, (u64, u64)) {
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("thread pool");
-    pool.install(|| {
+    pool(threads).install(|| {
         let mut s = model.session(kv);
         let out = feed
             .iter()

@@ -11,19 +11,12 @@
 mod common;
 use common::*;
 use tinygpt_cpu::attention::AttnSplit;
-use tinygpt_cpu::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
+use tinygpt_cpu::kv_cache::{KeyRope, KvConfig, Precision};
 use tinygpt_cpu::model::{Model, WeightsDType};
 use tinygpt_cpu::team::TeamDesign;
 use tinygpt_cpu::weights::ModelFiles;
 
 const STEPS: usize = 40;
-
-fn pool(n: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(n)
-        .build()
-        .expect("thread pool")
-}
 
 fn caches() -> Vec<(&'static str, KvConfig)> {
     vec![
@@ -41,13 +34,7 @@ fn caches() -> Vec<(&'static str, KvConfig)> {
         ),
         (
             "fp16 cache positions, sink 2 + window 16",
-            KvConfig {
-                precision: Precision::Fp16,
-                sink: 2,
-                window: Some(16),
-                positions: PositionsMode::Cache,
-                ..KvConfig::default()
-            },
+            fp16_cache_window(),
         ),
         (
             "int8 K, bf16 V",

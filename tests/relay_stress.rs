@@ -8,7 +8,7 @@
 mod common;
 use common::*;
 use tinygpt_cpu::attention::AttnSplit;
-use tinygpt_cpu::kv_cache::{KvConfig, PositionsMode, Precision};
+use tinygpt_cpu::kv_cache::KvConfig;
 use tinygpt_cpu::model::{Model, WeightsDType};
 use tinygpt_cpu::relay;
 use tinygpt_cpu::team::TeamDesign;
@@ -25,11 +25,7 @@ fn logits(
     split: AttnSplit,
     design: TeamDesign,
 ) -> Vec<Vec<f32>> {
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("thread pool");
-    pool.install(|| {
+    pool(threads).install(|| {
         let mut s = model.session(kv);
         s.attn_split = split;
         s.team_design = design;
@@ -52,13 +48,7 @@ fn late_relay_members_change_no_bit() {
         ("int4 sink 4 + window 20", int4_window()),
         (
             "fp16 cache positions, sink 2 + window 16",
-            KvConfig {
-                precision: Precision::Fp16,
-                sink: 2,
-                window: Some(16),
-                positions: PositionsMode::Cache,
-                ..KvConfig::default()
-            },
+            fp16_cache_window(),
         ),
     ];
     let mut models = vec![

@@ -19,7 +19,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kv_cache::KvCache;
 use crate::ops::matvec::{quantized_forms, row_part, row_parts, rows_into};
-use crate::ops::qdot::QuantizedActs;
+use crate::ops::qdot::{ActsForms, QuantizedActs};
 use crate::ops::{self, Matrix};
 use crate::relay::{self, Part, Relay, Seat};
 use crate::team::{SharedCell, SharedSlice};
@@ -141,6 +141,21 @@ struct RelayMember<'r, 'b, 'a> {
     probs: Vec<f32>,
 }
 
+/// The phase's input `x` in the quantised forms `forms` (if any), quantised on the
+/// member's first item of the phase (`done`).
+fn quantized_once<'a>(
+    acts: &'a mut QuantizedActs,
+    x: &[f32],
+    forms: ActsForms,
+    done: &mut bool,
+) -> Option<&'a QuantizedActs> {
+    if forms.any() && !*done {
+        acts.quantize_forms(x, forms);
+        *done = true;
+    }
+    forms.any().then_some(&*acts)
+}
+
 impl RelayMember<'_, '_, '_> {
     /// `outs[i] = mats[i] · input` (plus bias, soft-capped when `cap` is given), the input
     /// being what the previous serial phase sent.
@@ -157,11 +172,7 @@ impl RelayMember<'_, '_, '_> {
         self.seat
             .chunks(parts, mats[0].cols, false, |k, part, x| match part {
                 Part::Compute => {
-                    if forms.any() && !quantized {
-                        acts.quantize_forms(x, forms);
-                        quantized = true;
-                    }
-                    let q = forms.any().then_some(&*acts);
+                    let q = quantized_once(acts, x, forms, &mut quantized);
                     out.clear();
                     pieces.clear();
                     row_part(mats, k, parts, |i, r| {
@@ -399,11 +410,7 @@ impl Exec for RelayMember<'_, '_, '_> {
         self.seat
             .chunks(parts, w_gate.cols, false, |k, part, x| match part {
                 Part::Compute => {
-                    if forms.any() && !quantized {
-                        acts.quantize_forms(x, forms);
-                        quantized = true;
-                    }
-                    let q = forms.any().then_some(&*acts);
+                    let q = quantized_once(acts, x, forms, &mut quantized);
                     pieces.clear();
                     row_part(&pair[..1], k, parts, |_, r| {
                         out.resize(r.len(), 0.0);

@@ -6,7 +6,7 @@ pub mod server;
 
 use std::path::PathBuf;
 use tinygpt_cpu::generate::Engine;
-use tinygpt_cpu::kv_cache::{KvConfig, Precision};
+use tinygpt_cpu::kv_cache::{KvConfig, PositionsMode, Precision};
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -205,4 +205,24 @@ pub fn int4_window() -> KvConfig {
         window: Some(20),
         ..KvConfig::default()
     }
+}
+
+/// An fp16 cache in `cache` positions mode with StreamingLLM sink 2 + window 16 (keys
+/// rotated by slot at read time), as the thread-count tests run it.
+pub fn fp16_cache_window() -> KvConfig {
+    KvConfig {
+        precision: Precision::Fp16,
+        sink: 2,
+        window: Some(16),
+        positions: PositionsMode::Cache,
+        ..KvConfig::default()
+    }
+}
+
+/// A rayon pool of `n` threads.
+pub fn pool(n: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build()
+        .expect("thread pool")
 }
