@@ -17,9 +17,10 @@
 //!   and the late member's result is dropped. Whoever sees every item published opens the
 //!   next phase. Items are computed by the same serial kernels whoever runs them, so the
 //!   values do not depend on the team.
-//! * A chunked phase's input vector is sent through [`Relay`]'s atomic input buffer (a
-//!   sequence lock on the phase counter): a late member copies it and drops the copy if the
-//!   phase moved meanwhile.
+//! * A chunked phase's input vector is sent through one of [`Relay`]'s two atomic input
+//!   buffers (a sequence lock on the phase counter): a late member copies it and drops the
+//!   copy if the phase moved meanwhile. A serial phase sends into one; a product's items
+//!   can be published straight into the other, as the next product's input.
 //! * A member reading the cache (attention) says so ([`Seat::chunks`] with `reads`); a
 //!   serial phase that changes the cache waits until no member still reads it for an
 //!   older phase ([`Seat::wait_readers`]).
@@ -78,7 +79,8 @@ pub struct Relay {
     /// the highest serial phase claimed
     solo: AtomicU64,
     states: Vec<AtomicU64>,
-    input: Vec<AtomicU32>,
+    /// two input buffers ([`Seat::send`])
+    input: [Vec<AtomicU32>; 2],
     /// per member: the phase in which it reads the cache (0: none)
     reading: Vec<AtomicU64>,
     failed: AtomicBool,
@@ -94,7 +96,7 @@ impl Relay {
             cur: AtomicU64::new(1),
             solo: AtomicU64::new(0),
             states: (0..items).map(|_| AtomicU64::new(0)).collect(),
-            input: (0..width).map(|_| AtomicU32::new(0)).collect(),
+            input: [0, 1].map(|_| (0..width).map(|_| AtomicU32::new(0)).collect()),
             reading: (0..members).map(|_| AtomicU64::new(0)).collect(),
             failed: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
@@ -121,6 +123,23 @@ pub enum Part {
     Compute,
     /// The claim still stands: copy the result into the shared output.
     Publish,
+}
+
+/// Writes chunked phases' inputs into a [`Relay`]'s input buffers.
+#[derive(Clone, Copy)]
+pub struct Sender<'r>(&'r Relay);
+
+impl Sender<'_> {
+    /// Writes `v` at `at` of input buffer `buf` (0 or 1), for a later chunked phase: inside
+    /// [`Seat::solo`], or publishing an item ([`Part::Publish`]) into the buffer the next
+    /// product reads, which must not be the one the publishing phase reads.
+    pub fn send(self, buf: usize, at: usize, v: &[f32]) {
+        // Ordered after this phase's start, which a late reader's check will see.
+        fence(Ordering::Release);
+        for (a, x) in self.0.input[buf][at..].iter().zip(v) {
+            a.store(x.to_bits(), Ordering::Relaxed);
+        }
+    }
 }
 
 /// One member's place in a [`Relay`]: its index, the team's size and its phase count.
@@ -190,13 +209,9 @@ impl<'r> Seat<'r> {
         None
     }
 
-    /// Inside [`solo`](Self::solo): the input of the next chunked phase.
-    pub fn put_input(&self, v: &[f32]) {
-        // Ordered after this phase's start (which a late reader's check will see).
-        fence(Ordering::Release);
-        for (a, x) in self.r.input.iter().zip(v) {
-            a.store(x.to_bits(), Ordering::Relaxed);
-        }
+    /// A handle that sends inputs ([`Sender::send`]), for work functions.
+    pub fn sender(&self) -> Sender<'r> {
+        Sender(self.r)
     }
 
     /// Inside [`solo`](Self::solo), before the cache changes: waits until no other member
@@ -214,13 +229,13 @@ impl<'r> Seat<'r> {
         self.r.failed.store(true, Ordering::Release);
     }
 
-    /// A chunked phase of `items` items. `width` values of input are copied first (0: no
-    /// input); `reads`: the work reads the cache. `work(k, part, input)` computes item `k`
+    /// A chunked phase of `items` items. `input`: `(buffer, width)`, the values copied
+    /// first ([`send`](Self::send)); `reads`: the work reads the cache. `work(k, part, input)` computes item `k`
     /// into the member's own buffers, then, if the claim still stands, publishes it.
     pub fn chunks(
         &mut self,
         items: usize,
-        width: usize,
+        input: Option<(usize, usize)>,
         reads: bool,
         mut work: impl FnMut(usize, Part, &[f32]),
     ) {
@@ -231,9 +246,10 @@ impl<'r> Seat<'r> {
         if reads {
             r.reading[self.id].store(p, Ordering::SeqCst);
         }
+        let (buf, width) = input.unwrap_or((0, 0));
         self.input.clear();
         self.input.extend(
-            r.input[..width]
+            r.input[buf][..width]
                 .iter()
                 .map(|a| f32::from_bits(a.load(Ordering::Relaxed))),
         );
@@ -527,7 +543,7 @@ mod tests {
             run(members, &relay, &|id| {
                 let mut seat = Seat::new(&relay, id, members);
                 for phase in 0..40 {
-                    seat.chunks(16, 0, false, |k, part, _| {
+                    seat.chunks(16, None, false, |k, part, _| {
                         if part == Part::Publish {
                             published[phase * 16 + k].fetch_add(1, Ordering::Relaxed);
                         }
@@ -547,13 +563,13 @@ mod tests {
         let published = AtomicUsize::new(0);
         run(2, &relay, &|id| {
             let mut seat = Seat::new(&relay, id, 2);
-            seat.chunks(8, 0, false, |_, part, _| {
+            seat.chunks(8, None, false, |_, part, _| {
                 if part == Part::Publish {
                     published.fetch_add(1, Ordering::Relaxed);
                 }
             });
             seat.solo(|s| s.fail());
-            seat.chunks(8, 0, false, |_, _, _| panic!("work after the failure"));
+            seat.chunks(8, None, false, |_, _, _| panic!("work after the failure"));
             seat.solo(|_| panic!("a serial phase after the failure"));
         })
         .expect("helpers start");
@@ -576,7 +592,7 @@ mod tests {
                         panic!("member 1 fails");
                     }
                 });
-                seat.chunks(8, 0, false, |_, _, _| {});
+                seat.chunks(8, None, false, |_, _, _| {});
             })
         }));
         assert!(outcome.is_err(), "the caller must see the member's panic");

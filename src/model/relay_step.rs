@@ -61,9 +61,7 @@ pub(super) fn run_step(
         q: SharedSlice::new(&mut bufs.q),
         k: SharedSlice::new(&mut bufs.k),
         v: SharedSlice::new(&mut bufs.v),
-        att: SharedSlice::new(&mut bufs.att),
         proj: SharedSlice::new(&mut bufs.proj),
-        gate: SharedSlice::new(&mut bufs.gate),
         logits: SharedSlice::new(&mut s.logits),
         cache: SharedCell::new(&mut s.cache),
         tables: SharedCell::new(tables),
@@ -84,6 +82,9 @@ pub(super) fn run_step(
             pieces: Vec::new(),
             attn: HeadScratch::default(),
             probs: Vec::new(),
+            pending_add: None,
+            pending_check: None,
+            pending_norms: None,
         };
         if let Err(e) = model.step(&mut member) {
             let mut slot = error.lock().unwrap_or_else(|e| e.into_inner());
@@ -110,9 +111,7 @@ struct RelayBufs<'a> {
     q: SharedSlice<'a, f32>,
     k: SharedSlice<'a, f32>,
     v: SharedSlice<'a, f32>,
-    att: SharedSlice<'a, f32>,
     proj: SharedSlice<'a, f32>,
-    gate: SharedSlice<'a, f32>,
     logits: SharedSlice<'a, f32>,
     cache: SharedCell<'a, KvCache>,
     tables: SharedCell<'a, StepTables>,
@@ -139,7 +138,17 @@ struct RelayMember<'r, 'b, 'a> {
     attn: HeadScratch,
     /// a copy of a query-head unit's scores (the softmax runs on it in place)
     probs: Vec<f32>,
+    /// `x += post_norm(proj)` of the last residual, run by the next serial phase (a norm):
+    /// the post norm (of the model, which outlives the step) and its epsilon
+    pending_add: Option<(*const Option<Vec<f32>>, f32)>,
+    /// the layer whose K/V the next serial phase (the append) checks first
+    pending_check: Option<usize>,
+    /// the per-head q and k norms (the model's) it applies next, and their epsilon
+    pending_norms: Option<NormsPtr>,
 }
+
+/// Pointers to a layer's per-head q and k norm weights, and their epsilon.
+type NormsPtr = (*const Option<Vec<f32>>, *const Option<Vec<f32>>, f32);
 
 /// The phase's input `x` in the quantised forms `forms` (if any), quantised on the
 /// member's first item of the phase (`done`).
@@ -158,10 +167,11 @@ fn quantized_once<'a>(
 
 impl RelayMember<'_, '_, '_> {
     /// `outs[i] = mats[i] · input` (plus bias, soft-capped when `cap` is given), the input
-    /// being what the previous serial phase sent.
+    /// being what was sent to input buffer `buf`.
     fn product(
         &mut self,
         mats: &[&Matrix],
+        buf: usize,
         outs: &[(&SharedSlice<f32>, &Option<Vec<f32>>)],
         cap: Option<f32>,
     ) {
@@ -169,8 +179,11 @@ impl RelayMember<'_, '_, '_> {
         let forms = quantized_forms(mats);
         let (acts, out, pieces) = (&mut self.acts, &mut self.out, &mut self.pieces);
         let mut quantized = false;
-        self.seat
-            .chunks(parts, mats[0].cols, false, |k, part, x| match part {
+        self.seat.chunks(
+            parts,
+            Some((buf, mats[0].cols)),
+            false,
+            |k, part, x| match part {
                 Part::Compute => {
                     let q = quantized_once(acts, x, forms, &mut quantized);
                     out.clear();
@@ -196,58 +209,58 @@ impl RelayMember<'_, '_, '_> {
                         soft_cap(o, cap);
                     }
                 }
-            });
+            },
+        );
     }
 
-    /// A serial phase sending `h = rmsnorm(x) · w` to the next product.
-    fn norm_and_send(&mut self, w: &[f32], eps: f32) {
-        let b = self.b;
-        self.seat.solo(|seat| {
-            // SAFETY: serial phases run one at a time and alone touch `x` and `h`.
-            let (x, h) = unsafe { (b.x.all(), b.h.range_mut(0..b.h.len())) };
+    /// A serial phase: the last residual's add, then `h = rmsnorm(x) · w`, checked by
+    /// `check` (a failure fails the step), sent to the next product (input buffer 0).
+    fn norm_and_send(
+        &mut self,
+        w: &[f32],
+        eps: f32,
+        check: impl FnOnce(&[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let (b, add) = (self.b, self.pending_add.take());
+        let done = self.seat.solo(|seat| {
+            // SAFETY: serial phases run one at a time and alone touch `x`, `h` and (after
+            // its product) `proj`; the post norm is the model's, which outlives the step.
+            let (x, h) = unsafe { (b.x.range_mut(0..b.x.len()), b.h.range_mut(0..b.h.len())) };
+            if let Some((post_norm, add_eps)) = add {
+                add_output(x, unsafe { b.proj.all() }, unsafe { &*post_norm }, add_eps);
+            }
             ops::rmsnorm(x, w, eps, h);
-            seat.put_input(h);
+            let r = check(h);
+            match r.is_err() {
+                true => seat.fail(),
+                false => seat.sender().send(0, 0, h),
+            }
+            r
         });
+        done.unwrap_or(Ok(()))
     }
 }
 
 impl Exec for RelayMember<'_, '_, '_> {
     fn norm(&mut self, w: &[f32], eps: f32) {
-        self.norm_and_send(w, eps);
+        let _ = self.norm_and_send(w, eps, |_| Ok(()));
     }
 
     fn project(&mut self, mats: &[&Matrix], biases: [&Option<Vec<f32>>; 3]) {
         let b = self.b;
         let outs = [(&b.q, biases[0]), (&b.k, biases[1]), (&b.v, biases[2])];
-        self.product(mats, &outs[..mats.len()], None);
+        self.product(mats, 0, &outs[..mats.len()], None);
     }
 
+    /// Deferred to the append's serial phase ([`Exec::attend`]), which checks first.
     fn check_kv(&mut self, l: usize) -> Result<()> {
-        let (b, pos) = (self.b, self.pos);
-        let checked = self.seat.solo(|seat| {
-            // SAFETY: `k`/`v` are complete (their product's phase has ended) and only
-            // serial phases touch them until the next layer's product.
-            let (k, v) = unsafe { (b.k.all(), b.v.all()) };
-            let r = check_finite_kv(k, v, l, pos);
-            if r.is_err() {
-                seat.fail();
-            }
-            r
-        });
-        checked.unwrap_or(Ok(()))
+        self.pending_check = Some(l);
+        Ok(())
     }
 
+    /// Deferred to the append's serial phase ([`Exec::attend`]), after the check.
     fn head_norms(&mut self, q_norm: &Option<Vec<f32>>, k_norm: &Option<Vec<f32>>, eps: f32) {
-        if q_norm.is_none() && k_norm.is_none() {
-            return;
-        }
-        let b = self.b;
-        self.seat.solo(|_| {
-            // SAFETY: as in `check_kv`.
-            let (q, k) = unsafe { (b.q.range_mut(0..b.q.len()), b.k.range_mut(0..b.k.len())) };
-            head_norm(q, q_norm, eps);
-            head_norm(k, k_norm, eps);
-        });
+        self.pending_norms = Some((q_norm as *const _, k_norm as *const _, eps));
     }
 
     /// A serial phase appends the K/V (`Kv::Own`) and prepares the step, once no member
@@ -261,7 +274,23 @@ impl Exec for RelayMember<'_, '_, '_> {
             Kv::Own => l,
             Kv::Shared(src) => src,
         };
-        self.seat.solo(|seat| {
+        let (check, norms) = (self.pending_check.take(), self.pending_norms.take());
+        let appended = self.seat.solo(|seat| {
+            if let Some(l) = check {
+                // SAFETY: serial; `k`/`v` are complete and only serial phases touch them.
+                let (k, v) = unsafe { (b.k.all(), b.v.all()) };
+                if let Err(e) = check_finite_kv(k, v, l, pos) {
+                    seat.fail();
+                    return Err(e);
+                }
+            }
+            if let Some((q_norm, k_norm, eps)) = norms {
+                // SAFETY: serial, as above; the norms are the model's, which outlives the
+                // step.
+                let (q, k) = unsafe { (b.q.range_mut(0..b.q.len()), b.k.range_mut(0..b.k.len())) };
+                head_norm(q, unsafe { &*q_norm }, eps);
+                head_norm(k, unsafe { &*k_norm }, eps);
+            }
             seat.wait_readers();
             // SAFETY: serial; no member reads the cache, the tables or the heads' scratch
             // (`wait_readers`), and q/k/v are only read.
@@ -289,19 +318,23 @@ impl Exec for RelayMember<'_, '_, '_> {
             }
             b.rows.store(n, Ordering::Relaxed);
             b.splits.store(split, Ordering::Relaxed);
+            Ok(())
         });
+        appended.unwrap_or(Ok(()))?;
         // Read after this member saw the serial phase end: this layer's plan, or a later
         // one's if this member is late (then its phases below are skipped).
         let n = b.rows.load(Ordering::Relaxed);
         let split = b.splits.load(Ordering::Relaxed);
         let (hd, group, nkv) = (c.head_dim, c.group(), c.n_kv_heads);
         let (hs, out, probs) = (&mut self.attn, &mut self.out, &mut self.probs);
+        // Attention's output goes to input buffer 1: `o_proj`'s input.
+        let tx = self.seat.sender();
         // SAFETY (of every cache, tables and scores access below): the work runs only in
         // the current phase under this member's reading flag, and nothing changes those
         // until no member reads (`wait_readers`).
         if !split {
             let width = group * hd;
-            self.seat.chunks(nkv, 0, true, |h, part, _| match part {
+            self.seat.chunks(nkv, None, true, |h, part, _| match part {
                 Part::Compute => {
                     let (cache, tables) = unsafe { (b.cache.get(), b.tables.get()) };
                     out.resize(width, 0.0);
@@ -315,17 +348,15 @@ impl Exec for RelayMember<'_, '_, '_> {
                         out,
                     );
                 }
-                // SAFETY: the claim stands: these rows of `att` are this member's alone.
-                Part::Publish => unsafe { b.att.range_mut(h * width..(h + 1) * width) }
-                    .copy_from_slice(&out[..width]),
+                Part::Publish => tx.send(1, h * width, &out[..width]),
             });
             // The split's second phase, empty: every member counts the same phases.
-            self.seat.chunks(0, 0, false, |_, _, _| {});
+            self.seat.chunks(0, None, false, |_, _, _| {});
             return Ok(());
         }
         let chunk = score_chunk(n, members, nkv);
         let per_head = n.div_ceil(chunk);
-        self.seat.chunks(nkv * per_head, 0, true, |u, part, _| {
+        self.seat.chunks(nkv * per_head, None, true, |u, part, _| {
             let (h, k) = (u / per_head, u % per_head);
             let rows = k * chunk..((k + 1) * chunk).min(n);
             let len = rows.len();
@@ -349,7 +380,7 @@ impl Exec for RelayMember<'_, '_, '_> {
         });
         let per = (group / members).max(1);
         let units = group.div_ceil(per);
-        self.seat.chunks(nkv * units, 0, true, |u, part, _| {
+        self.seat.chunks(nkv * units, None, true, |u, part, _| {
             let (h, j0) = (u / units, (u % units) * per);
             let j1 = (j0 + per).min(group);
             let (q0, q1) = (h * group + j0, h * group + j1);
@@ -365,38 +396,22 @@ impl Exec for RelayMember<'_, '_, '_> {
                     out.resize((q1 - q0) * hd, 0.0);
                     mix_query_heads(c, rope, cache.layer(src), tables, h, probs, out);
                 }
-                // SAFETY: the claim stands: these rows of `att` are this member's alone.
-                Part::Publish => unsafe { b.att.range_mut(q0 * hd..q1 * hd) }
-                    .copy_from_slice(&out[..(q1 - q0) * hd]),
+                Part::Publish => tx.send(1, q0 * hd, &out[..(q1 - q0) * hd]),
             }
         });
         Ok(())
     }
 
-    /// A serial phase sends the input; the product into `proj`; a serial phase adds it.
-    fn residual(&mut self, w: &Matrix, input: Input, post_norm: &Option<Vec<f32>>, eps: f32) {
+    /// The product of what attention or the GLU published (input buffer 1) into `proj`;
+    /// the next serial phase (a norm) adds it to `x`.
+    fn residual(&mut self, w: &Matrix, _input: Input, post_norm: &Option<Vec<f32>>, eps: f32) {
         let b = self.b;
-        self.seat.solo(|seat| {
-            // SAFETY: complete (its phase has ended); written again only in a later layer.
-            let v = unsafe {
-                match input {
-                    Input::Att => b.att.all(),
-                    Input::Gate => b.gate.all(),
-                }
-            };
-            seat.put_input(v);
-        });
-        self.product(&[w], &[(&b.proj, &None)], None);
-        self.seat.solo(|_| {
-            // SAFETY: serial; `proj` is complete.
-            let (x, proj) = unsafe { (b.x.range_mut(0..b.x.len()), b.proj.all()) };
-            add_output(x, proj, post_norm, eps);
-        });
+        self.product(&[w], 1, &[(&b.proj, &None)], None);
+        self.pending_add = Some((post_norm as *const _, eps));
     }
 
     /// Gate and up on the same rows, the GLU on the item's rows.
     fn gated(&mut self, c: &Config, w_gate: &Matrix, w_up: &Matrix) {
-        let b = self.b;
         let pair = [w_gate, w_up];
         let parts = row_parts(&pair[..1], self.seat.n);
         let forms = quantized_forms(&pair);
@@ -406,9 +421,13 @@ impl Exec for RelayMember<'_, '_, '_> {
             &mut self.up,
             &mut self.pieces,
         );
+        let tx = self.seat.sender();
         let mut quantized = false;
-        self.seat
-            .chunks(parts, w_gate.cols, false, |k, part, x| match part {
+        self.seat.chunks(
+            parts,
+            Some((0, w_gate.cols)),
+            false,
+            |k, part, x| match part {
                 Part::Compute => {
                     let q = quantized_once(acts, x, forms, &mut quantized);
                     pieces.clear();
@@ -425,28 +444,19 @@ impl Exec for RelayMember<'_, '_, '_> {
                 }
                 Part::Publish => {
                     for (_, r) in pieces.iter() {
-                        // SAFETY: the claim stands: these rows are this member's alone.
-                        unsafe { b.gate.range_mut(r.clone()) }.copy_from_slice(&out[..r.len()]);
+                        // `down_proj`'s input.
+                        tx.send(1, r.start, &out[..r.len()]);
                     }
                 }
-            });
+            },
+        );
     }
 
     fn logits(&mut self, norm: &[f32], eps: f32, lm_head: &Matrix, cap: Option<f32>) -> Result<()> {
-        let (b, pos) = (self.b, self.pos);
-        let checked = self.seat.solo(|seat| {
-            // SAFETY: serial phases alone touch `x` and `h`.
-            let (x, h) = unsafe { (b.x.all(), b.h.range_mut(0..b.h.len())) };
-            ops::rmsnorm(x, norm, eps, h);
-            let r = check_finite_hidden(h, pos);
-            match r.is_err() {
-                true => seat.fail(),
-                false => seat.put_input(h),
-            }
-            r
-        });
-        checked.unwrap_or(Ok(()))?;
-        self.product(&[lm_head], &[(&b.logits, &None)], cap);
+        let pos = self.pos;
+        self.norm_and_send(norm, eps, |h| check_finite_hidden(h, pos))?;
+        let b = self.b;
+        self.product(&[lm_head], 0, &[(&b.logits, &None)], cap);
         Ok(())
     }
 }
