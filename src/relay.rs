@@ -13,7 +13,7 @@
 //!   claims an item by a compare-and-swap of its state word (tagged with the phase),
 //!   computes it into its own buffers, and publishes it (copies it into the shared output)
 //!   only if its claim still stands. Once nothing is left to claim, a member takes over an
-//!   item another member claimed but has not published within [`GRACE`]: it recomputes it,
+//!   item another member claimed but has not published in time ([`grace`]): it recomputes it,
 //!   and the late member's result is dropped. Whoever sees every item published opens the
 //!   next phase. Items are computed by the same serial kernels whoever runs them, so the
 //!   values do not depend on the team.
@@ -85,7 +85,6 @@ pub struct Relay {
     reading: Vec<AtomicU64>,
     failed: AtomicBool,
     poisoned: AtomicBool,
-    taken_over: AtomicUsize,
 }
 
 impl Relay {
@@ -100,7 +99,6 @@ impl Relay {
             reading: (0..members).map(|_| AtomicU64::new(0)).collect(),
             failed: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
-            taken_over: AtomicUsize::new(0),
         }
     }
 
@@ -108,11 +106,6 @@ impl Relay {
     /// member's.
     pub fn failed(&self) -> bool {
         self.failed.load(Ordering::Acquire)
-    }
-
-    /// Items recomputed because their claimer was late, this step.
-    pub fn taken_over(&self) -> usize {
-        self.taken_over.load(Ordering::Relaxed)
     }
 }
 
@@ -328,7 +321,6 @@ impl<'r> Seat<'r> {
                         && since.elapsed() > grace(longest.get(), stress) =>
                     {
                         if claim(k, v) {
-                            r.taken_over.fetch_add(1, Ordering::Relaxed);
                             TAKEN_OVER.fetch_add(1, Ordering::Relaxed);
                             run(k);
                         }
