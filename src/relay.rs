@@ -21,9 +21,11 @@
 //!   buffers (a sequence lock on the phase counter): a late member copies it and drops the
 //!   copy if the phase moved meanwhile. A serial phase sends into one; a product's items
 //!   can be published straight into the other, as the next product's input.
-//! * A member reading the cache (attention) says so ([`Seat::chunks`] with `reads`); a
-//!   serial phase that changes the cache waits until no member still reads it for an
-//!   older phase ([`Seat::wait_readers`]).
+//! * A late member may still be computing an item of a phase that has ended, so whatever
+//!   an item reads must stay as it is until the step ends, not only until its phase does
+//!   (the engine gives each layer its own attention scratch, and appends only to the
+//!   layer whose phase it is: `model/relay_step.rs`). No member ever waits for a late one
+//!   inside the step.
 //!
 //! The caller of [`run`] is member 0; the others are helper threads that outlive the call
 //! (a rayon broadcast per token would make every token wait for its slowest member at
@@ -81,22 +83,19 @@ pub struct Relay {
     states: Vec<AtomicU64>,
     /// two input buffers ([`Seat::send`])
     input: [Vec<AtomicU32>; 2],
-    /// per member: the phase in which it reads the cache (0: none)
-    reading: Vec<AtomicU64>,
     failed: AtomicBool,
     poisoned: AtomicBool,
 }
 
 impl Relay {
-    /// A step of `members` threads whose chunked phases have at most `items` items and
-    /// whose inputs at most `width` values.
-    pub fn new(members: usize, items: usize, width: usize) -> Relay {
+    /// A step whose chunked phases have at most `items` items and whose inputs at most
+    /// `width` values.
+    pub fn new(items: usize, width: usize) -> Relay {
         Relay {
             cur: AtomicU64::new(1),
             solo: AtomicU64::new(0),
             states: (0..items).map(|_| AtomicU64::new(0)).collect(),
             input: [0, 1].map(|_| (0..width).map(|_| AtomicU32::new(0)).collect()),
-            reading: (0..members).map(|_| AtomicU64::new(0)).collect(),
             failed: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
         }
@@ -207,38 +206,24 @@ impl<'r> Seat<'r> {
         Sender(self.r)
     }
 
-    /// Inside [`solo`](Self::solo), before the cache changes: waits until no other member
-    /// reads it for an older phase.
-    pub fn wait_readers(&self) {
-        for (j, r) in self.r.reading.iter().enumerate() {
-            if j != self.id {
-                self.wait_until(|| r.load(Ordering::SeqCst) == 0);
-            }
-        }
-    }
-
     /// Inside [`solo`](Self::solo): the step fails (every member skips the rest).
     pub fn fail(&self) {
         self.r.failed.store(true, Ordering::Release);
     }
 
     /// A chunked phase of `items` items. `input`: `(buffer, width)`, the values copied
-    /// first ([`send`](Self::send)); `reads`: the work reads the cache. `work(k, part, input)` computes item `k`
-    /// into the member's own buffers, then, if the claim still stands, publishes it.
+    /// first ([`Sender::send`]). `work(k, part, input)` computes item `k` into the
+    /// member's own buffers, then, if the claim still stands, publishes it.
     pub fn chunks(
         &mut self,
         items: usize,
         input: Option<(usize, usize)>,
-        reads: bool,
         mut work: impl FnMut(usize, Part, &[f32]),
     ) {
         let Some(p) = self.next() else {
             return;
         };
         let r = self.r;
-        if reads {
-            r.reading[self.id].store(p, Ordering::SeqCst);
-        }
         let (buf, width) = input.unwrap_or((0, 0));
         self.input.clear();
         self.input.extend(
@@ -249,9 +234,6 @@ impl<'r> Seat<'r> {
         fence(Ordering::Acquire);
         if r.cur.load(Ordering::SeqCst) == p {
             self.work_items(p, items, &mut work);
-        }
-        if reads {
-            r.reading[self.id].store(0, Ordering::Release);
         }
     }
 
@@ -529,13 +511,13 @@ mod tests {
     #[test]
     fn every_item_is_published_once_and_every_serial_phase_runs_once() {
         for members in [2, 3] {
-            let relay = Relay::new(members, 16, 4);
+            let relay = Relay::new(16, 4);
             let published: Vec<AtomicUsize> = (0..40 * 16).map(|_| AtomicUsize::new(0)).collect();
             let serial = AtomicUsize::new(0);
             run(members, &relay, &|id| {
                 let mut seat = Seat::new(&relay, id, members);
                 for phase in 0..40 {
-                    seat.chunks(16, None, false, |k, part, _| {
+                    seat.chunks(16, None, |k, part, _| {
                         if part == Part::Publish {
                             published[phase * 16 + k].fetch_add(1, Ordering::Relaxed);
                         }
@@ -551,17 +533,17 @@ mod tests {
 
     #[test]
     fn a_failed_serial_phase_ends_the_step_for_every_member() {
-        let relay = Relay::new(2, 8, 4);
+        let relay = Relay::new(8, 4);
         let published = AtomicUsize::new(0);
         run(2, &relay, &|id| {
             let mut seat = Seat::new(&relay, id, 2);
-            seat.chunks(8, None, false, |_, part, _| {
+            seat.chunks(8, None, |_, part, _| {
                 if part == Part::Publish {
                     published.fetch_add(1, Ordering::Relaxed);
                 }
             });
             seat.solo(|s| s.fail());
-            seat.chunks(8, None, false, |_, _, _| panic!("work after the failure"));
+            seat.chunks(8, None, |_, _, _| panic!("work after the failure"));
             seat.solo(|_| panic!("a serial phase after the failure"));
         })
         .expect("helpers start");
@@ -571,7 +553,7 @@ mod tests {
 
     #[test]
     fn a_member_panicking_in_a_serial_phase_stops_the_step_and_the_caller_panics() {
-        let relay = Relay::new(2, 8, 4);
+        let relay = Relay::new(8, 4);
         let outcome = catch_unwind(AssertUnwindSafe(|| {
             run(2, &relay, &|id| {
                 let mut seat = Seat::new(&relay, id, 2);
@@ -584,7 +566,7 @@ mod tests {
                         panic!("member 1 fails");
                     }
                 });
-                seat.chunks(8, None, false, |_, _, _| {});
+                seat.chunks(8, None, |_, _, _| {});
             })
         }));
         assert!(outcome.is_err(), "the caller must see the member's panic");

@@ -271,8 +271,8 @@ pub enum Mode {
 /// The adaptive choice between [`Mode::Team`] and [`Mode::Solo`] for one sequence's
 /// decode steps: both modes give the same values bit for bit, so the choice is speed only.
 ///
-/// It keeps an exponential average of each mode's step time (weight 1/2 for the newest)
-/// and runs the faster one, except that now and then one step (a *probe*) runs the other
+/// It keeps an exponential average of each mode's step time (weight 1/2 for the newest;
+/// a probe's step, below, replaces its mode's older average) and runs the faster one, except that now and then one step (a *probe*) runs the other
 /// mode to keep its average current: on a calm machine the team wins; when another process
 /// takes a core, a team step waits for its descheduled member and one thread wins, and the
 /// probe notices when the core comes back. Step times grow slowly with the context, so two
@@ -294,7 +294,9 @@ pub enum Mode {
 /// holds the core a member needs, so the probe would only measure that) waits for a step
 /// where it is not, or for [`CROWDED_WAIT`] times its budget, whichever comes first; and a
 /// team measured while crowded is tried again as soon as the crowd has gone (at most once
-/// in [`PROBE_EVERY`] steps), its crowded average forgotten.
+/// in [`PROBE_EVERY`] steps), its crowded average forgotten. (The relay team, which takes
+/// a late member's work over instead of waiting for it, is never held back: its caller
+/// answers "not crowded", so it is probed as paced above and chosen when faster.)
 #[derive(Debug, Clone, Default)]
 pub struct Pace {
     /// steps run in each mode: team, solo
@@ -400,7 +402,14 @@ impl Pace {
         let measured = self.runs[i] >= FIRST_RUNS;
         self.runs[i] += 1;
         let t = took.as_secs_f64();
-        self.avg[i] = Some(self.avg[i].map_or(t, |a| 0.5 * (a + t)));
+        // A probe's step replaces its mode's average, which is at least PROBE_EVERY steps
+        // old: one slow step then (a member descheduled just then) does not hold the mode
+        // back for probe after probe.
+        let probe = measured && before.is_some_and(|b| b != mode);
+        self.avg[i] = Some(match self.avg[i] {
+            Some(a) if !probe => 0.5 * (a + t),
+            _ => t,
+        });
         let after = self.faster();
         match before {
             // The faster mode changed (by a probe or by its own steps): probe at the
@@ -583,6 +592,17 @@ impl<'a, T> SharedSlice<'a, T> {
         // SAFETY: in bounds (checked above) of the slice borrowed for 'a; exclusivity is
         // the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.end - r.start) }
+    }
+
+    /// Element `i` for reading.
+    ///
+    /// # Safety
+    /// Until the returned reference is dropped, no member writes element `i`.
+    pub unsafe fn get(&self, i: usize) -> &T {
+        assert!(i < self.len, "share out of bounds");
+        // SAFETY: in bounds (checked above) of the slice borrowed for 'a; no concurrent
+        // writer of this element by the caller's contract.
+        unsafe { &*self.ptr.add(i) }
     }
 
     /// The whole slice for reading.
@@ -801,6 +821,23 @@ mod tests {
         let (n, time) = share(&modes[4..], Mode::Team, 20_000, 8_500);
         assert!(time <= 1.0 / PROBE_BUDGET, "{n} team steps, share {time}");
         assert!(n >= 3, "the team was never probed again: {n}");
+    }
+
+    #[test]
+    fn one_probe_brings_back_a_mode_whose_old_average_was_slow() {
+        // The team measured slow (a member lost its core), then as fast as it is again:
+        // the first probe's step replaces the old average, so the team is back after one
+        // probe, not after the several an average of old and new would need (about 2,300
+        // steps here).
+        let mut p = Pace::default();
+        feed(&mut p, 2000, 5_000, 300, false);
+        let modes = feed(&mut p, 3000, 200, 300, false);
+        let back = modes
+            .windows(4)
+            .position(|w| w.iter().all(|&m| m == Mode::Team));
+        assert!(back.is_some_and(|b| b < 1_200), "team back at {back:?}");
+        let (_, time) = share(&modes[1_200..], Mode::Solo, 200, 300);
+        assert!(time <= 1.0 / PROBE_BUDGET, "probe share {time}");
     }
 
     #[test]

@@ -575,6 +575,11 @@ impl KvCache {
     pub fn layer(&self, l: usize) -> &LayerKv {
         &self.layers[l]
     }
+    /// Every layer, to be changed one by one (a relay step appends to one layer while
+    /// late members still read another).
+    pub fn layers_mut(&mut self) -> &mut [LayerKv] {
+        &mut self.layers
+    }
     /// Bytes held by every layer (see [`LayerKv::bytes`]).
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(LayerKv::bytes).sum()

@@ -120,6 +120,10 @@ pub struct Session {
     /// One layer per model layer that holds K/V (see [`new_cache`]).
     pub cache: KvCache,
     scratch: AttnScratch,
+    /// A relay step's attention scratch, one per model layer (made at its first step), so
+    /// that preparing a layer's attention never waits for a late member still reading an
+    /// earlier layer's ([`relay_step`]).
+    relay_scratch: Vec<AttnScratch>,
     /// One token's activations, kept from step to step (a decode step's buffers; a
     /// multi-token step allocates its own).
     bufs: StepBufs,
@@ -267,6 +271,7 @@ impl Model {
         Session {
             cache: new_cache(c, kv),
             scratch: AttnScratch::new(c, kv),
+            relay_scratch: Vec::new(),
             bufs: StepBufs::new(c, 1),
             pace: team::Pace::default(),
             logits: vec![0.0; c.vocab_size],
@@ -293,18 +298,18 @@ impl Model {
             return self.forward_rows(s, token, pos);
         }
         self.check_token(token)?;
+        let relay = s.team_design == team::TeamDesign::Relay && relay_step::supports(s);
         let mode = match team::adaptive() {
-            true => s.pace.next(|| team::crowded(team::threads())),
+            // A crowd holds back probes of the barrier team, which would wait for the
+            // member that lost its core; the relay takes that member's work over, so it
+            // is probed, and chosen when faster, crowded or not.
+            true => s.pace.next(|| !relay && team::crowded(team::threads())),
             false => team::Mode::Team,
         };
         let t0 = std::time::Instant::now();
         let result = match mode {
-            team::Mode::Team
-                if s.team_design == team::TeamDesign::Relay && relay_step::supports(s) =>
-            {
-                relay_step::run_step(self, s, token, pos, team::threads())
-                    .unwrap_or_else(|| team_step::run_step(self, s, token, pos))
-            }
+            team::Mode::Team if relay => relay_step::run_step(self, s, token, pos, team::threads())
+                .unwrap_or_else(|| team_step::run_step(self, s, token, pos)),
             team::Mode::Team => team_step::run_step(self, s, token, pos),
             team::Mode::Solo => team::solo(|| self.forward_rows(s, token, pos)),
         };

@@ -5,6 +5,13 @@
 //! chunked phases whose items are claimed, computed into the member's own buffers and
 //! published (or taken over from a late member). The values are those of the decode team
 //! and of one thread, bit for bit: every item is computed by the same serial kernels.
+//!
+//! A late member may still compute an attention item of layer `l` while the others have
+//! gone on to later layers. What it reads does not change until the step ends: each model
+//! layer has its own attention scratch (tables and score buffers,
+//! `Session::relay_scratch`), and a later layer appends only to its own cache layer (a
+//! layer reads its own cache or, shared, an earlier layer's). So nobody waits for it; the
+//! step returns once every member has left ([`relay::run`]).
 
 use super::team_step::{score_chunk, ProbsPtr};
 use super::{
@@ -13,11 +20,11 @@ use super::{
 };
 use crate::attention::{
     append_kv, attend_heads, mix_query_heads, prepare_step, probs_mut, score_rows, size_probs,
-    AttnSplit, HeadScratch, StepTables,
+    AttnScratch, AttnSplit, HeadScratch, StepTables,
 };
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::kv_cache::KvCache;
+use crate::kv_cache::LayerKv;
 use crate::ops::matvec::{quantized_forms, row_part, row_parts, rows_into};
 use crate::ops::qdot::{ActsForms, QuantizedActs};
 use crate::ops::{self, Matrix};
@@ -47,14 +54,22 @@ pub(super) fn run_step(
     let c = &model.cfg;
     let mut bufs = StepBufs::reuse(std::mem::take(&mut s.bufs), c, 1);
     model.embed_row(token, &mut bufs.x);
-    let (tables, heads) = s.scratch.split_mut();
-    let mut head_probs = vec![ProbsPtr(std::ptr::null_mut(), 0); heads.len()];
+    if s.relay_scratch.len() != c.n_layers {
+        s.relay_scratch = vec![AttnScratch::new(c, s.cache.config()); c.n_layers];
+    }
+    let (tables, heads): (Vec<_>, Vec<_>) = s
+        .relay_scratch
+        .iter_mut()
+        .map(AttnScratch::split_mut)
+        .map(|(t, h)| (SharedCell::new(t), SharedSlice::new(h)))
+        .unzip();
+    let mut head_probs = vec![ProbsPtr(std::ptr::null_mut(), 0); c.n_layers * c.n_kv_heads];
     let error = Mutex::new(None);
     // At most: a product's parts (4 per member), a split attention's scoring units (about
     // 4 per member, plus one per KV head for rounding), or its query-head units.
     let items = 4 * n + c.n_kv_heads + c.n_heads;
     let width = c.hidden_size.max(c.q_dim()).max(c.intermediate_size);
-    let relay = Relay::new(n, items, width);
+    let relay = Relay::new(items, width);
     let shared = RelayBufs {
         x: SharedSlice::new(&mut bufs.x),
         h: SharedSlice::new(&mut bufs.h),
@@ -63,9 +78,9 @@ pub(super) fn run_step(
         v: SharedSlice::new(&mut bufs.v),
         proj: SharedSlice::new(&mut bufs.proj),
         logits: SharedSlice::new(&mut s.logits),
-        cache: SharedCell::new(&mut s.cache),
-        tables: SharedCell::new(tables),
-        heads: SharedSlice::new(heads),
+        layers: SharedSlice::new(s.cache.layers_mut()),
+        tables,
+        heads,
         head_probs: SharedSlice::new(&mut head_probs),
         split: s.attn_split,
         rows: AtomicUsize::new(0),
@@ -102,9 +117,10 @@ pub(super) fn run_step(
 }
 
 /// The buffers of one relay step. Serial phases alone touch `x`, `h`, `q`/`k`/`v` (after
-/// their product), the cache, the tables and the heads' scratch sizes; chunked phases
-/// write only the rows of an item whose claim stands (publishing), and read the cache,
-/// the tables and the heads' scores only under their reading flag.
+/// their product), and write a layer's cache, tables and scores' sizes, in that layer's
+/// append phase; chunked phases write only the rows of an item whose claim stands
+/// (publishing), and read a layer's cache, tables and scores after its append phase
+/// (late members: until the step ends; no phase of a later layer writes them).
 struct RelayBufs<'a> {
     x: SharedSlice<'a, f32>,
     h: SharedSlice<'a, f32>,
@@ -113,9 +129,12 @@ struct RelayBufs<'a> {
     v: SharedSlice<'a, f32>,
     proj: SharedSlice<'a, f32>,
     logits: SharedSlice<'a, f32>,
-    cache: SharedCell<'a, KvCache>,
-    tables: SharedCell<'a, StepTables>,
-    heads: SharedSlice<'a, HeadScratch>,
+    /// the cache's layers
+    layers: SharedSlice<'a, LayerKv>,
+    /// per model layer: its attention tables and its KV heads' scratch
+    tables: Vec<SharedCell<'a, StepTables>>,
+    heads: Vec<SharedSlice<'a, HeadScratch>>,
+    /// `(layer, KV head)`: where the head's scores are
     head_probs: SharedSlice<'a, ProbsPtr>,
     split: AttnSplit,
     /// the rows the current layer's attention reads, and whether it is split (set by the
@@ -179,11 +198,8 @@ impl RelayMember<'_, '_, '_> {
         let forms = quantized_forms(mats);
         let (acts, out, pieces) = (&mut self.acts, &mut self.out, &mut self.pieces);
         let mut quantized = false;
-        self.seat.chunks(
-            parts,
-            Some((buf, mats[0].cols)),
-            false,
-            |k, part, x| match part {
+        self.seat
+            .chunks(parts, Some((buf, mats[0].cols)), |k, part, x| match part {
                 Part::Compute => {
                     let q = quantized_once(acts, x, forms, &mut quantized);
                     out.clear();
@@ -209,8 +225,7 @@ impl RelayMember<'_, '_, '_> {
                         soft_cap(o, cap);
                     }
                 }
-            },
-        );
+            });
     }
 
     /// A serial phase: the last residual's add, then `h = rmsnorm(x) · w`, checked by
@@ -263,10 +278,10 @@ impl Exec for RelayMember<'_, '_, '_> {
         self.pending_norms = Some((q_norm as *const _, k_norm as *const _, eps));
     }
 
-    /// A serial phase appends the K/V (`Kv::Own`) and prepares the step, once no member
-    /// still reads the cache for an earlier layer; then two chunked phases: whole KV heads
-    /// (and an empty one), or, split ([`AttnSplit`]), the scores of row ranges, then the
-    /// softmax and weighted sum per run of query heads.
+    /// A serial phase appends the K/V (`Kv::Own`) and prepares layer `l`'s tables (its
+    /// own: a late member may still read an earlier layer's); then two chunked phases:
+    /// whole KV heads (and an empty one), or, split ([`AttnSplit`]), the scores of row
+    /// ranges, then the softmax and weighted sum per run of query heads.
     fn attend(&mut self, model: &Model, l: usize, kv: Kv) -> Result<()> {
         let (c, rope, b, pos, members) =
             (&model.cfg, &model.ropes[l], self.b, self.pos, self.seat.n);
@@ -291,23 +306,28 @@ impl Exec for RelayMember<'_, '_, '_> {
                 head_norm(q, unsafe { &*q_norm }, eps);
                 head_norm(k, unsafe { &*k_norm }, eps);
             }
-            seat.wait_readers();
-            // SAFETY: serial; no member reads the cache, the tables or the heads' scratch
-            // (`wait_readers`), and q/k/v are only read.
-            let (cache, tables) = unsafe { (b.cache.get_mut(), b.tables.get_mut()) };
+            // SAFETY: serial; nobody reads layer `l`'s tables and scores, nor (`Kv::Own`)
+            // its cache layer, before this phase ends (later layers' phases read their
+            // own, earlier ones' read earlier layers); q/k/v are only read.
+            let tables = unsafe { b.tables[l].get_mut() };
             let (q, k, v) = unsafe { (b.q.all(), b.k.all(), b.v.all()) };
             if let Kv::Own = kv {
-                append_kv(c, rope, cache.layer_mut(l), k, v, pos, tables);
+                let layer = unsafe { &mut b.layers.range_mut(l..l + 1)[0] };
+                append_kv(c, rope, layer, k, v, pos, tables);
             }
-            prepare_step(c, rope, cache.layer(src), q, pos, tables);
-            let n = cache.layer(src).len();
+            // SAFETY: read only, here and by this layer's items; `src <= l`, and no phase
+            // of the step writes a cache layer after its own append phase.
+            let layer = unsafe { b.layers.get(src) };
+            prepare_step(c, rope, layer, q, pos, tables);
+            let n = layer.len();
             let split = b.split.splits(c.n_kv_heads, members, n);
             if split {
-                // SAFETY: as above.
+                // SAFETY: as above, layer `l`'s scores.
                 let (heads, ptrs) = unsafe {
                     (
-                        b.heads.range_mut(0..b.heads.len()),
-                        b.head_probs.range_mut(0..b.head_probs.len()),
+                        b.heads[l].range_mut(0..b.heads[l].len()),
+                        b.head_probs
+                            .range_mut(l * c.n_kv_heads..(l + 1) * c.n_kv_heads),
                     )
                 };
                 size_probs(heads, c.group(), n);
@@ -316,63 +336,58 @@ impl Exec for RelayMember<'_, '_, '_> {
                     *p = ProbsPtr(probs.as_mut_ptr(), probs.len());
                 }
             }
-            b.rows.store(n, Ordering::Relaxed);
-            b.splits.store(split, Ordering::Relaxed);
+            b.rows.store(n, Ordering::Release);
+            b.splits.store(split, Ordering::Release);
             Ok(())
         });
         appended.unwrap_or(Ok(()))?;
         // Read after this member saw the serial phase end: this layer's plan, or a later
-        // one's if this member is late (then its phases below are skipped).
-        let n = b.rows.load(Ordering::Relaxed);
-        let split = b.splits.load(Ordering::Relaxed);
+        // one's if this member is late (stored after the phases below ended, which then
+        // see it and are skipped).
+        let n = b.rows.load(Ordering::Acquire);
+        let split = b.splits.load(Ordering::Acquire);
         let (hd, group, nkv) = (c.head_dim, c.group(), c.n_kv_heads);
         let (hs, out, probs) = (&mut self.attn, &mut self.out, &mut self.probs);
         // Attention's output goes to input buffer 1: `o_proj`'s input.
         let tx = self.seat.sender();
-        // SAFETY (of every cache, tables and scores access below): the work runs only in
-        // the current phase under this member's reading flag, and nothing changes those
-        // until no member reads (`wait_readers`).
+        // SAFETY (of every cache, tables and scores access below): layer `l`'s phases run
+        // after its append phase, and nothing writes what they read until the step ends
+        // (the module notes), also for a late member.
+        let layer = unsafe { b.layers.get(src) };
+        let tables = unsafe { b.tables[l].get() };
+        // Where layer `l`'s KV head `h` keeps its scores (set by the append phase).
+        let scores_at = |h: usize| unsafe { b.head_probs.get(l * nkv + h) }.0;
         if !split {
             let width = group * hd;
-            self.seat.chunks(nkv, None, true, |h, part, _| match part {
+            self.seat.chunks(nkv, None, |h, part, _| match part {
                 Part::Compute => {
-                    let (cache, tables) = unsafe { (b.cache.get(), b.tables.get()) };
                     out.resize(width, 0.0);
-                    attend_heads(
-                        c,
-                        rope,
-                        cache.layer(src),
-                        tables,
-                        h,
-                        std::slice::from_mut(hs),
-                        out,
-                    );
+                    attend_heads(c, rope, layer, tables, h, std::slice::from_mut(hs), out);
                 }
                 Part::Publish => tx.send(1, h * width, &out[..width]),
             });
             // The split's second phase, empty: every member counts the same phases.
-            self.seat.chunks(0, None, false, |_, _, _| {});
+            self.seat.chunks(0, None, |_, _, _| {});
             return Ok(());
         }
         let chunk = score_chunk(n, members, nkv);
         let per_head = n.div_ceil(chunk);
-        self.seat.chunks(nkv * per_head, None, true, |u, part, _| {
+        self.seat.chunks(nkv * per_head, None, |u, part, _| {
             let (h, k) = (u / per_head, u % per_head);
             let rows = k * chunk..((k + 1) * chunk).min(n);
             let len = rows.len();
             match part {
                 Part::Compute => {
-                    let (cache, tables) = unsafe { (b.cache.get(), b.tables.get()) };
                     out.resize(group * len, 0.0);
-                    score_rows(c, rope, cache.layer(src), tables, h, rows, hs, out, len);
+                    score_rows(c, rope, layer, tables, h, rows, hs, out, len);
                 }
                 Part::Publish => {
-                    let ptrs = unsafe { b.head_probs.all() };
                     for (j, s) in out[..group * len].chunks_exact(len).enumerate() {
                         let at = j * n + rows.start;
                         // SAFETY: sized `group * n` by the serial phase; the claim
                         // stands, so this member alone writes these scores.
-                        let dst = unsafe { std::slice::from_raw_parts_mut(ptrs[h].0.add(at), len) };
+                        let dst =
+                            unsafe { std::slice::from_raw_parts_mut(scores_at(h).add(at), len) };
                         dst.copy_from_slice(s);
                     }
                 }
@@ -380,21 +395,20 @@ impl Exec for RelayMember<'_, '_, '_> {
         });
         let per = (group / members).max(1);
         let units = group.div_ceil(per);
-        self.seat.chunks(nkv * units, None, true, |u, part, _| {
+        self.seat.chunks(nkv * units, None, |u, part, _| {
             let (h, j0) = (u / units, (u % units) * per);
             let j1 = (j0 + per).min(group);
             let (q0, q1) = (h * group + j0, h * group + j1);
             match part {
                 Part::Compute => {
-                    let (cache, tables) = unsafe { (b.cache.get(), b.tables.get()) };
-                    let ptrs = unsafe { b.head_probs.all() };
                     // SAFETY: every score was published in the previous phase; only read.
-                    let scores =
-                        unsafe { std::slice::from_raw_parts(ptrs[h].0.add(j0 * n), (j1 - j0) * n) };
+                    let scores = unsafe {
+                        std::slice::from_raw_parts(scores_at(h).add(j0 * n), (j1 - j0) * n)
+                    };
                     probs.clear();
                     probs.extend_from_slice(scores);
                     out.resize((q1 - q0) * hd, 0.0);
-                    mix_query_heads(c, rope, cache.layer(src), tables, h, probs, out);
+                    mix_query_heads(c, rope, layer, tables, h, probs, out);
                 }
                 Part::Publish => tx.send(1, q0 * hd, &out[..(q1 - q0) * hd]),
             }
@@ -423,11 +437,8 @@ impl Exec for RelayMember<'_, '_, '_> {
         );
         let tx = self.seat.sender();
         let mut quantized = false;
-        self.seat.chunks(
-            parts,
-            Some((0, w_gate.cols)),
-            false,
-            |k, part, x| match part {
+        self.seat
+            .chunks(parts, Some((0, w_gate.cols)), |k, part, x| match part {
                 Part::Compute => {
                     let q = quantized_once(acts, x, forms, &mut quantized);
                     pieces.clear();
@@ -448,8 +459,7 @@ impl Exec for RelayMember<'_, '_, '_> {
                         tx.send(1, r.start, &out[..r.len()]);
                     }
                 }
-            },
-        );
+            });
     }
 
     fn logits(&mut self, norm: &[f32], eps: f32, lm_head: &Matrix, cap: Option<f32>) -> Result<()> {
