@@ -24,8 +24,8 @@
 //! * A late member may still be computing an item of a phase that has ended, so whatever
 //!   an item reads must stay as it is until the step ends, not only until its phase does
 //!   (the engine gives each layer its own attention scratch, and appends only to the
-//!   layer whose phase it is: `model/relay_step.rs`). No member ever waits for a late one
-//!   inside the step.
+//!   layer whose phase it is: `model/relay_step.rs`), and no member waits for a late
+//!   reader inside the step.
 //!
 //! The caller of [`run`] is member 0; the others are helper threads that outlive the call
 //! (a rayon broadcast per token would make every token wait for its slowest member at

@@ -272,8 +272,9 @@ pub enum Mode {
 /// decode steps: both modes give the same values bit for bit, so the choice is speed only.
 ///
 /// It keeps an exponential average of each mode's step time (weight 1/2 for the newest;
-/// a probe's step, below, replaces its mode's older average) and runs the faster one, except that now and then one step (a *probe*) runs the other
-/// mode to keep its average current: on a calm machine the team wins; when another process
+/// a probe's step, below, replaces its mode's older average) and runs the faster one,
+/// except that now and then one step (a *probe*) runs the other mode to keep its average
+/// current: on a calm machine the team wins; when another process
 /// takes a core, a team step waits for its descheduled member and one thread wins, and the
 /// probe notices when the core comes back. Step times grow slowly with the context, so two
 /// averages taken a few steps apart compare like for like.
@@ -827,8 +828,8 @@ mod tests {
     fn one_probe_brings_back_a_mode_whose_old_average_was_slow() {
         // The team measured slow (a member lost its core), then as fast as it is again:
         // the first probe's step replaces the old average, so the team is back after one
-        // probe, not after the several an average of old and new would need (about 2,300
-        // steps here).
+        // probe, not after the several an average of old and new would need (step 2,153
+        // here when it averaged).
         let mut p = Pace::default();
         feed(&mut p, 2000, 5_000, 300, false);
         let modes = feed(&mut p, 3000, 200, 300, false);
