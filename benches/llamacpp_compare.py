@@ -35,7 +35,8 @@ time the hypervisor gave our vCPUs to another guest; JSON `steal_pct_llama` /
 `steal_pct_ours`), so a row slowed by the host rather than by the engines shows it.
 `--interleave` runs every row once per round instead (round 1: each row in turn, round 2:
 ...), under one background load and one idle wait: rows that are compared with each other
-(our thread counts, say) then see the same drift, not minutes apart.
+(our thread counts, say) then see the same drift, not minutes apart. Every run's tok/s
+is also printed to stderr as it finishes (`# round R threads T CONTEXT KV: ...`).
 
 Usage:
     python3 -m venv /root/benchenv
@@ -431,15 +432,24 @@ def main() -> int:
         }
 
     def one_round(j):
-        """One round of a row: llama.cpp (each flash-attention setting), then ours."""
+        """One round of a row: llama.cpp (each flash-attention setting), then ours. Each
+        run's tok/s goes to stderr at once, so a long (interleaved) run shows its data
+        before the table, which needs every round, is printed."""
+        label = "prefill" if j["is_prefill"] else str(j["ctx"])
+        where = f"# round {len(j['runs_o']) + 1} threads {j['threads']} {label} {j['k']}:"
         if llama is not None:
             for fa in j["fa_settings"]:
-                j["runs_l"][fa].append(j["steal_l"].measure(
+                r = j["steal_l"].measure(
                     lambda: llama.run(model, j["toks"], j["n_ctx"], j["decode"],
-                                      j["l_threads"], j["kv_type"], fa)))
-        j["runs_o"].append(j["steal_o"].measure(
+                                      j["l_threads"], j["kv_type"], fa))
+                j["runs_l"][fa].append(r)
+                where += f" llama.cpp fa={'on' if fa else 'off'} {r[j['metric']]:.1f}"
+        r = j["steal_o"].measure(
             lambda: run_ours(args.binary, model, j["prompt"], j["decode"] + 1, j["threads"],
-                             j["ours_kv"], extra)))
+                             j["ours_kv"], extra))
+        j["runs_o"].append(r)
+        print(f"{where} ours {r['timing'][j['metric']]:.1f}  ({time.strftime('%H:%M:%S')})",
+              file=sys.stderr, flush=True)
 
     def finish(j):
         threads, k, decode, metric = j["threads"], j["k"], j["decode"], j["metric"]

@@ -30,8 +30,7 @@ use tinygpt_reference::ggml_more::IQ4_VALUES;
 ///
 /// # Safety
 /// `g.d` (and `g.m` for Q4_1) must hold block `b` (checked by debug assertions).
-#[target_feature(enable = "avx2,f16c")]
-#[inline]
+#[inline(always)]
 unsafe fn scales8(dtype: DType, g: &Group, b: usize) -> (__m256, __m256) {
     debug_assert!(g.d.len() >= (b + 1) * 16);
     // SAFETY: 16 bytes of block `b`'s scales are in bounds (above); unaligned load.
@@ -48,9 +47,11 @@ unsafe fn scales8(dtype: DType, g: &Group, b: usize) -> (__m256, __m256) {
 
 /// The float steps of one block for eight rows (shared by every variant):
 /// `acc + isum · (d_w · d_x)` (Q4_1: `+ m_w · s_x` inside the bracket).
-#[target_feature(enable = "avx2")]
-#[inline]
-fn combine(
+///
+/// # Safety
+/// AVX2 must be available (always inlined into an AVX2 caller; see [`unpack_avx2`]).
+#[inline(always)]
+unsafe fn combine(
     dtype: DType,
     (dw, mw): (__m256, __m256),
     a: &QuantizedActs,
@@ -193,8 +194,7 @@ unsafe fn unpack_avx2(dtype: DType, qp: *const u8) -> [__m256i; 16] {
 ///
 /// # Safety
 /// AVX2 must be available; `ap` must point at 32 activation codes.
-#[target_feature(enable = "avx2")]
-#[inline]
+#[inline(always)]
 unsafe fn isum_avx2(dtype: DType, v: &[__m256i; 16], ap: *const i8, qsum: i32) -> __m256i {
     let q8 = signed_codes(dtype);
     let ones = _mm256_set1_epi16(1);
@@ -234,6 +234,23 @@ unsafe fn isum_avx2(dtype: DType, v: &[__m256i; 16], ap: *const i8, qsum: i32) -
     }
 }
 
+/// Calls `$body` with `$dtype` as a literal constant in each arm, one arm per code type
+/// of the 8-row packing: the always-inlined per-block steps then fold every `dtype` branch
+/// (a copy of the loop per type). With the type a run-time value the loop kept its
+/// branches and spilled the unpacked codes to the stack.
+macro_rules! per_code_type {
+    ($dtype:expr, $body:ident ( $($arg:expr),* )) => {
+        match $dtype {
+            DType::Q4_0 => $body(DType::Q4_0, $($arg),*),
+            DType::Q4_1 => $body(DType::Q4_1, $($arg),*),
+            DType::Q5_0 => $body(DType::Q5_0, $($arg),*),
+            DType::Q8_0 => $body(DType::Q8_0, $($arg),*),
+            DType::IQ4_NL => $body(DType::IQ4_NL, $($arg),*),
+            other => unreachable!("packed {other}"),
+        }
+    };
+}
+
 /// AVX2 group kernel.
 ///
 /// # Safety
@@ -241,8 +258,20 @@ unsafe fn isum_avx2(dtype: DType, v: &[__m256i; 16], ap: *const i8, qsum: i32) -
 /// of `dtype` with as many blocks as `a`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn group_avx2(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 8]) {
+    // SAFETY: the caller's guarantees, passed on.
+    unsafe { per_code_type!(dtype, group_avx2_body(g, a, out)) }
+}
+
+/// [`group_avx2`]'s loop for one code type.
+///
+/// # Safety
+/// As for [`group_avx2`]; always inlined into it (which enables AVX2).
+#[inline(always)]
+unsafe fn group_avx2_body(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 8]) {
     let qsb = qs_bytes(dtype);
     assert!(g.qs.len() >= g.nb * qsb && a.q.len() >= g.nb * QK);
+    assert!(a.d.len() >= g.nb && a.qsum.len() >= g.nb);
+    assert!(dtype != DType::Q4_1 || a.s.len() >= g.nb);
     let mut acc = _mm256_setzero_ps();
     for b in 0..g.nb {
         // SAFETY: every pointer below stays inside block `b` of `g.qs` (qsb bytes) and
@@ -268,6 +297,21 @@ pub unsafe fn group_avx2(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [
 /// As for [`group_avx2`], for every token.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn group_tokens_avx2(
+    dtype: DType,
+    g: &Group,
+    acts: &[&QuantizedActs; TOKENS],
+    out: &mut [[f32; GROUP]; TOKENS],
+) {
+    // SAFETY: the caller's guarantees, passed on.
+    unsafe { per_code_type!(dtype, group_tokens_avx2_body(g, acts, out)) }
+}
+
+/// [`group_tokens_avx2`]'s loop for one code type.
+///
+/// # Safety
+/// As for [`group_tokens_avx2`]; always inlined into it (which enables AVX2).
+#[inline(always)]
+unsafe fn group_tokens_avx2_body(
     dtype: DType,
     g: &Group,
     acts: &[&QuantizedActs; TOKENS],
