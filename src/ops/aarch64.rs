@@ -51,9 +51,8 @@ pub(super) fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
 /// else 0 (a Q5_0 fifth-bit mask of 16 elements).
 ///
 /// # Safety
-/// NEON must be available; `p` must point at two readable bytes.
-#[target_feature(enable = "neon")]
-#[inline]
+/// `p` must point at two readable bytes (NEON is baseline on aarch64).
+#[inline(always)]
 unsafe fn fifth_bits(p: *const u8) -> uint8x16_t {
     const BIT: [u8; 16] = [1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128];
     // SAFETY: the caller guarantees the two bytes; `BIT` is 16 bytes.
@@ -68,10 +67,10 @@ unsafe fn fifth_bits(p: *const u8) -> uint8x16_t {
 /// IQ4_NL: the levels `K[nibble]`).
 ///
 /// # Safety
-/// NEON must be available (baseline on aarch64); `qp` must point at one block of codes
-/// of `dtype`.
-#[target_feature(enable = "neon")]
-#[inline]
+/// `qp` must point at one block of codes of `dtype` (NEON is baseline on aarch64). Always
+/// inlined: with `dtype` a constant (`per_code_type!`) its branches fold, and the codes
+/// stay in registers instead of being returned through memory by a call per block.
+#[inline(always)]
 unsafe fn unpack(dtype: DType, qp: *const u8) -> [int8x16_t; 16] {
     let mut w = [vdupq_n_s8(0); 16];
     // SAFETY: `IQ4_VALUES` is 16 bytes.
@@ -115,9 +114,9 @@ unsafe fn unpack(dtype: DType, qp: *const u8) -> [int8x16_t; 16] {
 /// (`acc[0]` rows 0..4, `acc[1]` rows 4..8). `dw`, `mw`: the block's scales / minimums.
 ///
 /// # Safety
-/// NEON + dotprod must be available; `ap` must point at 32 activation codes.
-#[target_feature(enable = "neon,dotprod")]
-#[inline]
+/// `ap` must point at 32 activation codes; only inlined into the kernels below, which
+/// enable `dotprod` (the `sdot`s).
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn block_step(
     dtype: DType,
@@ -167,7 +166,7 @@ unsafe fn block_step(
 pub unsafe fn group_neon_dotprod(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 8]) {
     let mut o = [[0.0f32; GROUP]; TOKENS];
     // SAFETY: the caller's guarantees are the multi-token body's, for one token.
-    unsafe { tokens::<1>(dtype, g, &[a], &mut o) };
+    unsafe { per_code_type!(dtype, tokens::<1>, (g, &[a], &mut o)) };
     *out = o[0];
 }
 
@@ -184,15 +183,16 @@ pub unsafe fn group_tokens_neon_dotprod(
     out: &mut [[f32; GROUP]; TOKENS],
 ) {
     // SAFETY: forwarded from the caller.
-    unsafe { tokens::<TOKENS>(dtype, g, acts, out) }
+    unsafe { per_code_type!(dtype, tokens::<TOKENS>, (g, acts, out)) }
 }
 
-/// The kernel body for `T ≤ TOKENS` tokens (results in `out[..T]`).
+/// The kernel body for `T ≤ TOKENS` tokens (results in `out[..T]`), called with `dtype` a
+/// constant (`per_code_type!`).
 ///
 /// # Safety
-/// As for [`group_neon_dotprod`], for every token.
-#[target_feature(enable = "neon,dotprod")]
-#[inline]
+/// As for [`group_neon_dotprod`], for every token; always inlined into it or into
+/// [`group_tokens_neon_dotprod`] (which enable `dotprod`).
+#[inline(always)]
 unsafe fn tokens<const T: usize>(
     dtype: DType,
     g: &Group,

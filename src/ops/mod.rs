@@ -2,6 +2,25 @@
 //! tails, parallel across independent outputs with rayon (never across a float
 //! reduction, so results do not depend on the thread count).
 
+/// Calls `$body` with `$dtype` as a literal constant in each arm, one arm per code type
+/// of the 8-row packing: the always-inlined per-block steps then fold every `dtype` branch
+/// (a copy of the loop per type). With the type a run-time value the AVX2 loop kept its
+/// branches and spilled the unpacked codes to the stack, and the NEON one called its
+/// unpacking as a function per block. Shared by `x86` and `aarch64` (defined before them).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! per_code_type {
+    ($dtype:expr, $body:expr, ( $($arg:expr),* )) => {
+        match $dtype {
+            DType::Q4_0 => $body(DType::Q4_0, $($arg),*),
+            DType::Q4_1 => $body(DType::Q4_1, $($arg),*),
+            DType::Q5_0 => $body(DType::Q5_0, $($arg),*),
+            DType::Q8_0 => $body(DType::Q8_0, $($arg),*),
+            DType::IQ4_NL => $body(DType::IQ4_NL, $($arg),*),
+            other => unreachable!("packed {other}"),
+        }
+    };
+}
+
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
 pub mod float_dot;

@@ -234,23 +234,6 @@ unsafe fn isum_avx2(dtype: DType, v: &[__m256i; 16], ap: *const i8, qsum: i32) -
     }
 }
 
-/// Calls `$body` with `$dtype` as a literal constant in each arm, one arm per code type
-/// of the 8-row packing: the always-inlined per-block steps then fold every `dtype` branch
-/// (a copy of the loop per type). With the type a run-time value the loop kept its
-/// branches and spilled the unpacked codes to the stack.
-macro_rules! per_code_type {
-    ($dtype:expr, $body:ident ( $($arg:expr),* )) => {
-        match $dtype {
-            DType::Q4_0 => $body(DType::Q4_0, $($arg),*),
-            DType::Q4_1 => $body(DType::Q4_1, $($arg),*),
-            DType::Q5_0 => $body(DType::Q5_0, $($arg),*),
-            DType::Q8_0 => $body(DType::Q8_0, $($arg),*),
-            DType::IQ4_NL => $body(DType::IQ4_NL, $($arg),*),
-            other => unreachable!("packed {other}"),
-        }
-    };
-}
-
 /// AVX2 group kernel.
 ///
 /// # Safety
@@ -259,7 +242,7 @@ macro_rules! per_code_type {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn group_avx2(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 8]) {
     // SAFETY: the caller's guarantees, passed on.
-    unsafe { per_code_type!(dtype, group_avx2_body(g, a, out)) }
+    unsafe { per_code_type!(dtype, group_avx2_body, (g, a, out)) }
 }
 
 /// [`group_avx2`]'s loop for one code type.
@@ -302,7 +285,7 @@ pub unsafe fn group_tokens_avx2(
     out: &mut [[f32; GROUP]; TOKENS],
 ) {
     // SAFETY: the caller's guarantees, passed on.
-    unsafe { per_code_type!(dtype, group_tokens_avx2_body(g, acts, out)) }
+    unsafe { per_code_type!(dtype, group_tokens_avx2_body, (g, acts, out)) }
 }
 
 /// [`group_tokens_avx2`]'s loop for one code type.
