@@ -521,8 +521,8 @@ pub unsafe fn group_tokens_avx512vnni(
 /// The AVX2 one-token kernel prefetches in every matrix: a model larger than the last-level
 /// cache streams each of its small matrices from DRAM every token, and a weaker hardware
 /// prefetcher does not keep up with a group's three streams (codes, scales, minimums). On
-/// a 2-vCPU Zen 1 EPYC (AVX2, 8 MiB L3), SmolLM2-135M Q4_1 decode, 128 tokens after a
-/// 64-token prompt, binaries alternating for three rounds: one thread 61-67 tok/s with it
+/// a 2-vCPU Zen 1 EPYC (AVX2, 8 MiB L3), SmolLM2-135M Q4_1 decode, 129 tokens after an
+/// 89-token prompt, binaries alternating for three rounds: one thread 61-67 tok/s with it
 /// in every matrix against 47-50 without, two threads 101-106 against 67-76;
 /// `qdot/1536x576` (L2-resident) unchanged within noise (Q4_1 7.6 GiB/s, Q8_0 11.7).
 const PREFETCH_BLOCKS: usize = 16;
