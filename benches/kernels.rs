@@ -431,7 +431,7 @@ fn bench_attention(c: &mut Criterion) {
 /// query each) over 16K rows, with fixed weights (no softmax, no append). Throughput =
 /// bytes of codes and parameters read.
 fn bench_kv_kernels(g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
-    use tinygpt_cpu::quant::{
+    use tinygpt_cpu::kivi::{
         axpy_codes_rows_with, dot_codes_groups_with, Bits, KRun, KvKernel, VRun,
     };
     const GROUP: usize = 32;
@@ -588,9 +588,9 @@ fn bench_attention_gqa(c: &mut Criterion) {
     g.finish();
 
     // The two kernels alone, one KV head, single-query (per head) vs multi-query.
-    use tinygpt_cpu::quant::{self, Bits};
+    use tinygpt_cpu::kivi::{self, Bits};
     let (hd, nq, n, group) = (64usize, 3usize, ATTN_ROWS, 32usize);
-    let kernel = tinygpt_cpu::ops::simd::kv_kernel();
+    let kernel = tinygpt_cpu::kivi::kv_kernel();
     eprintln!("kivi_gqa_16k: KV kernel {}", kernel.name());
     let mut g = c.benchmark_group("kivi_gqa_16k");
     for (bits, name) in [(Bits::Int4, "int4"), (Bits::Int2, "int2")] {
@@ -612,7 +612,7 @@ fn bench_attention_gqa(c: &mut Criterion) {
             .collect();
         let qh = uniform(&mut rng, nq * hd, 2.0);
         let probs: Vec<f32> = (0..nq * n).map(|i| 1e-4 + (i % 13) as f32 * 1e-5).collect();
-        let krun = quant::KRun {
+        let krun = kivi::KRun {
             codes: &codes,
             hd,
             scale: &ks,
@@ -621,7 +621,7 @@ fn bench_attention_gqa(c: &mut Criterion) {
             offset: 0,
             bits,
         };
-        let vrun = quant::VRun {
+        let vrun = kivi::VRun {
             codes: &codes,
             scale: &vs,
             zero: &vz,
@@ -639,7 +639,7 @@ fn bench_attention_gqa(c: &mut Criterion) {
                     let t = Clock::ThreadCpu.now();
                     for _ in 0..iters {
                         match (side, multi) {
-                            ("k", true) => quant::dot_codes_groups_multi_with(
+                            ("k", true) => kivi::dot_codes_groups_multi_with(
                                 kernel,
                                 &krun,
                                 &qh,
@@ -647,7 +647,7 @@ fn bench_attention_gqa(c: &mut Criterion) {
                                 &mut scores,
                                 n,
                             ),
-                            ("k", _) => quant::dot_codes_groups_with(
+                            ("k", _) => kivi::dot_codes_groups_with(
                                 kernel,
                                 &krun,
                                 &qh,
@@ -655,10 +655,10 @@ fn bench_attention_gqa(c: &mut Criterion) {
                                 &mut scores,
                                 n,
                             ),
-                            (_, true) => quant::axpy_codes_rows_multi_with(
+                            (_, true) => kivi::axpy_codes_rows_multi_with(
                                 kernel, &vrun, &probs, n, &mut acc, &mut bias,
                             ),
-                            _ => quant::axpy_codes_rows_with(
+                            _ => kivi::axpy_codes_rows_with(
                                 kernel, &vrun, &probs, n, &mut acc, &mut bias,
                             ),
                         }

@@ -32,7 +32,7 @@
 //! take the fused path in both modes.
 //!
 //! Scores are reduced eight rows at a time (`ops::simd::reduce8`; the AVX-512 KIVI kernels
-//! sixteen, `quant::x86`), always in the same order, so a row's score does not depend on
+//! sixteen, `kivi::x86::avx512`), always in the same order, so a row's score does not depend on
 //! how the rows were cut into runs or blocks.
 //! Folding changes the summation order, so results match the dequantise-then-dot path
 //! (and the reference) to rounding, not bit for bit. Cost per step is O(stored rows).
@@ -45,8 +45,8 @@
 //! keys are bit-identical to the reference's.
 
 use crate::config::Config;
+use crate::kivi::hadamard;
 use crate::kv_cache::{EvictionPolicy, KvConfig, LayerKv, PositionsMode};
-use crate::ops::hadamard;
 use crate::ops::simd::{load8, reduce8, store8};
 use rayon::prelude::*;
 use std::ops::Range;
@@ -288,13 +288,13 @@ fn reduce_rows(acc: &[f32x8; BLOCK]) -> [f32; BLOCK] {
 /// lanes at a time (`wide`'s polynomial, within 2 ulp of libm's; `exp(−inf) = 0`), the
 /// sum over eight lane accumulators, one division per value. Differs from the
 /// reference's scalar loop by rounding only (the attention tests bound it). The
-/// `avx512` variant (`ops::simd::KvKernel`) computes the same `exp` per value sixteen
+/// `avx512` variant (`kivi::KvKernel`) computes the same `exp` per value sixteen
 /// lanes at a time and adds the sum in another order.
 pub fn softmax(x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::ops::simd::kv_kernel() == crate::ops::simd::KvKernel::Avx512 {
+    if crate::kivi::kv_kernel() == crate::kivi::KvKernel::Avx512 {
         // SAFETY: `kv_kernel` picks the AVX-512 variant only when the CPU has AVX-512 F.
-        unsafe { crate::ops::simd::avx512::softmax(x) };
+        unsafe { crate::kivi::softmax_avx512(x) };
         return;
     }
     softmax_portable(x)
@@ -1278,7 +1278,7 @@ mod tests {
                 out_f.iter().all(|x| x.is_finite()),
                 "{c:?} pos={pos}: non-finite"
             );
-            if crate::ops::simd::kv_kernel() == crate::ops::simd::KvKernel::Portable {
+            if crate::kivi::kv_kernel() == crate::kivi::KvKernel::Portable {
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&out_f), bits(&out_r), "{c:?} pos={pos}: output");
                 assert_eq!(bits(&p_f), bits(&p_r), "{c:?} pos={pos}: weights");

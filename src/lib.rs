@@ -9,9 +9,10 @@
 //! [`weights`] (safetensors / `.tinygpt` / [`gguf`] → named tensors, memory-mapped) →
 //! [`tokenizer`] (+ [`chat`] templates) →
 //! [`model`] (forward pass) → [`attention`] (+ [`rope`] frequencies) → [`kv_cache`] (policy:
-//! which rows survive; storage: how they are held) → [`quant`] (the KV cache's KIVI
-//! quantisers only; GGML weight blocks are dequantised by [`dequant`] and multiplied by
-//! `ops::qdot`) → [`ops`] (SIMD kernels + rayon) → [`sampler`] → [`generate`]
+//! which rows survive; storage: how they are held) → [`kivi`] (the KV cache's codes: KIVI
+//! quantisers, the fused attention kernels over codes per ISA, the Hadamard rotation; GGML
+//! weight blocks are dequantised by [`dequant`] and multiplied by `ops::qdot`) → [`ops`]
+//! (SIMD kernels + rayon) → [`sampler`] → [`generate`]
 //! (prefill/decode loop, stats) → [`cli`];
 //! [`server`] runs many sequences at once behind an OpenAI-shaped HTTP API.
 
@@ -26,11 +27,11 @@ pub mod eval;
 pub mod generate;
 pub mod gguf;
 pub mod interrupt;
+pub mod kivi;
 pub mod kv_cache;
 pub mod memory;
 pub mod model;
 pub mod ops;
-pub mod quant;
 pub mod relay;
 pub mod rope;
 pub mod sampler;

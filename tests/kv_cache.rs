@@ -143,7 +143,7 @@ fn max_rel_err(got: &[f32], want: &[f32]) -> f32 {
 /// Whether a KIVI kernel variant (and the softmax it selects) adds in the portable
 /// kernels' order, hence must give their bits (`portable`, `avx512-exact`: docs/design.md
 /// §2.3).
-fn exact_kernel(k: tinygpt_cpu::ops::simd::KvKernel) -> bool {
+fn exact_kernel(k: tinygpt_cpu::kivi::KvKernel) -> bool {
     k.is_exact()
 }
 
@@ -205,7 +205,7 @@ fn run_case(c: &Case) {
             );
         }
         assert_eq!(engine.bytes(), reference.bytes(), "{c:?} pos={pos} bytes");
-        if exact_kernel(tinygpt_cpu::ops::simd::kv_kernel()) {
+        if exact_kernel(tinygpt_cpu::kivi::kv_kernel()) {
             assert_eq!(to_bits(&out_e), to_bits(&out_r), "{c:?} pos={pos}: output");
             assert_eq!(to_bits(&p_e), to_bits(&p_r), "{c:?} pos={pos}: weights");
         }
@@ -871,8 +871,8 @@ fn validate_rejects_bad_flags() {
     }
 }
 
-/// Every KIVI attention kernel variant the CPU supports (`ops::simd::KvKernel`) against
-/// the scalar twins (`quant::dot_codes_scalar`, per-row `u·s + z`), summed in f64: random
+/// Every KIVI attention kernel variant the CPU supports (`kivi::KvKernel`) against
+/// the scalar twins (`kivi::dot_codes_scalar`, per-row `u·s + z`), summed in f64: random
 /// head dims (the AVX-512 ones and others), run lengths 1, around 16 (its block) and 32
 /// (a K group), 1 and 3 queries, constant channels (the smallest scale, one code),
 /// extreme parameters (±65504) and zero weights. The bound is the f32 summation-order
@@ -880,7 +880,7 @@ fn validate_rejects_bad_flags() {
 #[test]
 fn kivi_kernels_every_variant_match_scalar_twins() {
     use half::f16;
-    use tinygpt_cpu::quant::{
+    use tinygpt_cpu::kivi::{
         axpy_codes_rows_with, dot_codes_groups_with, get, Bits, KRun, KvKernel, VRun,
     };
     let kernels = KvKernel::supported();
@@ -1113,7 +1113,7 @@ fn kivi_kernels_every_variant_match_scalar_twins() {
 /// silently skip `neon` on aarch64, e.g. under qemu, or `avx2` on an AVX2 CPU).
 #[test]
 fn kv_kernel_variants_named_and_detected() {
-    use tinygpt_cpu::quant::KvKernel;
+    use tinygpt_cpu::kivi::KvKernel;
     for k in KvKernel::ALL {
         assert_eq!(KvKernel::from_name(k.name()), Some(k), "{k:?}");
     }

@@ -18,7 +18,7 @@
 use half::f16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use tinygpt_cpu::quant::{
+use tinygpt_cpu::kivi::{
     axpy_codes_rows_multi_with, axpy_codes_rows_with, axpy_codes_scalar,
     dot_codes_groups_multi_with, dot_codes_groups_with, dot_codes_scalar, fold_channels_scalar,
     get, Bits, KRun, KvKernel, VRun, MULTI_MAX,

@@ -12,7 +12,7 @@ use tinygpt_cpu::weights::ModelFiles;
 /// Whether the engine's KIVI kernels add in the reference's order (`portable`,
 /// `avx512-exact`: docs/design.md §2.3): then ids and logits must be identical, bit for bit.
 fn exact_kernels() -> bool {
-    tinygpt_cpu::ops::simd::kv_kernel().is_exact()
+    tinygpt_cpu::kivi::kv_kernel().is_exact()
 }
 
 /// Engine vs reference logits with the same cache under kernels that add in other orders

@@ -37,7 +37,7 @@ use tinygpt_cpu::weights::ModelFiles;
 /// Whether the engine's KIVI kernels add in the reference's order (then the perplexities
 /// must be identical bits).
 fn exact_kernels() -> bool {
-    tinygpt_cpu::ops::simd::kv_kernel().is_exact()
+    tinygpt_cpu::kivi::kv_kernel().is_exact()
 }
 
 /// Relative perplexity difference allowed between the engine and the reference (0: the

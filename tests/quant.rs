@@ -15,7 +15,7 @@ use std::collections::BTreeSet;
 use tinygpt_cpu::attention::{attend, AttnScratch, RopeTable};
 use tinygpt_cpu::config::{Config, RopeScaling};
 use tinygpt_cpu::kv_cache::{KvConfig, KvRotation, LayerKv, PositionsMode, Precision};
-use tinygpt_cpu::quant::{self as q, Bits};
+use tinygpt_cpu::kivi::{self as q, Bits};
 use tinygpt_reference::kv_cache::LayerCache;
 use tinygpt_reference::quant::{self as r, Affine};
 use tinygpt_reference::rope::Rope;

@@ -12,9 +12,9 @@ mod common;
 use common::*;
 use tinygpt_cpu::eval::perplexity;
 use tinygpt_cpu::generate::{Engine, EngineRun, ReferenceRun};
+use tinygpt_cpu::kivi::{kv_kernel, KvKernel};
 use tinygpt_cpu::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
 use tinygpt_cpu::model::{reference_model, Model, WeightsDType};
-use tinygpt_cpu::ops::simd::{kv_kernel, KvKernel};
 use tinygpt_cpu::weights::ModelFiles;
 use tinygpt_reference::order;
 

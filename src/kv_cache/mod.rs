@@ -102,7 +102,7 @@ pub fn validate(kv: &KvConfig, cfg: &Config) -> Result<()> {
     if cfg.head_dim == 0 || cfg.n_kv_heads == 0 {
         return Err(Error::flag("--kv-quantize", "model has no KV heads"));
     }
-    if kv.rotation == KvRotation::Hadamard && !crate::ops::hadamard::supported(cfg.head_dim) {
+    if kv.rotation == KvRotation::Hadamard && !crate::kivi::hadamard::supported(cfg.head_dim) {
         return Err(Error::flag(
             "--kv-rotation",
             format!(

@@ -26,7 +26,6 @@ mod aarch64;
 pub mod float_dot;
 #[cfg(target_arch = "x86_64")]
 mod float_x86;
-pub mod hadamard;
 pub mod kquant;
 pub mod kquant_low;
 #[cfg(target_arch = "aarch64")]

@@ -23,7 +23,7 @@
 
 use super::plain::PlainRun;
 use super::{ensure, KeyRun, KeyStore, Region, RowStore, Shape};
-use crate::quant::{self, Bits};
+use crate::kivi::{self, Bits};
 use half::{f16, slice::HalfFloatSliceExt};
 use std::ops::Range;
 
@@ -123,7 +123,7 @@ impl ChannelQuant {
             ensure(&mut self.scale[h], (group_slot + 1) * hd);
             ensure(&mut self.zero[h], (group_slot + 1) * hd);
             for c in 0..hd {
-                let (s, z) = quant::params(lo[c], hi[c], self.bits);
+                let (s, z) = kivi::params(lo[c], hi[c], self.bits);
                 self.scale[h][group_slot * hd + c] = s;
                 self.zero[h][group_slot * hd + c] = z;
                 s32[c] = s.to_f32();
@@ -132,7 +132,7 @@ impl ChannelQuant {
             for &(b, slot) in rows {
                 let r = b % cap;
                 ensure(&mut self.codes[h], (slot + 1) * p);
-                quant::quantize_channels(
+                kivi::quantize_channels(
                     &res[r * hd..(r + 1) * hd],
                     &s32,
                     &z32,
@@ -155,7 +155,7 @@ impl ChannelQuant {
     #[inline]
     fn read_quant(&self, h: usize, slot: usize, scale: &[f32], zero: &[f32], out: &mut [f32]) {
         let p = self.packed;
-        quant::dequantize_channels(
+        kivi::dequantize_channels(
             &self.codes[h][slot * p..(slot + 1) * p],
             scale,
             zero,
@@ -354,8 +354,8 @@ impl KeyRun for ChannelRun<'_> {
     /// unpacked once for all the queries (grouped-query attention). A row's score does not
     /// depend on how many groups the run spans, nor on how many queries share the call.
     fn dot_rows(&self, qs: &[f32], fold: &mut [f32], out: &mut [f32], stride: usize) {
-        quant::dot_codes_groups_multi(
-            &quant::KRun {
+        kivi::dot_codes_groups_multi(
+            &kivi::KRun {
                 codes: self.codes,
                 hd: self.hd,
                 scale: self.scale,
@@ -393,7 +393,7 @@ impl KeyRun for ChannelRun<'_> {
                 let m = codes.len() / p;
                 let out = &mut buf[..m * hd];
                 for (row, c) in out.chunks_exact_mut(hd).zip(codes.chunks_exact(p)) {
-                    quant::dequantize_channels_simd(c, s, z, self.bits, row);
+                    kivi::dequantize_channels_simd(c, s, z, self.bits, row);
                 }
                 f(rows.start + b * block, out);
             }

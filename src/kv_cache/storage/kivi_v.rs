@@ -13,7 +13,7 @@
 
 use super::plain::{PlainRun, Rows};
 use super::{ensure, Region, RowStore, Shape, ValueRun, ValueStore};
-use crate::quant::{self, Bits};
+use crate::kivi::{self, Bits};
 use half::f16;
 use std::ops::Range;
 
@@ -71,7 +71,7 @@ impl TokenQuant {
         ensure(&mut self.scale[h], slot + 1);
         ensure(&mut self.zero[h], slot + 1);
         let (s, z) =
-            quant::quantize_token(src, self.bits, &mut self.codes[h][slot * p..(slot + 1) * p]);
+            kivi::quantize_token(src, self.bits, &mut self.codes[h][slot * p..(slot + 1) * p]);
         self.scale[h][slot] = s;
         self.zero[h][slot] = z;
     }
@@ -79,7 +79,7 @@ impl TokenQuant {
     #[inline]
     fn read_slot(&self, h: usize, slot: usize, out: &mut [f32]) {
         let p = self.packed;
-        quant::dequantize_token(
+        kivi::dequantize_token(
             &self.codes[h][slot * p..(slot + 1) * p],
             self.scale[h][slot],
             self.zero[h][slot],
@@ -138,7 +138,7 @@ impl ValueRun for TokenRun<'_> {
     #[cfg(test)]
     fn read(&self, r: usize, out: &mut [f32]) {
         let p = self.packed;
-        quant::dequantize_token(
+        kivi::dequantize_token(
             &self.codes[r * p..(r + 1) * p],
             self.scale[r],
             self.zero[r],
@@ -155,8 +155,8 @@ impl ValueRun for TokenRun<'_> {
     fn axpy_rows(&self, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]) {
         debug_assert_eq!(acc.len(), bias.len() * self.hd);
         debug_assert_eq!(self.codes.len(), self.len() * self.packed);
-        quant::axpy_codes_rows_multi(
-            &quant::VRun {
+        kivi::axpy_codes_rows_multi(
+            &kivi::VRun {
                 codes: self.codes,
                 scale: self.scale,
                 zero: self.zero,

@@ -24,18 +24,18 @@
 //! Code packing: `packed(n)` is `n` bytes for int8, `ceil(n / 2)` for int4, whose
 //! element `2j` is the **low** nibble of byte `j` and element `2j + 1` the **high**
 //! nibble, and `ceil(n / 4)` for int2, element `4j + i` in bits `2i..2i + 2` of byte `j`
-//! (see [`crate::quant`]). Codes are never handed out: every read dequantises into f32.
+//! (see [`crate::kivi`]). Codes are never handed out: every read dequantises into f32.
 
 pub(crate) mod kivi_k;
 pub(crate) mod kivi_v;
 pub(crate) mod plain;
 
 use super::policy::EvictionPolicy;
-use crate::quant::Bits;
+use crate::kivi::Bits;
+use crate::kv_cache::Precision;
 use half::{bf16, f16};
 use std::fmt::Debug;
 use std::ops::Range;
-use tinygpt_reference::kv_cache::Precision;
 
 pub(crate) use crate::ops::simd::Elem;
 

@@ -1,8 +1,10 @@
 //! The `avx512-exact` variant of the fused KIVI attention kernels
-//! ([`crate::quant::dot_codes_groups`], [`crate::quant::axpy_codes_rows`] and their
-//! multi-query forms; AVX-512 F/BW/VL + F16C) for head dims 32, 64, 128 and 256. They add exactly the terms of the portable kernels in exactly their order, so
-//! every score, weighted sum and bias equals the portable kernels' bit for bit
-//! (`tests/kv_cache.rs`, `tests/kv_gqa.rs`); only the way codes reach the lanes differs.
+//! ([`crate::kivi::dot_codes_groups`], [`crate::kivi::axpy_codes_rows`] and their
+//! multi-query forms; AVX-512 F/BW/VL + F16C) for head dims 32, 64, 128 and 256: AVX-512
+//! in the portable order. They add exactly the terms of the portable kernels
+//! (`../portable/`) in exactly their order, so every score, weighted sum and bias equals
+//! the portable kernels' bit for bit (`tests/kv_cache.rs`, `tests/kv_gqa.rs`); only the
+//! way codes reach the lanes differs.
 //!
 //! The portable order (docs/design.md §2.1, §2.3) puts element `16m + c` of a row (`c <
 //! 16`) into lane `c % 8` of accumulator `c / 8`: in one 512-bit register, lane `c` holds
@@ -17,7 +19,7 @@
 //!   then reduced by the portable tree — lanes `c` and `c + 8` first, then
 //!   `((t0+t1)+(t2+t3))+((t4+t5)+(t6+t7))` — laid out as four levels of `vpermt2ps` pairs
 //!   that also transpose the block ([`reduce`]), plus the portable tail (`+ 0.0`) and the
-//!   fold's bias (computed by the portable `fold_channels` itself).
+//!   fold's bias (computed by the portable fold, `crate::kivi::fold_channels`, itself).
 //! * Values: per element one chain over the rows in order, starting from the caller's
 //!   accumulator (permuted into lane order once per call and back at the end), a row with
 //!   weight exactly 0 skipped, and the bias `Σ p_r z_r` added row by row — as the portable
@@ -26,10 +28,15 @@
 //!
 //! Multiply-adds are fused exactly when the portable kernels' are (`float_dot::FUSED`).
 
-use super::takes;
+use crate::kivi::{KRun, VRun};
 use crate::ops::float_dot::FUSED;
-use crate::quant::{KRun, VRun};
 use std::arch::x86_64::*;
+
+/// Whether the kernels here take head dim `hd` (those of every x86 variant).
+#[inline]
+pub(in crate::kivi) fn takes(hd: usize) -> bool {
+    super::takes(hd)
+}
 
 /// Bytes per row of `hd` codes of width `W`.
 #[inline(always)]
@@ -227,13 +234,13 @@ fn reduce(p: &[__m512; 16], tree: &[[__m512i; 2]; 4]) -> __m512 {
 }
 
 /// Scores of a run of KIVI K rows against `nq = q.len() / HD` queries (see
-/// [`crate::quant::dot_codes_groups`]), one query at a time.
+/// [`crate::kivi::dot_codes_groups`]), one query at a time.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL and F16C must be available (run-time detection,
-/// [`crate::ops::simd::KvKernel`]). Lengths are checked by assertions.
+/// [`crate::kivi::KvKernel`]). Lengths are checked by assertions.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
-pub(in crate::quant) unsafe fn dot_codes_groups<const W: u8, const HD: usize>(
+pub(in crate::kivi) unsafe fn dot_codes_groups<const W: u8, const HD: usize>(
     run: &KRun<'_>,
     q: &[f32],
     out: &mut [f32],
@@ -263,7 +270,7 @@ pub(in crate::quant) unsafe fn dot_codes_groups<const W: u8, const HD: usize>(
 /// # Safety
 /// As [`dot_codes_groups`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
-pub(in crate::quant) unsafe fn dot_codes_groups_multi<
+pub(in crate::kivi) unsafe fn dot_codes_groups_multi<
     const W: u8,
     const HD: usize,
     const G: usize,
@@ -303,7 +310,7 @@ pub(in crate::quant) unsafe fn dot_codes_groups_multi<
         let b = ((k + 1) * group - offset).min(rows);
         let (s, z) = (&scale[k * HD..(k + 1) * HD], &zero[k * HD..(k + 1) * HD]);
         for (g, (qvg, bg)) in qv.iter_mut().zip(bias.iter_mut()).enumerate() {
-            *bg = crate::quant::fold_channels(&q[g * HD..(g + 1) * HD], s, z, &mut qs[..HD]);
+            *bg = crate::kivi::fold_channels(&q[g * HD..(g + 1) * HD], s, z, &mut qs[..HD]);
             for (m, x) in qvg.iter_mut().enumerate().take(nc) {
                 // SAFETY: qs[16m..16m + 16] is in bounds (16m + 16 ≤ HD ≤ 256); unaligned.
                 *x = _mm512_permutexvar_ps(ix.chan, unsafe {
@@ -346,13 +353,13 @@ pub(in crate::quant) unsafe fn dot_codes_groups_multi<
 }
 
 /// `acc_j += Σ_r (p_jr s_r) u_r`, `bias[j] += Σ_r p_jr z_r` (see
-/// [`crate::quant::axpy_codes_rows`]) for `nq = bias.len()` queries, one at a time.
+/// [`crate::kivi::axpy_codes_rows`]) for `nq = bias.len()` queries, one at a time.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL and F16C must be available (run-time detection,
-/// [`crate::ops::simd::KvKernel`]). Lengths are checked by assertions.
+/// [`crate::kivi::KvKernel`]). Lengths are checked by assertions.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
-pub(in crate::quant) unsafe fn axpy_codes_rows<const W: u8, const HD: usize>(
+pub(in crate::kivi) unsafe fn axpy_codes_rows<const W: u8, const HD: usize>(
     run: &VRun<'_>,
     p: &[f32],
     stride: usize,
@@ -396,7 +403,7 @@ const fn pass<const G: usize>() -> usize {
 /// # Safety
 /// As [`axpy_codes_rows`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
-pub(in crate::quant) unsafe fn axpy_codes_rows_multi<
+pub(in crate::kivi) unsafe fn axpy_codes_rows_multi<
     const W: u8,
     const HD: usize,
     const G: usize,

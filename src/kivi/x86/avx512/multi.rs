@@ -126,7 +126,7 @@ unsafe fn score_rows_multi<const W: u8, const HD: usize, const G: usize>(
 /// # Safety
 /// As [`dot_codes_groups`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
-pub(in crate::quant) unsafe fn dot_codes_groups_multi<
+pub(in crate::kivi) unsafe fn dot_codes_groups_multi<
     const W: u8,
     const HD: usize,
     const G: usize,
@@ -260,7 +260,7 @@ unsafe fn vec_axpy_chunk<const W: u8, const HD: usize, const G: usize>(
 /// # Safety
 /// As [`axpy_codes_rows`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
-pub(in crate::quant) unsafe fn axpy_codes_rows_multi<
+pub(in crate::kivi) unsafe fn axpy_codes_rows_multi<
     const W: u8,
     const HD: usize,
     const G: usize,

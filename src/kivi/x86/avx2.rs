@@ -1,5 +1,6 @@
-//! AVX2 + FMA + F16C variants of the same two kernels (the `avx2`
-//! [`crate::ops::simd::KvKernel`], for x86_64 CPUs without AVX-512), for the head dims of
+//! The `avx2` variant of the fused KIVI attention kernels ([`crate::kivi::dot_codes_groups`],
+//! [`crate::kivi::axpy_codes_rows`] and their multi-query forms; AVX2 + FMA + F16C, the
+//! [`crate::kivi::KvKernel`] for x86_64 CPUs without AVX-512), for the head dims of
 //! [`takes`]. The scheme of the AVX-512 ones on 8 lanes: codes read as they lie, 32 bytes
 //! at a time (`RPL = 32 / BPR` whole rows per load, or `BPR / 32` loads per row); code
 //! `k` of every dword comes out with one shift, then a mask and `vcvtdq2ps` (int8, int4)
@@ -16,13 +17,13 @@
 //!
 //! Same products as the portable kernels; only the order of the sums differs.
 
-use crate::quant::{KRun, VRun};
+use crate::kivi::{KRun, VRun};
 use half::f16;
 use std::arch::x86_64::*;
 
 /// Whether these kernels take head dim `hd` (those of the AVX-512 variant).
 #[inline]
-pub(in crate::quant) fn takes(hd: usize) -> bool {
+pub(in crate::kivi) fn takes(hd: usize) -> bool {
     super::takes(hd)
 }
 
@@ -288,16 +289,16 @@ fn hsum(v: __m256) -> f32 {
     ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
 }
 
-/// The AVX2 twin of [`super::dot_codes_groups`] (same arguments and contract): per
+/// The AVX2 twin of [`crate::kivi::dot_codes_groups`] (same arguments and contract): per
 /// group, `qs = q ⊙ s` (natural order, the portable fold's products), gathered into
 /// lane order with the compile-time [`perm`], `bias = Σ_c q_c z_c`, then
 /// [`score_rows`] over the group's rows.
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available (run-time detection,
-/// [`crate::ops::simd::KvKernel`]). Lengths are checked by assertions.
+/// [`crate::kivi::KvKernel`]). Lengths are checked by assertions.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::quant) unsafe fn dot_codes_groups<const W: u8, const HD: usize>(
+pub(in crate::kivi) unsafe fn dot_codes_groups<const W: u8, const HD: usize>(
     run: &KRun<'_>,
     q: &[f32],
     out: &mut [f32],
@@ -364,13 +365,13 @@ unsafe fn vec_axpy<const W: u8, const HD: usize>(
     }
 }
 
-/// The AVX2 twin of [`super::axpy_codes_rows`] (same arguments and contract).
+/// The AVX2 twin of [`crate::kivi::axpy_codes_rows`] (same arguments and contract).
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available (run-time detection,
-/// [`crate::ops::simd::KvKernel`]). Lengths are checked by assertions.
+/// [`crate::kivi::KvKernel`]). Lengths are checked by assertions.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::quant) unsafe fn axpy_codes_rows<const W: u8, const HD: usize>(
+pub(in crate::kivi) unsafe fn axpy_codes_rows<const W: u8, const HD: usize>(
     run: &VRun<'_>,
     p: &[f32],
     stride: usize,
@@ -634,7 +635,7 @@ unsafe fn score_rows_multi<const W: u8, const HD: usize, const G: usize>(
 /// # Safety
 /// As [`dot_codes_groups`].
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::quant) unsafe fn dot_codes_groups_multi<
+pub(in crate::kivi) unsafe fn dot_codes_groups_multi<
     const W: u8,
     const HD: usize,
     const G: usize,
@@ -740,7 +741,7 @@ unsafe fn vec_axpy_chunk<const W: u8, const HD: usize, const G: usize>(
 /// # Safety
 /// As [`axpy_codes_rows`].
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(in crate::quant) unsafe fn axpy_codes_rows_multi<
+pub(in crate::kivi) unsafe fn axpy_codes_rows_multi<
     const W: u8,
     const HD: usize,
     const G: usize,

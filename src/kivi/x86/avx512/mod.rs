@@ -1,5 +1,6 @@
-//! AVX-512 variants of the fused KIVI attention kernels ([`super::dot_codes_rows`],
-//! [`super::axpy_codes_rows`]) for head dims 32, 64, 128 and 256.
+//! The `avx512` variant of the fused KIVI attention kernels
+//! ([`crate::kivi::dot_codes_groups`], [`crate::kivi::axpy_codes_rows`]; the multi-query
+//! forms in [`multi`], the softmax in [`softmax`]) for head dims 32, 64, 128 and 256.
 //!
 //! Codes are read from the store as they lie (row-major, no layout change), 64 bytes at
 //! a time: one `__m512i` holds `RPL = 64 / BPR` whole rows (`BPR` = bytes per row; a
@@ -23,25 +24,23 @@
 //!   row sets are added once per call, in order.
 //!
 //! Each computes exactly the products of the portable kernels; only the order of the
-//! sums differs. The scalar twins are `super::dot_codes_scalar` /
-//! `super::axpy_codes_scalar`; `tests/kv_cache.rs` runs every variant the CPU supports
-//! against them.
+//! sums differs. The scalar twins are `crate::kivi::dot_codes_scalar` /
+//! `crate::kivi::axpy_codes_scalar`; `tests/kv_cache.rs` runs every variant the CPU
+//! supports against them.
 
-use super::{KRun, VRun};
+use crate::kivi::{KRun, VRun};
 use std::arch::x86_64::*;
 
-/// The AVX2 variants (`x86/avx2.rs`), the AVX-512 multi-query forms (`x86/multi.rs`) and
-/// the `avx512-exact` variant (`x86/exact.rs`).
-pub(super) mod avx2;
-/// The `avx512-exact` variant (`x86/exact.rs`): the portable kernels' order.
-pub(super) mod exact;
+/// The multi-query forms (`multi.rs`).
 mod multi;
-pub(in crate::quant) use multi::{axpy_codes_rows_multi, dot_codes_groups_multi};
+pub(in crate::kivi) use multi::{axpy_codes_rows_multi, dot_codes_groups_multi};
+/// This variant's softmax (`softmax.rs`).
+pub(in crate::kivi) mod softmax;
 
-/// Whether the kernels here take `W`-bit rows of `hd` codes.
+/// Whether the kernels here take head dim `hd` (those of every x86 variant).
 #[inline]
-pub(super) fn takes(hd: usize) -> bool {
-    matches!(hd, 32 | 64 | 128 | 256)
+pub(in crate::kivi) fn takes(hd: usize) -> bool {
+    super::takes(hd)
 }
 
 /// Bytes per row of `hd` codes of width `W` (a power of two from 8 to 256 here).
@@ -286,16 +285,16 @@ unsafe fn score_rows<const W: u8, const HD: usize>(
 }
 
 /// Scores of a run of KIVI K rows against `nq = q.len() / HD` queries (see
-/// [`super::dot_codes_groups`]): per group, `qs = q ⊙ s` (natural order, exactly the
+/// [`crate::kivi::dot_codes_groups`]): per group, `qs = q ⊙ s` (natural order, exactly the
 /// portable fold's products) permuted into lane order by `vpermt2ps` with the
 /// compile-time [`perm_tables`], `bias = Σ_c q_c z_c`, then [`score_rows`] over the
 /// group's rows.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL and F16C must be available (run-time detection,
-/// [`crate::ops::simd::KvKernel`]). Lengths are checked by assertions.
+/// [`crate::kivi::KvKernel`]). Lengths are checked by assertions.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
-pub(super) unsafe fn dot_codes_groups<const W: u8, const HD: usize>(
+pub(in crate::kivi) unsafe fn dot_codes_groups<const W: u8, const HD: usize>(
     run: &KRun<'_>,
     q: &[f32],
     out: &mut [f32],
@@ -393,13 +392,13 @@ unsafe fn vec_axpy<const W: u8, const HD: usize>(
 }
 
 /// `acc_j += Σ_r (p_jr s_r) u_r`, `bias[j] += Σ_r p_jr z_r` (see
-/// [`super::axpy_codes_rows`]), for `W`-bit rows of `HD` codes.
+/// [`crate::kivi::axpy_codes_rows`]), for `W`-bit rows of `HD` codes.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL and F16C must be available (run-time detection,
-/// [`crate::ops::simd::KvKernel`]). Lengths are checked by assertions.
+/// [`crate::kivi::KvKernel`]). Lengths are checked by assertions.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
-pub(super) unsafe fn axpy_codes_rows<const W: u8, const HD: usize>(
+pub(in crate::kivi) unsafe fn axpy_codes_rows<const W: u8, const HD: usize>(
     run: &VRun<'_>,
     p: &[f32],
     stride: usize,

@@ -1,4 +1,4 @@
-//! Kernel tests against the scalar reference (`tinygpt_reference::quant`).
+//! Kernel tests against the scalar reference (`tinygpt_reference::quant`) and the scalar twins.
 
 use super::*;
 use tinygpt_reference::quant as r;

@@ -1,8 +1,9 @@
-//! NEON variants of the fused KIVI attention kernels ([`super::dot_codes_groups`],
-//! [`super::axpy_codes_rows`]) for head dims 32, 64, 128 and 256: the `neon`
-//! [`KvKernel`](crate::ops::simd::KvKernel), the one Apple Silicon runs.
+//! The `neon` variant of the fused KIVI attention kernels
+//! ([`crate::kivi::dot_codes_groups`], [`crate::kivi::axpy_codes_rows`] and their
+//! multi-query forms) for head dims 32, 64, 128 and 256: the `neon`
+//! [`KvKernel`](crate::kivi::KvKernel), the one Apple Silicon runs.
 //!
-//! The scheme of the AVX-512 kernels (`src/quant/x86.rs`) on 4 lanes: codes are read as
+//! The scheme of the AVX-512 kernels (`src/kivi/x86/avx512/`) on 4 lanes: codes are read as
 //! they lie, 16 bytes at a time (`RPL = 16 / BPR` whole rows per load, or `BPR / 16`
 //! loads per row, `BPR` = bytes per row). Each of the 4 words of a load holds `E = 32 / W`
 //! consecutive codes of one row; code `k` of every word comes out with one shift
@@ -22,19 +23,19 @@
 //!
 //! The same products as the portable kernels (`q_c s_c` and `p_r s_r` rounded to f32,
 //! times the code); only the order of the sums differs. The scalar twins are
-//! `super::dot_codes_scalar` / `super::axpy_codes_scalar`; `tests/kv_cache.rs` runs every
-//! variant the CPU supports against them (under qemu: `scripts/test-aarch64.sh`).
+//! `crate::kivi::dot_codes_scalar` / `crate::kivi::axpy_codes_scalar`; `tests/kv_cache.rs`
+//! runs every variant the CPU supports against them (under qemu: `scripts/test-aarch64.sh`).
 //!
 //! NEON is part of the aarch64 baseline (the dispatch still checks it); the softmax stays
 //! the portable one (`wide` is NEON on aarch64 already).
 
-use super::{KRun, VRun};
+use crate::kivi::{KRun, VRun};
 use half::{f16, slice::HalfFloatSliceExt};
 use std::arch::aarch64::*;
 
 /// Whether the kernels here take rows of `hd` codes.
 #[inline]
-pub(super) fn takes(hd: usize) -> bool {
+pub(in crate::kivi) fn takes(hd: usize) -> bool {
     matches!(hd, 32 | 64 | 128 | 256)
 }
 
@@ -290,16 +291,16 @@ fn fold_group<const W: u8, const HD: usize>(
     hsum(zacc)
 }
 
-/// The NEON twin of [`super::dot_codes_groups`] (same arguments and contract): per group,
+/// The NEON twin of [`crate::kivi::dot_codes_groups`] (same arguments and contract): per group,
 /// `qs = q ⊙ s` (natural order, exactly the portable fold's products) gathered into lane
 /// order with the compile-time [`perm`], `bias = Σ_c q_c z_c`, then [`score_rows`] over
 /// the group's rows.
 ///
 /// # Safety
-/// NEON must be available (run-time detection, [`crate::ops::simd::KvKernel`]).
+/// NEON must be available (run-time detection, [`crate::kivi::KvKernel`]).
 /// Lengths are checked by assertions.
 #[target_feature(enable = "neon")]
-pub(super) unsafe fn dot_codes_groups<const W: u8, const HD: usize>(
+pub(in crate::kivi) unsafe fn dot_codes_groups<const W: u8, const HD: usize>(
     run: &KRun<'_>,
     q: &[f32],
     out: &mut [f32],
@@ -363,14 +364,14 @@ unsafe fn vec_axpy<const W: u8, const HD: usize>(
     }
 }
 
-/// The NEON twin of [`super::axpy_codes_rows`] (same arguments and contract):
+/// The NEON twin of [`crate::kivi::axpy_codes_rows`] (same arguments and contract):
 /// `acc_j += Σ_r (p_jr s_r) u_r`, `bias[j] += Σ_r p_jr z_r`.
 ///
 /// # Safety
-/// NEON must be available (run-time detection, [`crate::ops::simd::KvKernel`]).
+/// NEON must be available (run-time detection, [`crate::kivi::KvKernel`]).
 /// Lengths are checked by assertions.
 #[target_feature(enable = "neon")]
-pub(super) unsafe fn axpy_codes_rows<const W: u8, const HD: usize>(
+pub(in crate::kivi) unsafe fn axpy_codes_rows<const W: u8, const HD: usize>(
     run: &VRun<'_>,
     p: &[f32],
     stride: usize,
@@ -628,7 +629,11 @@ unsafe fn score_rows_multi<const W: u8, const HD: usize, const G: usize>(
 /// # Safety
 /// As [`dot_codes_groups`].
 #[target_feature(enable = "neon")]
-pub(super) unsafe fn dot_codes_groups_multi<const W: u8, const HD: usize, const G: usize>(
+pub(in crate::kivi) unsafe fn dot_codes_groups_multi<
+    const W: u8,
+    const HD: usize,
+    const G: usize,
+>(
     run: &KRun<'_>,
     q: &[f32],
     out: &mut [f32],
@@ -720,7 +725,11 @@ unsafe fn vec_axpy_chunk<const W: u8, const HD: usize, const G: usize>(
 /// # Safety
 /// As [`axpy_codes_rows`].
 #[target_feature(enable = "neon")]
-pub(super) unsafe fn axpy_codes_rows_multi<const W: u8, const HD: usize, const G: usize>(
+pub(in crate::kivi) unsafe fn axpy_codes_rows_multi<
+    const W: u8,
+    const HD: usize,
+    const G: usize,
+>(
     run: &VRun<'_>,
     p: &[f32],
     stride: usize,
