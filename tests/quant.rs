@@ -1,5 +1,7 @@
-//! KIVI quantiser properties (docs/design.md §2), for the engine's kernels and the reference,
-//! and the known failure classes pushed through whole caches.
+//! KIVI quantiser properties (docs/design.md §2), for the engine's kernels and the reference:
+//! the engine's own quantisers, packing, unpacking and dequantisers (`tinygpt_cpu::kivi`)
+//! against their twins in `tinygpt_reference::quant`, bit for bit, and the known failure
+//! classes pushed through whole caches.
 //!
 //! Error budgets (named, used below):
 //! * `Affine::error_bound`: round trip `|x − x'| ≤ scale/2 + levels·max(0, scale32 − scale)
@@ -14,8 +16,8 @@ use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeSet;
 use tinygpt_cpu::attention::{attend, AttnScratch, RopeTable};
 use tinygpt_cpu::config::{Config, RopeScaling};
-use tinygpt_cpu::kv_cache::{KvConfig, KvRotation, LayerKv, PositionsMode, Precision};
 use tinygpt_cpu::kivi::{self as q, Bits};
+use tinygpt_cpu::kv_cache::{KvConfig, KvRotation, LayerKv, PositionsMode, Precision};
 use tinygpt_reference::kv_cache::LayerCache;
 use tinygpt_reference::quant::{self as r, Affine};
 use tinygpt_reference::rope::Rope;
@@ -102,6 +104,144 @@ proptest! {
                         back.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         // Parameters as the engine computes them from a range.
         prop_assert_eq!(q::params(lo, hi, bits), (a.scale, a.zero));
+    }
+}
+
+/// The K-group lengths of the property tests: one token, and each side of the group
+/// sizes the tests and the default use (4, 8, 16, 32 tokens).
+const GROUP_LENGTHS: [usize; 14] = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33];
+
+/// `t` K rows of `hd` channels, each channel drawn whole from one kind: random around an
+/// offset, constant (hi = lo), extreme (near and beyond f16's ±65504), tiny (f16 scale
+/// underflow) or random with one outlier token.
+fn k_group(hd: usize, t: usize, seed: u64) -> Vec<Vec<f32>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut rows = vec![vec![0.0f32; hd]; t];
+    for c in 0..hd {
+        let kind = rng.gen_range(0..5);
+        let offset = [0.0f32, -0.5, 3.0, -200.0, 30000.0][rng.gen_range(0..5)];
+        let amp = [1e-4f32, 0.1, 1.0, 30.0, 1000.0][rng.gen_range(0..5)];
+        let constant = [0.0f32, 1e-7, 3.25, -65504.0, 65504.0, 1e9][rng.gen_range(0..6)];
+        let outlier = rng.gen_range(0..t);
+        for (i, row) in rows.iter_mut().enumerate() {
+            let u = rng.gen_range(-1.0f32..=1.0);
+            row[c] = match kind {
+                0 => offset + amp * u,
+                1 => constant,
+                2 => u.signum() * rng.gen_range(6.0e4f32..1.0e9),
+                3 => 1e-7 + 5e-8 * u,
+                _ if i == outlier => 40.0 * amp,
+                _ => amp * u,
+            };
+        }
+    }
+    rows
+}
+
+proptest! {
+    #![proptest_config(pt_config(1500, 0x5EED_0002))]
+
+    /// A K group as the cache quantises it (`kv_cache::storage::kivi_k`): per channel, the
+    /// engine's `min_max` and `params` over the group's `t` rows, then every row packed
+    /// with the engine's `quantize_channels`; against the reference's per-channel fit
+    /// (`quantize_row` of the channel) and `pack_codes`, bit for bit: parameters, bytes,
+    /// every code as the engine's `get` reads it, and values from `dequantize_channels`
+    /// and its SIMD twin. Random shapes (odd head dims included), every bit width.
+    #[test]
+    fn k_group_matches_reference_per_channel(
+        bits in prop::sample::select(vec![Bits::Int8, Bits::Int4, Bits::Int2]),
+        hd in 1usize..72,
+        t in prop::sample::select(GROUP_LENGTHS.to_vec()),
+        seed in any::<u64>(),
+    ) {
+        let rb = rbits(bits);
+        let rows = k_group(hd, t, seed);
+        let channel = |c: usize| rows.iter().map(|r| r[c]).collect::<Vec<f32>>();
+        let want: Vec<(Vec<i32>, Affine)> = (0..hd).map(|c| r::quantize_row(&channel(c), rb)).collect();
+        let params: Vec<_> = (0..hd)
+            .map(|c| {
+                let (lo, hi) = q::min_max(&channel(c));
+                q::params(lo, hi, bits)
+            })
+            .collect();
+        for c in 0..hd {
+            prop_assert_eq!(params[c], (want[c].1.scale, want[c].1.zero), "channel {}", c);
+        }
+        let s32: Vec<f32> = params.iter().map(|p| p.0.to_f32()).collect();
+        let z32: Vec<f32> = params.iter().map(|p| p.1.to_f32()).collect();
+        for (i, row) in rows.iter().enumerate() {
+            let codes: Vec<i32> = (0..hd).map(|c| want[c].0[i]).collect();
+            let mut bytes = vec![0xA5u8; bits.packed_len(hd)];
+            q::quantize_channels(row, &s32, &z32, bits, &mut bytes);
+            prop_assert_eq!(&bytes, &r::pack_codes(&codes, rb), "row {}", i);
+            let got: Vec<i32> = (0..hd).map(|c| q::get(&bytes, c, bits) as i32 + bits.qmin()).collect();
+            prop_assert_eq!(&got, &codes, "row {}", i);
+            let (mut back, mut simd) = (vec![0.0f32; hd], vec![0.0f32; hd]);
+            q::dequantize_channels(&bytes, &s32, &z32, bits, &mut back);
+            q::dequantize_channels_simd(&bytes, &s32, &z32, bits, &mut simd);
+            for c in 0..hd {
+                let w = want[c].1.dequantize(codes[c], rb);
+                prop_assert!(back[c].is_finite(), "row {} channel {}: {}", i, c, back[c]);
+                prop_assert_eq!(back[c].to_bits(), w.to_bits(), "row {} channel {}", i, c);
+                prop_assert_eq!(simd[c].to_bits(), w.to_bits(), "simd row {} channel {}", i, c);
+            }
+        }
+    }
+
+    /// The engine's unpacking (`get`) against the reference's `unpack_codes` on arbitrary
+    /// bytes (every code at every position of a byte), every bit width and length.
+    #[test]
+    fn get_matches_reference_unpack(
+        bits in prop::sample::select(vec![Bits::Int8, Bits::Int4, Bits::Int2]),
+        bytes in prop::collection::vec(any::<u8>(), 1..80),
+    ) {
+        let rb = rbits(bits);
+        let per_byte = 8 / bits.width() as usize;
+        let n = bytes.len() * per_byte;
+        for len in [n, n - per_byte + 1] {
+            let want = r::unpack_codes(&bytes, len, rb);
+            let got: Vec<i32> = (0..len).map(|j| q::get(&bytes, j, bits) as i32 + bits.qmin()).collect();
+            prop_assert_eq!(got, want, "len {}", len);
+        }
+    }
+}
+
+/// The engine's saturating f16 conversion (every stored scale and zero goes through it)
+/// against the reference's, bit for bit: every f16 value, the midpoints around them (ties
+/// and the overflow threshold), and a spread of arbitrary f32 bit patterns.
+#[test]
+fn f16_saturating_matches_reference() {
+    let f16s: Vec<f32> = (0..=0x7c00u16)
+        .map(|b| half::f16::from_bits(b).to_f32())
+        .collect();
+    // Every positive f16 (and +inf), one f32 ulp either side, and the exact midpoint
+    // between neighbours (a tie); then the overflow threshold (65520) and beyond.
+    let mut xs: Vec<f32> = f16s
+        .iter()
+        .flat_map(|&x| {
+            [
+                x,
+                f32::from_bits(x.to_bits() + 1),
+                f32::from_bits(x.to_bits().max(1) - 1),
+            ]
+        })
+        .chain(
+            f16s.windows(2)
+                .map(|w| ((w[0] as f64 + w[1] as f64) / 2.0) as f32),
+        )
+        .collect();
+    xs.extend([65519.99, 65520.0, 65536.0, 1e9, f32::MAX, f32::NAN]);
+    xs.extend(xs.clone().iter().map(|x| -x));
+    let mut rng = ChaCha8Rng::seed_from_u64(0xF16);
+    xs.extend((0..1 << 20).map(|_| f32::from_bits(rng.gen())));
+    for x in xs {
+        let (got, want) = (q::f16_saturating(x), r::f16_saturating(x));
+        assert_eq!(
+            got.to_bits(),
+            want.to_bits(),
+            "x = {x:e} ({:#010x})",
+            x.to_bits()
+        );
     }
 }
 
