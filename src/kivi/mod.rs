@@ -122,7 +122,7 @@ pub fn get(codes: &[u8], j: usize, bits: Bits) -> u8 {
 }
 
 /// Clears the last byte of a packed row whose codes do not fill it, so the unused high
-/// bits are zero (as [`pack_codes`](tinygpt_reference::quant::pack_codes) leaves them).
+/// bits are zero (as the reference's `pack_codes` leaves them).
 #[inline]
 fn clear_partial_byte(out: &mut [u8], n: usize, bits: Bits) {
     let partial = match bits {
