@@ -4,7 +4,15 @@
 //! states (`tinygpt_reference::hadamard`), so the two give identical bits
 //! (`tests/kv_rotation.rs`). `O(d log d)` instead of the matrix product's `O(d²)`.
 
-pub use tinygpt_reference::hadamard::{norm, supported};
+/// Whether a head dimension has a rotation (a power of two, at least 2): the cache
+/// configuration's rule.
+pub use tinygpt_types::kv::hadamard_supported as supported;
+
+/// `1/√d` as the f32 every rotation multiplies by (computed in f64, rounded once, as the
+/// reference's `hadamard::norm`).
+pub fn norm(d: usize) -> f32 {
+    (1.0 / (d as f64).sqrt()) as f32
+}
 
 /// `x ← H·x` for one head (`x.len()` a power of two).
 #[inline]

@@ -22,9 +22,9 @@
 use half::{f16, slice::HalfFloatSliceExt};
 use wide::{f32x8, i32x8, u16x8, u32x8, u8x16};
 
-/// The code width and its ranges are types shared with the reference (one definition);
-/// every computation below is the engine's own.
-pub use tinygpt_reference::quant::{
+/// The code width and its ranges are types shared with the reference (one definition,
+/// `tinygpt-types`); every computation below is the engine's own.
+pub use tinygpt_types::kv::{
     Bits, INT2_QMAX, INT2_QMIN, INT4_QMAX, INT4_QMIN, INT8_QMAX, INT8_QMIN,
 };
 /// Lower bound of every scale, before the f16 rounding.

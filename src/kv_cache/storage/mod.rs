@@ -35,7 +35,7 @@ use crate::quant::Bits;
 use half::{bf16, f16};
 use std::fmt::Debug;
 use std::ops::Range;
-use tinygpt_reference::kv_cache::Precision;
+use tinygpt_types::kv::Precision;
 
 pub(crate) use crate::ops::simd::Elem;
 

@@ -24,10 +24,10 @@
 //!   kernel does. Under grouped-query attention each chunk is extracted once for all
 //!   heads.
 //!
-//! Multiply-adds are fused exactly when the portable kernels' are (`float_dot::FUSED`).
+//! Multiply-adds are fused exactly when the portable kernels' are (`simd::FUSED`).
 
 use super::takes;
-use crate::ops::float_dot::FUSED;
+use crate::ops::simd::FUSED;
 use crate::quant::{KRun, VRun};
 use std::arch::x86_64::*;
 
