@@ -17,7 +17,8 @@
 //!
 //! and, per type, the kernels each [`Kernel`] variant runs for it, resolved once per matrix
 //! when it is loaded ([`Kernels::new`], held by [`crate::ops::Matrix`]): a product calls
-//! them through function pointers, with no `match` on type or variant per call. Every
+//! them through function pointers, with no dispatch on type or variant per call (inside,
+//! an interleaved kernel's `per_code_type!` jumps to its loop's copy for the type). Every
 //! `match` on [`DType`] here lists every type (no wildcard arm), so a new type makes the
 //! compiler name each place it must fill (docs/contributing.md).
 //!
@@ -43,8 +44,10 @@
 //! interleaved group of eight rows against one token / [`TOKENS`] tokens), `k4_row`,
 //! `q6_k_row`, `iq4_xs_row`, `q2_k_row`, `q3_k_row`, `q5_1_row` (one whole row against `T`
 //! tokens), `k4_group`, `q6_k_group`, `iq4_xs_group`, `q5_1_group` (eight whole rows),
-//! `float_rows`. Files import only from their parents (`blocks` holds what every
-//! instruction set reads of a block; `x86/mod.rs` what AVX2 and AVX-512 share).
+//! `float_rows`. No instruction set imports another's files: what several share lives in
+//! their parent (`x86/mod.rs` for AVX2 and AVX-512, `aarch64/neon/mod.rs` inside NEON) or in
+//! the leaf modules here, which import no kernel (`blocks`: the block fields every
+//! instruction set reads; `acts`, `packed`, `float`, `dequant`).
 
 use crate::dtype::DType;
 
@@ -267,29 +270,28 @@ pub struct Entry {
 pub fn entry(dtype: DType) -> Entry {
     use Acts::{Q8K, Q8_0};
     use Layout::{Interleaved, Rows};
-    let (acts, layout, dequant, kernels): (Acts, Layout, Dequant, Resolve) =
-        match dtype {
-            DType::F32 => (Acts::F32, Layout::Float, dequant::f32s, floats!(f32)),
-            DType::F16 => (Acts::F32, Layout::Float, dequant::f16s, floats!(half::f16)),
-            DType::BF16 => (
-                Acts::F32,
-                Layout::Float,
-                dequant::bf16s,
-                floats!(half::bf16),
-            ),
-            DType::Q8_0 => (Q8_0, Interleaved, dequant::q8_0, interleaved),
-            DType::Q4_0 => (Q8_0, Interleaved, dequant::q4_0, interleaved),
-            DType::Q4_1 => (Q8_0, Interleaved, dequant::q4_1, interleaved),
-            DType::Q5_0 => (Q8_0, Interleaved, dequant::q5_0, interleaved),
-            DType::IQ4_NL => (Q8_0, Interleaved, dequant::iq4_nl, interleaved),
-            DType::Q5_1 => (Q8_0, Rows, dequant::q5_1, q5_1),
-            DType::Q2_K => (Q8K, Rows, dequant::q2_k, q2_k),
-            DType::Q3_K => (Q8K, Rows, dequant::q3_k, q3_k),
-            DType::Q4_K => (Q8K, Rows, dequant::q4_k, q4_k),
-            DType::Q5_K => (Q8K, Rows, dequant::q5_k, q5_k),
-            DType::Q6_K => (Q8K, Rows, dequant::q6_k, q6_k),
-            DType::IQ4_XS => (Q8K, Rows, dequant::iq4_xs, iq4_xs),
-        };
+    let (acts, layout, dequant, kernels): (Acts, Layout, Dequant, Resolve) = match dtype {
+        DType::F32 => (Acts::F32, Layout::Float, dequant::f32s, floats!(f32)),
+        DType::F16 => (Acts::F32, Layout::Float, dequant::f16s, floats!(half::f16)),
+        DType::BF16 => (
+            Acts::F32,
+            Layout::Float,
+            dequant::bf16s,
+            floats!(half::bf16),
+        ),
+        DType::Q8_0 => (Q8_0, Interleaved, dequant::q8_0, interleaved),
+        DType::Q4_0 => (Q8_0, Interleaved, dequant::q4_0, interleaved),
+        DType::Q4_1 => (Q8_0, Interleaved, dequant::q4_1, interleaved),
+        DType::Q5_0 => (Q8_0, Interleaved, dequant::q5_0, interleaved),
+        DType::IQ4_NL => (Q8_0, Interleaved, dequant::iq4_nl, interleaved),
+        DType::Q5_1 => (Q8_0, Rows, dequant::q5_1, q5_1),
+        DType::Q2_K => (Q8K, Rows, dequant::q2_k, q2_k),
+        DType::Q3_K => (Q8K, Rows, dequant::q3_k, q3_k),
+        DType::Q4_K => (Q8K, Rows, dequant::q4_k, q4_k),
+        DType::Q5_K => (Q8K, Rows, dequant::q5_k, q5_k),
+        DType::Q6_K => (Q8K, Rows, dequant::q6_k, q6_k),
+        DType::IQ4_XS => (Q8K, Rows, dequant::iq4_xs, iq4_xs),
+    };
     Entry {
         acts,
         layout,

@@ -61,8 +61,7 @@ fn iq4_table_avx2(flip: u8) -> __m256i {
 fn signed_codes(dtype: DType) -> bool {
     match dtype {
         DType::Q8_0 | DType::IQ4_NL => true,
-        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 => false,
-        other @ (rows_or_float!()) => unreachable!("{other} is not interleaved"),
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | rows_or_float!() => false,
     }
 }
 
@@ -182,8 +181,7 @@ unsafe fn isum_avx2(dtype: DType, v: &[__m256i; 16], ap: *const i8, qsum: i32) -
         DType::Q4_0 | DType::Q5_0 => {
             _mm256_sub_epi32(isum, _mm256_set1_epi32(offset(dtype) * qsum))
         }
-        DType::Q8_0 | DType::Q4_1 | DType::IQ4_NL => isum,
-        other @ (rows_or_float!()) => unreachable!("{other} is not interleaved"),
+        DType::Q8_0 | DType::Q4_1 | DType::IQ4_NL | rows_or_float!() => isum,
     }
 }
 
