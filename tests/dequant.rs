@@ -10,7 +10,7 @@ use tinygpt_cpu::dtype::DType;
 use tinygpt_cpu::wkernels::dequant;
 use tinygpt_reference::{ggml, ggml_more};
 
-const TYPES: [DType; 15] = DType::ALL;
+const TYPES: [DType; DType::ALL.len()] = DType::ALL;
 
 fn cfg() -> ProptestConfig {
     ProptestConfig {
