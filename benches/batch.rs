@@ -20,8 +20,9 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::time::Duration;
 use tinygpt_cpu::dtype::DType;
-use tinygpt_cpu::ops::{matmul, matvec, qdot, Matrix};
+use tinygpt_cpu::ops::{matmul, matvec, Matrix};
 use tinygpt_cpu::weights::{Tensor, TensorBytes};
+use tinygpt_cpu::wkernels;
 
 fn matrix(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Matrix {
     let bytes = match dtype {
@@ -29,18 +30,21 @@ fn matrix(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Matrix {
         DType::Q4_1 => quantize_q4_1(w),
         other => unreachable!("not benchmarked: {other}"),
     };
-    Matrix::from_tensor(&Tensor {
-        name: format!("bench.{dtype}"),
-        dtype,
-        shape: vec![rows, cols],
-        data: TensorBytes::owned(&bytes),
-    })
+    Matrix::from_tensor(
+        &Tensor {
+            name: format!("bench.{dtype}"),
+            dtype,
+            shape: vec![rows, cols],
+            data: TensorBytes::owned(&bytes),
+        },
+        wkernels::default_kernel(),
+    )
 }
 
 fn bench_batched(c: &mut Criterion) {
     let one = pool(1);
     let mut rng = ChaCha8Rng::seed_from_u64(14);
-    println!("kernel variant: {}", qdot::active().name());
+    println!("kernel variant: {}", wkernels::default_kernel().name());
     for (rows, cols) in [(1536usize, 576usize), (576, 1536)] {
         let w = uniform(&mut rng, rows * cols, 0.1);
         let xs = uniform(&mut rng, 256 * cols, 1.0);

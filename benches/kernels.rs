@@ -7,13 +7,13 @@
 //!   and run the active kernel variant (printed first; `TINYGPT_KERNEL=scalar|portable|…`
 //!   forces one).
 //! * `qdot/{shape}/{dtype}-{kernel}-1t-cpu`: one quantised matvec through each kernel
-//!   variant this CPU supports (`qdot::Kernel::supported`), one thread, CPU-time clock,
+//!   variant this CPU supports (`wkernels::Kernel::supported`), one thread, CPU-time clock,
 //!   throughput = bytes of weights read. `1536x576` is SmolLM2-135M's gate/up projection
 //!   (stays in L2); `16384x8192` is 80 MiB in Q4_1 (streams from DRAM: compare with
 //!   `read_bandwidth/64MiB-1t-cpu`). Includes quantising the activation.
 //! * `matvec_float/{shape}/{dtype}-{kernel}-{walk}-1t-cpu`: f32/f16/bf16 rows through each
-//!   float-weight kernel variant this CPU supports (`ops::float_dot`, same dispatch as
-//!   `qdot`), one thread, CPU-time clock, throughput = bytes of weights read. `768x256`
+//!   float-weight kernel variant this CPU supports (`wkernels::Kernels::float_rows`, the
+//!   same type table as `qdot`), one thread, CPU-time clock, throughput = bytes of weights read. `768x256`
 //!   stays in L2; `8192x8192` (128 MiB in f16) streams from DRAM and runs both row walks
 //!   (`rows8`: eight rows interleaved; `streamed`: what the engine uses from DRAM).
 //! * `kv_append/{kv}`: appending one token's K and V rows to one layer of the flagship
@@ -66,11 +66,10 @@ use tinygpt_cpu::attention::{attend, AttnScratch, RopeTable};
 use tinygpt_cpu::config::HfConfig;
 use tinygpt_cpu::dtype::DType;
 use tinygpt_cpu::kv_cache::{KvCache, LayerKv, Precision};
-use tinygpt_cpu::ops::float_dot::{self, FloatRows};
 use tinygpt_cpu::ops::matvec::STREAM_BYTES;
-use tinygpt_cpu::ops::qdot::{self, ActsForms, Kernel, Packed, QuantizedActs, GROUP};
 use tinygpt_cpu::ops::{matvec, Matrix};
 use tinygpt_cpu::weights::{Tensor, TensorBytes};
+use tinygpt_cpu::wkernels::{self, ActsForms, Kernel, Kernels, Packed, QuantizedActs, GROUP};
 
 const ATTN_ROWS: usize = 16384;
 
@@ -99,19 +98,22 @@ fn matrix(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Matrix {
         DType::Q4_1 => quantize_q4_1(w),
         other => unreachable!("not benchmarked: {other}"),
     };
-    Matrix::from_tensor(&Tensor {
-        name: format!("bench.{dtype}"),
-        dtype,
-        shape: vec![rows, cols],
-        data: TensorBytes::owned(&bytes),
-    })
+    Matrix::from_tensor(
+        &Tensor {
+            name: format!("bench.{dtype}"),
+            dtype,
+            shape: vec![rows, cols],
+            data: TensorBytes::owned(&bytes),
+        },
+        wkernels::default_kernel(),
+    )
 }
 
 fn bench_matvec(c: &mut Criterion) {
     // The Q8_0/Q4_1 rows run this variant (`TINYGPT_KERNEL` forces one).
     println!(
         "matvec: quantised-weight kernel variant {}",
-        qdot::active().name()
+        wkernels::default_kernel().name()
     );
     let n = all_cores();
     let pools = [(1usize, pool(1)), (n, pool(n))];
@@ -152,7 +154,7 @@ fn bench_matvec(c: &mut Criterion) {
 }
 
 /// One thread, CPU-time clock, each float-weight kernel variant this CPU supports
-/// (`float_dot::rows_with`, the rows `matvec` runs) on f32, f16 and bf16 weights.
+/// (`Kernels::float_rows`, the rows `matvec` runs) on f32, f16 and bf16 weights.
 /// `768x256`: cache-resident, rows interleaved eight at a time; `8192x8192`: 128 MiB,
 /// streams from DRAM, both walks (`-rows8` interleaved, `-streamed` the walk the engine
 /// uses above `STREAM_BYTES`).
@@ -165,20 +167,22 @@ fn bench_float_variants(c: &mut Criterion) {
         let mut out = vec![0.0f32; rows];
         let h: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
         let b: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let (wb, hb, bb): (&[u8], &[u8], &[u8]) = (
+            bytemuck::cast_slice(&w),
+            bytemuck::cast_slice(&h),
+            bytemuck::cast_slice(&b),
+        );
         let walks: &[(&str, bool)] = if rows * cols * 2 > STREAM_BYTES {
             &[("rows8", false), ("streamed", true)]
         } else {
             &[("rows8", false)]
         };
         let mut g = c.benchmark_group(format!("matvec_float/{rows}x{cols}"));
-        for (dtype, fw) in [
-            (DType::F32, FloatRows::F32(&w)),
-            (DType::F16, FloatRows::F16(&h)),
-            (DType::BF16, FloatRows::Bf16(&b)),
-        ] {
+        for (dtype, fw) in [(DType::F32, wb), (DType::F16, hb), (DType::BF16, bb)] {
             let width = if dtype == DType::F32 { 4 } else { 2 };
             g.throughput(Throughput::Bytes((rows * cols * width) as u64));
             for k in Kernel::supported() {
+                let kernels = Kernels::new(k, dtype);
                 for &(walk, streamed) in walks {
                     let id = format!("{dtype}-{}-{walk}-1t-cpu", k.name());
                     g.bench_function(BenchmarkId::from_parameter(id), |bch| {
@@ -186,8 +190,7 @@ fn bench_float_variants(c: &mut Criterion) {
                             one.install(|| {
                                 let t0 = Clock::ThreadCpu.now();
                                 for _ in 0..iters {
-                                    float_dot::rows_with(
-                                        k,
+                                    kernels.float_rows(
                                         fw,
                                         cols,
                                         0,
@@ -229,8 +232,7 @@ fn random_blocks(dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
 }
 
 /// The quantised weight types `qdot` measures: every type the kernels read as stored
-/// (Q5_0 and IQ4_NL are packed for each variant as the engine would, as their own blocks
-/// or rewritten as Q8_0).
+/// (each packed as its own blocks, as the engine does for every variant).
 const QDOT_TYPES: [DType; 12] = [
     DType::Q8_0,
     DType::Q4_0,
@@ -276,13 +278,7 @@ fn bench_qdot(c: &mut Criterion) {
             g.throughput(Throughput::Bytes(bytes.len() as u64));
             let packed = Packed::new(dtype, rows, cols, &bytes);
             for k in Kernel::supported() {
-                let own;
-                let p = if matches!(dtype, DType::Q5_0 | DType::IQ4_NL) {
-                    own = Packed::new_for(k, dtype, rows, cols, &bytes);
-                    &own
-                } else {
-                    &packed
-                };
+                let (p, kernels) = (&packed, Kernels::new(k, dtype));
                 let id = format!("{dtype}-{}-1t-cpu", k.name());
                 g.bench_function(BenchmarkId::from_parameter(id), |b| {
                     b.iter_custom(|iters| {
@@ -293,7 +289,7 @@ fn bench_qdot(c: &mut Criterion) {
                             for _ in 0..iters {
                                 a.quantize_forms(black_box(&x), forms);
                                 for (gi, o) in out.chunks_mut(GROUP).enumerate() {
-                                    qdot::dot_group(k, p, gi, &a, &mut buf);
+                                    kernels.group_dot(p, gi, &a, &mut buf);
                                     o.copy_from_slice(&buf[..o.len()]);
                                 }
                             }
@@ -704,7 +700,7 @@ fn bench_read_bandwidth(c: &mut Criterion) {
     ] {
         // f32x8 elements: 32-byte aligned, so no load straddles a cache line. `-thp`: an
         // anonymous mapping advised to use transparent huge pages, as the packed
-        // quantised weights are (`qdot::Packed`); the others are heap buffers (4 KiB pages
+        // quantised weights are (`wkernels::Packed`); the others are heap buffers (4 KiB pages
         // where THP is `madvise`-only).
         let buf: Vec<wide::f32x8>;
         let mut map;

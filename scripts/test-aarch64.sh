@@ -3,7 +3,8 @@
 # and runs it under qemu user-mode emulation. Installs what it needs when missing
 # (rustup target, the aarch64 cross gcc and qemu-user from apt).
 #
-#   scripts/test-aarch64.sh                      # kernel tests (lib, kernels, qdot_dispatch, kv_cache)
+#   scripts/test-aarch64.sh                      # kernel tests (lib, kernels, qdot_dispatch,
+#                                                # kquant_dispatch, float_dispatch, kv_cache)
 #   scripts/test-aarch64.sh --test golden_tiny   # any `cargo test` selection instead
 #
 # Tests that start the CLI binary start it through the same qemu runner
@@ -46,6 +47,7 @@ export CXX_aarch64_unknown_linux_gnu=aarch64-linux-gnu-g++
 export RUSTFLAGS="-C target-cpu=apple-m1"
 
 if [ "$#" -eq 0 ]; then
-    set -- --lib --test kernels --test qdot_dispatch --test kv_cache
+    set -- --lib --test kernels --test qdot_dispatch --test kquant_dispatch --test float_dispatch \
+        --test kv_cache
 fi
 cargo test --release --target "$TARGET" "$@"

@@ -1,12 +1,12 @@
 //! Model configuration, stage one: [`HfConfig`] mirrors a Hugging Face `config.json`
-//! field for field; [`HfConfig::validate`] checks it into the shared
-//! [`tinygpt_reference::Config`] with derived sizes computed once (GGUF metadata is mapped
-//! onto an `HfConfig` first, so both formats get the same checks).
+//! field for field; [`HfConfig::validate`] checks it into the [`Config`] the engine shares
+//! with the scalar reference (`tinygpt-types`), with derived sizes computed once (GGUF
+//! metadata is mapped onto an `HfConfig` first, so both formats get the same checks).
 
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
-pub use tinygpt_reference::config::{AttentionType, Config, GemmaOptions, RopeScaling};
+pub use tinygpt_types::config::{AttentionType, Config, GemmaOptions, RopeScaling};
 
 /// `eos_token_id` may be one id or a list of ids.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -93,7 +93,9 @@ impl Engine for EngineRun<'_> {
     }
 }
 
-/// The scalar reference with one state.
+/// The scalar reference with one state (`--engine reference`; in builds with the
+/// `reference-engine` feature).
+#[cfg(feature = "reference-engine")]
 pub struct ReferenceRun<'a> {
     pub model: &'a tinygpt_reference::Model,
     pub state: tinygpt_reference::State,
@@ -101,6 +103,7 @@ pub struct ReferenceRun<'a> {
     kv: KvConfig,
 }
 
+#[cfg(feature = "reference-engine")]
 impl<'a> ReferenceRun<'a> {
     pub fn new(model: &'a tinygpt_reference::Model, kv: &KvConfig) -> Self {
         let state = tinygpt_reference::State::new(&model.cfg, kv);
@@ -113,6 +116,7 @@ impl<'a> ReferenceRun<'a> {
     }
 }
 
+#[cfg(feature = "reference-engine")]
 impl Engine for ReferenceRun<'_> {
     fn forward(&mut self, token: u32, pos: usize) -> Result<&[f32]> {
         if token as usize >= self.model.cfg.vocab_size {

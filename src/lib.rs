@@ -2,7 +2,8 @@
 //!
 //! A pure-CPU decode engine for Llama-family models whose KV cache can stop growing:
 //! StreamingLLM (sink + window eviction) and KIVI (int8/int4 affine quantisation),
-//! composable, checked against a scalar reference crate (`tinygpt-reference`).
+//! composable, checked against a scalar reference crate (`tinygpt-reference`, a
+//! dev-dependency; the types both name are in `tinygpt-types`).
 //!
 //! The pipeline, in data-flow order:
 //! [`config`] (config.json / GGUF metadata → validated `Config`) →
@@ -10,17 +11,16 @@
 //! [`tokenizer`] (+ [`chat`] templates) →
 //! [`model`] (forward pass) → [`attention`] (+ [`rope`] frequencies) → [`kv_cache`] (policy:
 //! which rows survive; storage: how they are held) → [`kivi`] (the KV cache's codes: KIVI
-//! quantisers, the fused attention kernels over codes per ISA, the Hadamard rotation; GGML
-//! weight blocks are dequantised by [`dequant`] and multiplied by `ops::qdot`) → [`ops`]
-//! (SIMD kernels + rayon) → [`sampler`] → [`generate`]
-//! (prefill/decode loop, stats) → [`cli`];
+//! quantisers, the fused attention kernels over codes per ISA, the Hadamard rotation) →
+//! [`ops`] (float operations and the matrix products, SIMD and rayon; their weight kernels,
+//! one table of weight types laid out by instruction set, are [`wkernels`]) → [`sampler`] →
+//! [`generate`] (prefill/decode loop, stats) → [`cli`];
 //! [`server`] runs many sequences at once behind an OpenAI-shaped HTTP API.
 
 pub mod attention;
 pub mod chat;
 pub mod cli;
 pub mod config;
-pub mod dequant;
 pub mod dtype;
 pub mod error;
 pub mod eval;
@@ -39,5 +39,6 @@ pub mod server;
 pub mod team;
 pub mod tokenizer;
 pub mod weights;
+pub mod wkernels;
 
 pub use error::{Error, Result};

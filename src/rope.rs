@@ -12,7 +12,7 @@
 //!   `factor`, and those in between are blended:
 //!   `s = (L/λ − low) / (high − low)`, `f ← (1 − s)·f/factor + s·f`.
 //!
-//! The scalar reference computes the same values (`tinygpt_reference::Config::rope_inv_freq`);
+//! The scalar reference computes the same values (`tinygpt_reference::rope::inv_freq`);
 //! the tests below check that the two agree bit for bit.
 
 use crate::config::{Config, RopeScaling};
@@ -166,7 +166,7 @@ mod tests {
                 for s in scalings() {
                     let c = cfg(theta, head_dim, s);
                     let ours = inv_freq(&c);
-                    let theirs = c.rope_inv_freq();
+                    let theirs = tinygpt_reference::rope::inv_freq(&c);
                     assert_eq!(ours.len(), head_dim / 2);
                     for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
                         assert_eq!(

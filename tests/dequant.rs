@@ -1,25 +1,20 @@
-//! The engine's dequantisers (`tinygpt_cpu::dequant`) against the scalar reference's
-//! (`tinygpt_reference::ggml`), bit for bit: every type, random blocks, extreme scales and
-//! minimums (zero, subnormal, ±65504, ±Inf, NaN), extreme codes (Q8_0 −128/127, nibbles 0/15),
-//! and odd row counts; and the two must reject the same malformed lengths.
+//! The engine's dequantisers (`tinygpt_cpu::wkernels::dequant`) against the scalar
+//! reference's (`tinygpt_reference::ggml`), bit for bit: every type, random blocks, extreme
+//! scales and minimums (zero, subnormal, ±65504, ±Inf, NaN) at every f16 field of a block,
+//! extreme codes (Q8_0 −128/127, nibbles 0/15, all-zero and all-one bytes), and odd row
+//! counts; and the two must reject the same malformed lengths. Also the exact rewrites of
+//! Q5_0 / IQ4_NL blocks as Q8_0 blocks against the reference's.
 
 use proptest::prelude::*;
-use tinygpt_cpu::dequant;
 use tinygpt_cpu::dtype::DType;
-use tinygpt_reference::ggml;
+use tinygpt_cpu::wkernels::dequant;
+use tinygpt_reference::{ggml, ggml_more};
 
-const TYPES: [DType; 6] = [
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-];
+const TYPES: [DType; DType::ALL.len()] = DType::ALL;
 
 fn cfg() -> ProptestConfig {
     ProptestConfig {
-        cases: 300,
+        cases: 1000,
         failure_persistence: None,
         rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha,
         ..ProptestConfig::default()
@@ -51,20 +46,34 @@ fn codes(n: usize) -> impl Strategy<Value = Vec<u8>> {
     ]
 }
 
-/// One block of `ty` (one element for plain types).
+/// Byte offsets of the f16 fields (scales, minimums) of a block of `ty` (none for plain
+/// types), as the block layouts place them (`reference/src/ggml_more.rs`).
+fn half_fields(ty: DType) -> &'static [usize] {
+    match ty {
+        DType::F32 | DType::F16 | DType::BF16 => &[],
+        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 | DType::IQ4_NL | DType::IQ4_XS => &[0],
+        DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+        DType::Q2_K => &[80, 82],
+        DType::Q3_K => &[108],
+        DType::Q6_K => &[208],
+    }
+}
+
+/// One block of `ty` (one element for plain types): code bytes random or at an extreme,
+/// every f16 field from [`half_bits`].
 fn block(ty: DType) -> BoxedStrategy<Vec<u8>> {
-    let halves = match ty {
-        DType::Q4_1 => 2,
-        DType::Q8_0 | DType::Q4_0 => 1,
-        _ => return prop::collection::vec(any::<u8>(), ty.block_bytes()).boxed(),
-    };
+    let fields = half_fields(ty);
+    if fields.is_empty() {
+        return prop::collection::vec(any::<u8>(), ty.block_bytes()).boxed();
+    }
     (
-        prop::collection::vec(half_bits(), halves),
-        codes(ty.block_bytes() - 2 * halves),
+        prop::collection::vec(half_bits(), fields.len()),
+        codes(ty.block_bytes()),
     )
-        .prop_map(|(h, c)| {
-            let mut b: Vec<u8> = h.iter().flat_map(|x| x.to_le_bytes()).collect();
-            b.extend(c);
+        .prop_map(move |(h, mut b)| {
+            for (&at, x) in fields.iter().zip(h) {
+                b[at..at + 2].copy_from_slice(&x.to_le_bytes());
+            }
             b
         })
         .boxed()
@@ -126,6 +135,17 @@ proptest! {
         let mut ours = vec![0.0f32; rows * cols];
         dequant::dequantize_row(ty, &all, &mut ours).unwrap();
         same_bits(ty, &ours, &theirs);
+    }
+
+    #[test]
+    fn q8_0_rewrites_equal_the_reference((ty, _n, bytes) in row()) {
+        let ours = dequant::q8_0_rewrite(ty).map(|f| f(&bytes));
+        let theirs = match ty {
+            DType::Q5_0 => Some(ggml_more::q5_0_to_q8_0(&bytes)),
+            DType::IQ4_NL => Some(ggml_more::iq4_nl_to_q8_0(&bytes)),
+            _ => None,
+        };
+        prop_assert_eq!(ours, theirs);
     }
 
     #[test]

@@ -25,7 +25,7 @@ fn every_block_type_matches_gguf_py() {
             .unwrap_or_else(|e| panic!("{ty}: {e} (run fixtures/make_dequant_cases.py)"));
         let want = read_f32(&std::fs::read(dir.join(format!("{}.f32", ty.name()))).unwrap());
         let mut got = vec![f32::NAN; want.len()];
-        tinygpt_cpu::dequant::dequantize_row(ty, &blocks, &mut got).unwrap();
+        tinygpt_cpu::wkernels::dequantize_row(ty, &blocks, &mut got).unwrap();
         let mut reference = vec![f32::NAN; want.len()];
         tinygpt_reference::ggml::dequantize_row(ty, &blocks, &mut reference).unwrap();
         let mut worst = 0.0f64;
@@ -55,15 +55,15 @@ fn every_block_type_matches_gguf_py() {
     assert_eq!(checked, 12, "every block type has a fixture");
 }
 
-/// Q5_0 and IQ4_NL run on the Q8_0 kernels for kernel variants without code for them after
-/// an exact rewrite of their blocks (`dequant::repack_native`): the rewritten Q8_0 blocks
+/// Q5_0 and IQ4_NL have an exact rewrite of their blocks as Q8_0 blocks
+/// (`wkernels::dequant::q8_0_rewrite`, which the kernel tests hold the types' own kernels
+/// to): the rewritten Q8_0 blocks
 /// dequantise to exactly gguf-py's values of the original blocks, and ggml's dot product of
 /// the original block with a Q8_0 activation block, computed here from the original codes
 /// as ggml-quants.c writes it (`vec_dot_q5_0_q8_0`, `vec_dot_iq4_nl_q8_0`: an integer sum
 /// times `d_w · d_x`), is the Q8_0 formula over the rewritten codes. It is also the
 /// reference's native `ggml_dot::dot_q5_0` / `dot_iq4_nl`, and every engine variant's, on
-/// the blocks as Q5_0 / IQ4_NL (`qdot::Packed::new_for`; each block one row: the test
-/// below).
+/// the blocks as Q5_0 / IQ4_NL (each block one row: the test below).
 #[test]
 fn q5_0_and_iq4_nl_are_rewritten_exactly_as_q8_0() {
     let dir = fixtures().join("dequant");
@@ -71,13 +71,11 @@ fn q5_0_and_iq4_nl_are_rewritten_exactly_as_q8_0() {
     for ty in [DType::Q5_0, DType::IQ4_NL] {
         let blocks = std::fs::read(dir.join(format!("{}.blocks", ty.name()))).unwrap();
         let want = read_f32(&std::fs::read(dir.join(format!("{}.f32", ty.name()))).unwrap());
-        let (as_ty, q8) = tinygpt_cpu::dequant::repack_native(ty, &blocks)
-            .expect("a rewrite exists")
-            .unwrap();
-        assert_eq!(as_ty, DType::Q8_0);
+        let rewrite = tinygpt_cpu::wkernels::dequant::q8_0_rewrite(ty).expect("a rewrite exists");
+        let q8 = rewrite(&blocks);
         assert_eq!(q8.len(), want.len() / 32 * 34);
         let mut got = vec![f32::NAN; want.len()];
-        tinygpt_cpu::dequant::dequantize_row(DType::Q8_0, &q8, &mut got).unwrap();
+        tinygpt_cpu::wkernels::dequantize_row(DType::Q8_0, &q8, &mut got).unwrap();
         for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
             let tol = 4.0 * f32::EPSILON * g.abs().max(w.abs()) + 1e-37;
             assert!(
@@ -141,10 +139,14 @@ fn q5_0_and_iq4_nl_are_rewritten_exactly_as_q8_0() {
             );
         }
     }
-    assert!(tinygpt_cpu::dequant::repack_native(DType::Q4_K, &[]).is_none());
+    for ty in DType::ALL {
+        let has = tinygpt_cpu::wkernels::dequant::q8_0_rewrite(ty).is_some();
+        assert_eq!(has, matches!(ty, DType::Q5_0 | DType::IQ4_NL), "{ty}");
+    }
 }
 
-/// The engine's Q5_0 and IQ4_NL kernels (every variant, packed as blocks and as Q8_0) on
+/// The engine's Q5_0 and IQ4_NL kernels (every variant, on the blocks and, through the Q8_0
+/// kernels, on their rewrite as Q8_0) on
 /// the gguf-py fixtures' blocks (every code byte value, all-zero and all-0xFF blocks, f16
 /// scales from subnormal to ±65504), one block per row, against ggml's formula computed
 /// from the original codes as in the test above, bit for bit.
@@ -156,7 +158,7 @@ fn q5_0_and_iq4_nl_kernels_follow_ggml_on_the_fixture_blocks() {
 }
 
 fn kernels_follow_ggml_on_the_fixture_blocks(ty: DType) {
-    use tinygpt_cpu::ops::qdot::{self, Kernel, Packed, QuantizedActs, GROUP};
+    use tinygpt_cpu::wkernels::{dequant, Kernel, Kernels, Packed, QuantizedActs, GROUP};
     let blocks = std::fs::read(fixtures().join(format!("dequant/{}.blocks", ty.name()))).unwrap();
     let bs = ty.block_bytes();
     let rows = blocks.len() / bs;
@@ -166,14 +168,18 @@ fn kernels_follow_ggml_on_the_fixture_blocks(ty: DType) {
     let x: Vec<f32> = (0..32).map(|j| ((j * 53) % 255) as f32 - 127.0).collect();
     let a = QuantizedActs::from_f32(&x);
     assert_eq!(a.d[0], 1.0);
+    let q8 = dequant::q8_0_rewrite(ty).expect("a rewrite")(&blocks);
+    let forms = [
+        Packed::new(ty, rows, 32, &blocks),
+        Packed::new(DType::Q8_0, rows, 32, &q8),
+    ];
     for k in Kernel::supported() {
-        // packed for `k` (as blocks where it has code for them), and as Q8_0 (for
-        // `portable`)
-        for pk in [k, Kernel::Portable] {
-            let p = Packed::new_for(pk, ty, rows, 32, &blocks);
+        // as blocks of their own type, and rewritten as Q8_0
+        for p in &forms {
+            let kernels = Kernels::new(k, p.dtype);
             for g in 0..p.groups() {
                 let mut out = [0.0f32; GROUP];
-                qdot::dot_group(k, &p, g, &a, &mut out);
+                kernels.group_dot(p, g, &a, &mut out);
                 for (j, &got) in out.iter().enumerate().take(rows - g * GROUP) {
                     let blk = &blocks[(g * GROUP + j) * bs..][..bs];
                     let isum: i32 = (0..32)
@@ -272,7 +278,8 @@ fn requantised_files_load_and_evaluate() {
         for t in types {
             assert!(summary.contains_key(*t), "{q}: {summary:?} lacks {t}");
         }
-        // Q8_0, Q5_0 and IQ4_NL tensors are held as their blocks (no rewrite, no f32 copy).
+        // Q8_0, Q5_0 and IQ4_NL tensors are held as their blocks (no rewrite, no f32 copy)
+        // and packed as them for every variant.
         let held = |ty: DType| files.tensors.values().filter(|t| t.dtype == ty).count();
         for ty in [DType::Q8_0, DType::Q5_0, DType::IQ4_NL] {
             assert_eq!(
@@ -281,16 +288,10 @@ fn requantised_files_load_and_evaluate() {
                 "{q} {ty}: {summary:?}"
             );
             if let Some(t) = files.tensors.values().find(|t| t.dtype == ty) {
-                let m = tinygpt_cpu::ops::Matrix::from_tensor(t);
-                let k = tinygpt_cpu::ops::qdot::active();
-                let want = if k.reads(ty) { ty } else { DType::Q8_0 };
-                assert_eq!(
-                    m.packed_dtype(),
-                    Some(want),
-                    "{q} {} ({})",
-                    t.name,
-                    k.name()
-                );
+                for k in tinygpt_cpu::wkernels::Kernel::supported() {
+                    let m = tinygpt_cpu::ops::Matrix::from_tensor(t, k);
+                    assert_eq!(m.packed_dtype(), Some(ty), "{q} {} ({})", t.name, k.name());
+                }
             }
         }
         let p = ppl(q);

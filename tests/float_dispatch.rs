@@ -1,22 +1,41 @@
-//! Every float-weight kernel variant this CPU supports (`qdot::Kernel::supported`, the
-//! dispatch point shared with the quantised kernels) against the scalar twin, bit for bit,
+//! Every float-weight kernel variant this CPU supports (`wkernels::Kernel::supported`, the
+//! type table's resolution shared with the quantised kernels) against the scalar twin, bit for bit,
 //! for f32, f16 and bf16 rows: odd lengths (columns not a multiple of 8 or 16, fewer than
 //! 8), odd row counts and offsets (partial 8-row blocks, rows past a 2-row pair), both
 //! ways of walking the rows (interleaved and streamed), extreme f16 values (±65504,
 //! subnormals, ±0) and extreme bf16 values (largest finite, smallest normal, subnormals),
 //! with no NaN or infinity among the weights.
 //!
-//! The scalar twin itself is held to the order written in `src/ops/float_dot.rs`, computed
+//! The scalar twin itself is held to the order written in `src/wkernels/float.rs`, computed
 //! here independently from the widened weights, and the engine's `matvec` on a `Matrix`
 //! to the active variant.
 
 use half::{bf16, f16};
 use proptest::prelude::*;
 use tinygpt_cpu::dtype::DType;
-use tinygpt_cpu::ops::float_dot::{self, FloatRows};
-use tinygpt_cpu::ops::qdot::{self, Kernel};
 use tinygpt_cpu::ops::{matvec, Matrix};
 use tinygpt_cpu::weights::{Tensor, TensorBytes};
+use tinygpt_cpu::wkernels::{self, FloatRows, Kernel, Kernels};
+
+/// `out[j] = row (r0 + j) · x` through `k`'s float kernels for `dtype` (the type table's).
+#[allow(clippy::too_many_arguments)]
+fn rows_with(
+    k: Kernel,
+    dtype: DType,
+    w: FloatRows,
+    cols: usize,
+    r0: usize,
+    x: &[f32],
+    out: &mut [f32],
+    streamed: bool,
+) {
+    let bytes: &[u8] = match w {
+        FloatRows::F32(v) => bytemuck::cast_slice(v),
+        FloatRows::F16(v) => bytemuck::cast_slice(v),
+        FloatRows::Bf16(v) => bytemuck::cast_slice(v),
+    };
+    Kernels::new(k, dtype).float_rows(bytes, cols, r0, x, out, streamed);
+}
 
 fn cfg() -> ProptestConfig {
     ProptestConfig {
@@ -114,7 +133,7 @@ fn check(
         _ => (FloatRows::F32(vals), vals.to_vec()),
     };
     let mut want = vec![0.0f32; n];
-    float_dot::rows_with(Kernel::Scalar, w, cols, r0, x, &mut want, false);
+    rows_with(Kernel::Scalar, dtype, w, cols, r0, x, &mut want, false);
     for (j, &v) in want.iter().enumerate() {
         let r = r0 + j;
         let d = documented(&widened[r * cols..(r + 1) * cols], x);
@@ -126,7 +145,7 @@ fn check(
     for k in Kernel::supported() {
         for streamed in [false, true] {
             let mut got = vec![f32::NAN; n];
-            float_dot::rows_with(k, w, cols, r0, x, &mut got, streamed);
+            rows_with(k, dtype, w, cols, r0, x, &mut got, streamed);
             for j in 0..n {
                 prop_assert!(
                     same(got[j], want[j]),
@@ -179,12 +198,12 @@ proptest! {
     }
 }
 
-/// The engine's `matvec` (whichever variant `qdot::active` picked, rows split across
+/// The engine's `matvec` (whichever variant `wkernels::default_kernel` picked, rows split across
 /// threads) equals the scalar twin, on a matrix large enough to be split, for each float
 /// dtype, interleaved and streamed.
 #[test]
 fn engine_matvec_equals_scalar_twin() {
-    println!("active kernel: {}", qdot::active().name());
+    println!("active kernel: {}", wkernels::default_kernel().name());
     let (rows, cols) = (203usize, 581usize);
     let mut s = 0x2545_F491_4F6C_DD1Du64;
     let mut next = || {
@@ -207,12 +226,15 @@ fn engine_matvec_equals_scalar_twin() {
                 .collect(),
             _ => bytemuck::cast_slice(&w).to_vec(),
         };
-        let mut m = Matrix::from_tensor(&Tensor {
-            name: "w".into(),
-            dtype,
-            shape: vec![rows, cols],
-            data: TensorBytes::owned(&bytes),
-        });
+        let mut m = Matrix::from_tensor(
+            &Tensor {
+                name: "w".into(),
+                dtype,
+                shape: vec![rows, cols],
+                data: TensorBytes::owned(&bytes),
+            },
+            wkernels::default_kernel(),
+        );
         let h: Vec<f16> = bytemuck::pod_collect_to_vec(&bytes);
         let b: Vec<bf16> = bytemuck::pod_collect_to_vec(&bytes);
         let fw = match dtype {
@@ -221,7 +243,7 @@ fn engine_matvec_equals_scalar_twin() {
             _ => FloatRows::F32(&w),
         };
         let mut want = vec![0.0f32; rows];
-        float_dot::rows_with(Kernel::Scalar, fw, cols, 0, &x, &mut want, false);
+        rows_with(Kernel::Scalar, dtype, fw, cols, 0, &x, &mut want, false);
         for streamed in [false, true] {
             m.set_streamed(streamed);
             let mut got = vec![0.0f32; rows];

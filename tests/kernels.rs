@@ -4,8 +4,9 @@
 use half::{bf16, f16};
 use proptest::prelude::*;
 use tinygpt_cpu::dtype::DType;
-use tinygpt_cpu::ops::{self, matmul, matvec, qdot, simd, Matrix};
+use tinygpt_cpu::ops::{self, matmul, matvec, simd, Matrix};
 use tinygpt_cpu::weights::{Tensor, TensorBytes};
+use tinygpt_cpu::wkernels::{self, QuantizedActs};
 use tinygpt_reference::ggml_dot;
 
 const LENGTHS: [usize; 10] = [1, 3, 7, 8, 17, 33, 64, 100, 257, 1000];
@@ -57,12 +58,15 @@ fn dot_and_axpy_at_odd_lengths() {
 }
 
 fn matrix(dtype: DType, rows: usize, cols: usize, bytes: Vec<u8>) -> Matrix {
-    Matrix::from_tensor(&Tensor {
-        name: "w".into(),
-        dtype,
-        shape: vec![rows, cols],
-        data: TensorBytes::owned(&bytes),
-    })
+    Matrix::from_tensor(
+        &Tensor {
+            name: "w".into(),
+            dtype,
+            shape: vec![rows, cols],
+            data: TensorBytes::owned(&bytes),
+        },
+        wkernels::default_kernel(),
+    )
 }
 
 fn to_bytes(dtype: DType, w: &[f32]) -> (Vec<u8>, Vec<f32>) {
@@ -210,7 +214,7 @@ fn quantised_dots_match_scalar_twins() {
                     for t in 0..ntok {
                         let x = &xs[t * cols..(t + 1) * cols];
                         let ra = ggml_dot::quantize_acts(x);
-                        let ea = qdot::QuantizedActs::from_f32(x);
+                        let ea = QuantizedActs::from_f32(x);
                         prop_assert_eq!(&ra.d, &ea.d);
                         prop_assert_eq!(&ra.q, &ea.q);
                         prop_assert_eq!(&ra.s, &ea.s);
@@ -236,7 +240,7 @@ fn quantised_dots_match_scalar_twins() {
                                 want
                             );
                             let mut wf = vec![0.0f32; cols];
-                            tinygpt_cpu::dequant::dequantize_into(dtype, row, &mut wf);
+                            wkernels::dequantize_into(dtype, row, &mut wf);
                             let mag: f32 = wf.iter().zip(x).map(|(a, b)| (a * b).abs()).sum();
                             prop_assert_eq!(got[r].to_bits(), batched[t * rows + r].to_bits());
                             // and 8-bit activations stay close to the exact product
@@ -257,7 +261,7 @@ fn quantised_dots_match_scalar_twins() {
 
 #[test]
 fn zero_activation_block_gives_zero_scale_not_nan() {
-    let a = qdot::QuantizedActs::from_f32(&[0.0; 64]);
+    let a = QuantizedActs::from_f32(&[0.0; 64]);
     assert!(a.d.iter().all(|&d| d == 0.0));
     let bytes = random_blocks(DType::Q4_1, 1, 64, 5);
     let mut v = [1.0f32];

@@ -1,5 +1,5 @@
 //! Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS weights through every kernel variant this CPU supports
-//! (`qdot::Kernel::supported`), against the scalar twins in the reference crate
+//! (`wkernels::Kernel::supported`), against the scalar twins in the reference crate
 //! (`tinygpt_reference::ggml_kdot`), bit for bit: odd row counts (partial row groups), 1 to
 //! 4 super-blocks per row, random and extreme code bytes (every byte 0x00, 0xFF, 0x80),
 //! extreme f16 scales (0, subnormal, ±65504) and extreme activations (zero, 1e30,
@@ -10,9 +10,9 @@
 use half::f16;
 use proptest::prelude::*;
 use tinygpt_cpu::dtype::DType;
-use tinygpt_cpu::ops::qdot::{self, Kernel, Packed, QuantizedActs, GROUP};
 use tinygpt_cpu::ops::{matmul, matvec, Matrix};
 use tinygpt_cpu::weights::{Tensor, TensorBytes};
+use tinygpt_cpu::wkernels::{self, ActsTile, Kernel, Kernels, Packed, QuantizedActs, GROUP, TILE};
 use tinygpt_reference::ggml_kdot::{self, Q8K};
 
 const QK_K: usize = 256;
@@ -143,12 +143,16 @@ proptest! {
         let p = packed(dtype, rows, nb, &bytes);
         let ea = QuantizedActs::from_f32(&x);
         let ra = ggml_kdot::quantize_q8_k(&x);
-        prop_assert_eq!(&ea.k, &ra, "engine Q8_K vs reference");
+        prop_assert_eq!(
+            (&ea.k.d, &ea.k.q, &ea.k.bsums),
+            (&ra.d, &ra.q, &ra.bsums),
+            "engine Q8_K vs reference"
+        );
         let rb = bytes.len() / rows;
         for k in Kernel::supported() {
             for g in 0..rows.div_ceil(GROUP) {
                 let mut out = [0.0f32; GROUP];
-                qdot::dot_group(k, &p, g, &ea, &mut out);
+                Kernels::new(k, dtype).group_dot(&p, g, &ea, &mut out);
                 for (j, &got) in out.iter().enumerate().take(rows - g * GROUP) {
                     let r = g * GROUP + j;
                     let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], &ra);
@@ -186,14 +190,15 @@ proptest! {
         let eas: Vec<QuantizedActs> = xs.iter().map(|x| QuantizedActs::from_f32(x)).collect();
         let ras: Vec<Q8K> = xs.iter().map(|x| ggml_kdot::quantize_q8_k(x)).collect();
         let refs: Vec<&QuantizedActs> = eas.iter().collect();
-        let tile = qdot::ActsTile::new(&refs[..ntok.min(qdot::TILE)]);
+        let tile = ActsTile::new(&refs[..ntok.min(TILE)]);
         let rb = bytes.len() / rows;
         for k in Kernel::supported() {
             for g in 0..rows.div_ceil(GROUP) {
+                let kernels = Kernels::new(k, dtype);
                 let mut out = vec![[0.0f32; GROUP]; ntok];
-                qdot::dot_group_tokens(k, &p, g, &refs, &mut out);
+                kernels.group_tokens(&p, g, &refs, &mut out);
                 let mut tiled = vec![[0.0f32; GROUP]; tile.len()];
-                qdot::dot_group_tile(k, &p, g, &tile, &mut tiled);
+                kernels.group_tile(&p, g, &tile, &mut tiled);
                 for (t, o) in out.iter().enumerate() {
                     for (j, &got) in o.iter().enumerate().take(rows - g * GROUP) {
                         let r = g * GROUP + j;
@@ -216,11 +221,12 @@ proptest! {
 /// with the dot-product extension (every build of `scripts/test-aarch64.sh`, under qemu)
 /// `neon-dotprod` is a supported variant and multiplies every K-quant type and Q5_1 with
 /// its NEON rows; on x86_64 with AVX2 `avx2` does; `portable` runs its `wide` kernels
-/// everywhere; `scalar` never claims SIMD rows. (Fails if a variant's dispatch falls back
-/// to the scalar loops.)
+/// everywhere; `scalar` never claims SIMD rows; and no supported variant but `scalar` runs
+/// the scalar twins for any type (the type table's resolution, `Kernels::code`). (Fails if
+/// a variant's dispatch falls back to the scalar loops.)
 #[test]
 fn simd_kquant_rows_run_where_the_cpu_has_them() {
-    use tinygpt_cpu::ops::kquant::has_simd_kquant;
+    let has_simd_kquant = |k: Kernel, t: DType| Kernels::new(k, t).code() != Kernel::Scalar;
     let types = [
         DType::Q2_K,
         DType::Q3_K,
@@ -254,10 +260,17 @@ fn simd_kquant_rows_run_where_the_cpu_has_them() {
         assert!(!has_simd_kquant(Kernel::Scalar, t));
         assert!(has_simd_kquant(Kernel::Portable, t), "portable {t}");
     }
-    // Float and 32-block types are not this module's.
-    assert!(!Kernel::ALL
-        .iter()
-        .any(|&k| has_simd_kquant(k, DType::Q8_0) || has_simd_kquant(k, DType::F32)));
+    // Every type: only `scalar` runs the scalar twins.
+    for k in Kernel::supported() {
+        for t in DType::ALL {
+            assert_eq!(
+                has_simd_kquant(k, t),
+                k != Kernel::Scalar,
+                "{} {t}",
+                k.name()
+            );
+        }
+    }
     eprintln!(
         "kernels here: {:?}",
         Kernel::supported()
@@ -300,7 +313,7 @@ fn saturating_extremes_stay_exact() {
                 for k in Kernel::supported() {
                     for g in 0..rows.div_ceil(GROUP) {
                         let mut out = [0.0f32; GROUP];
-                        qdot::dot_group(k, &p, g, &ea, &mut out);
+                        Kernels::new(k, dtype).group_dot(&p, g, &ea, &mut out);
                         for (j, &got) in out.iter().enumerate().take(rows - g * GROUP) {
                             let r = g * GROUP + j;
                             let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], &ra);
@@ -345,12 +358,15 @@ fn batched_kquant_matmul_equals_one_token_matvec() {
             .map(|_| f16::from_f32((next() % 2000) as f32 / 1e5).to_bits())
             .collect();
         let bytes = rows_bytes(dtype, blocks, &raw, &scales);
-        let m = Matrix::from_tensor(&Tensor {
-            name: "w".into(),
-            dtype,
-            shape: vec![rows, cols],
-            data: TensorBytes::owned(&bytes),
-        });
+        let m = Matrix::from_tensor(
+            &Tensor {
+                name: "w".into(),
+                dtype,
+                shape: vec![rows, cols],
+                data: TensorBytes::owned(&bytes),
+            },
+            wkernels::default_kernel(),
+        );
         for threads in [2, 3] {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
@@ -389,8 +405,8 @@ fn batched_kquant_matmul_equals_one_token_matvec() {
 #[test]
 fn mixed_block_types_in_one_product_equal_their_own_matvec() {
     use tinygpt_cpu::ops::matvec::quantized_forms;
-    use tinygpt_cpu::ops::qdot::ActsForms;
     use tinygpt_cpu::ops::{matmul_many, matvec_many};
+    use tinygpt_cpu::wkernels::ActsForms;
     let cols = 512;
     let mut s = 0x1234_5678_9ABC_DEF0u64;
     let mut next = move || {
@@ -419,12 +435,15 @@ fn mixed_block_types_in_one_product_equal_their_own_matvec() {
                 _ => blk[0..2].copy_from_slice(&h),
             }
         }
-        Matrix::from_tensor(&Tensor {
-            name: "w".into(),
-            dtype,
-            shape: vec![rows, cols],
-            data: TensorBytes::owned(&bytes),
-        })
+        Matrix::from_tensor(
+            &Tensor {
+                name: "w".into(),
+                dtype,
+                shape: vec![rows, cols],
+                data: TensorBytes::owned(&bytes),
+            },
+            wkernels::default_kernel(),
+        )
     };
     let a = mk(DType::Q4_K, 37);
     let b = mk(DType::Q8_0, 21);
@@ -528,9 +547,10 @@ proptest! {
         for k in Kernel::supported() {
             for g in 0..rows.div_ceil(GROUP) {
                 let mut one = [0.0f32; GROUP];
-                qdot::dot_group(k, &p, g, &eas[0], &mut one);
+                let kernels = Kernels::new(k, DType::Q5_1);
+                kernels.group_dot(&p, g, &eas[0], &mut one);
                 let mut many = vec![[0.0f32; GROUP]; ntok];
-                qdot::dot_group_tokens(k, &p, g, &refs, &mut many);
+                kernels.group_tokens(&p, g, &refs, &mut many);
                 for j in 0..(rows - g * GROUP).min(GROUP) {
                     let r = g * GROUP + j;
                     let row = &bytes[r * rb..(r + 1) * rb];

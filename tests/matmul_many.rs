@@ -12,12 +12,15 @@ use tinygpt_cpu::ops::{matmul_many, matmul_rows, matvec, Matrix};
 use tinygpt_cpu::weights::{Tensor, TensorBytes};
 
 fn matrix(dtype: DType, rows: usize, cols: usize, bytes: Vec<u8>) -> Matrix {
-    Matrix::from_tensor(&Tensor {
-        name: "w".into(),
-        dtype,
-        shape: vec![rows, cols],
-        data: TensorBytes::owned(&bytes),
-    })
+    Matrix::from_tensor(
+        &Tensor {
+            name: "w".into(),
+            dtype,
+            shape: vec![rows, cols],
+            data: TensorBytes::owned(&bytes),
+        },
+        tinygpt_cpu::wkernels::default_kernel(),
+    )
 }
 
 /// xorshift bytes; block scales kept small and positive.

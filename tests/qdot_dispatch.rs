@@ -1,24 +1,24 @@
-//! Every quantised-weight kernel variant this CPU supports (`qdot::Kernel::supported`;
+//! Every quantised-weight kernel variant this CPU supports (`wkernels::Kernel::supported`;
 //! `scalar` and the `wide`-based `portable` run on every machine, so they are always
 //! among them) against the scalar twin in the reference crate, bit for bit: odd row counts (partial
 //! row groups), 1 to 9 blocks per row, extreme codes (Q8_0 −128 and 127, Q4 nibbles 0
 //! and 15, Q5_0 codes 0 and 31, IQ4_NL levels −127 and 113), extreme f16 scales (0, subnormal, ±65504) and extreme activations (zero
 //! blocks, 1e30, subnormal values, one large value among tiny ones).
 //!
-//! The multi-token kernels (`qdot::dot_group_tokens`, one weight block unpacked for
+//! The multi-token kernels (`Kernels::group_tokens`, one weight block unpacked for
 //! several tokens) are held to the same twin for every token, at odd token counts, and
 //! the batched product `ops::matmul` on GGML blocks (its parallel, multi-token path) to
 //! the one-token `ops::matvec`, bit for bit.
 //!
-//! Q5_0 and IQ4_NL are checked packed both ways: as their own blocks (`Packed::new_for`;
-//! every variant has code for them) and rewritten as Q8_0 (what the packer gives a variant
-//! without that code), each read by every variant, against `ggml_dot::dot_q5_0` / `dot_iq4_nl` (each equal to `dot_q8_0`
-//! on the rewrite: the reference's tests).
+//! Q5_0 and IQ4_NL are checked packed both ways: as their own blocks (`Packed::new`; every
+//! variant has code for them) and rewritten as Q8_0, each read by every variant, against
+//! `ggml_dot::dot_q5_0` / `dot_iq4_nl` (each equal to `dot_q8_0` on the rewrite: the
+//! reference's tests).
 
 use half::f16;
 use proptest::prelude::*;
 use tinygpt_cpu::dtype::DType;
-use tinygpt_cpu::ops::qdot::{self, Kernel, Packed, QuantizedActs, GROUP};
+use tinygpt_cpu::wkernels::{self, ActsTile, Kernel, Kernels, Packed, QuantizedActs, GROUP, TILE};
 
 /// The GGML block types of the interleaved layout.
 const TYPES: [DType; 5] = [
@@ -30,11 +30,10 @@ const TYPES: [DType; 5] = [
 ];
 
 /// The packed forms of a matrix to test: the engine's (`Packed::new`), and for Q5_0 and
-/// IQ4_NL both their forms (as their own blocks, and rewritten as Q8_0 as the packer does
-/// for a variant without code for them: every variant has it today).
+/// IQ4_NL both their forms (as their own blocks, and rewritten exactly as Q8_0 blocks).
 fn packings(dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<Packed> {
     if matches!(dtype, DType::Q5_0 | DType::IQ4_NL) {
-        let native = Packed::new_for(Kernel::Scalar, dtype, rows, cols, bytes);
+        let native = Packed::new(dtype, rows, cols, bytes);
         let rewrite = match dtype {
             DType::Q5_0 => tinygpt_reference::ggml_more::q5_0_to_q8_0(bytes),
             _ => tinygpt_reference::ggml_more::iq4_nl_to_q8_0(bytes),
@@ -136,7 +135,7 @@ fn check_group(
 ) -> Result<(), String> {
     let rb = bytes.len() / rows;
     let mut out = [0.0f32; GROUP];
-    qdot::dot_group(k, p, g, ea, &mut out);
+    Kernels::new(k, p.dtype).group_dot(p, g, ea, &mut out);
     for (j, &got) in out.iter().enumerate().take(rows - g * GROUP) {
         let r = g * GROUP + j;
         let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], ra);
@@ -153,13 +152,13 @@ fn reports_supported_variants() {
     println!(
         "supported kernels: {:?}; active: {}",
         s.iter().map(|k| k.name()).collect::<Vec<_>>(),
-        qdot::active().name()
+        wkernels::default_kernel().name()
     );
     assert_eq!(s[0], Kernel::Scalar);
     // the portable variant runs (and is tested) everywhere
     assert_eq!(s[1], Kernel::Portable);
     assert!(Kernel::Portable.is_supported());
-    assert!(s.contains(&qdot::active()));
+    assert!(s.contains(&wkernels::default_kernel()));
     for k in Kernel::ALL {
         assert_eq!(Kernel::from_name(k.name()), Some(k));
     }
@@ -277,10 +276,11 @@ fn multi_token_kernels_equal_the_scalar_twin_for_every_token() {
                 for &k in &kernels {
                     for g in 0..p.groups() {
                         let mut out = vec![[f32::NAN; GROUP]; xs.len()];
-                        qdot::dot_group_tokens(k, &p, g, &refs, &mut out);
+                        let kernels = Kernels::new(k, p.dtype);
+                        kernels.group_tokens(&p, g, &refs, &mut out);
                         for (t, (o, ra)) in out.iter().zip(&ras).enumerate() {
                             let mut one = [0.0f32; GROUP];
-                            qdot::dot_group(k, &p, g, &eas[t], &mut one);
+                            kernels.group_dot(&p, g, &eas[t], &mut one);
                             for (j, &got) in o.iter().enumerate().take(rows - g * GROUP) {
                                 let r = g * GROUP + j;
                                 let want = reference_row(dtype, &bytes[r * rb..(r + 1) * rb], ra);
@@ -304,8 +304,8 @@ fn multi_token_kernels_equal_the_scalar_twin_for_every_token() {
                         }
                         // the tile path (interleaved activations; AVX-512's own kernel)
                         let mut tiled = vec![[f32::NAN; GROUP]; xs.len()];
-                        for (ch, o) in refs.chunks(qdot::TILE).zip(tiled.chunks_mut(qdot::TILE)) {
-                            qdot::dot_group_tile(k, &p, g, &qdot::ActsTile::new(ch), o);
+                        for (ch, o) in refs.chunks(TILE).zip(tiled.chunks_mut(TILE)) {
+                            kernels.group_tile(&p, g, &ActsTile::new(ch), o);
                         }
                         for (t, (o, w)) in tiled.iter().zip(&out).enumerate() {
                             for j in 0..rows.min(g * GROUP + GROUP) - g * GROUP {
@@ -357,9 +357,10 @@ fn multi_token_extremes_stay_exact() {
             {
                 for g in 0..p.groups() {
                     let mut out = vec![[0.0f32; GROUP]; xs.len()];
-                    qdot::dot_group_tokens(k, p, g, &refs, &mut out);
+                    let kernels = Kernels::new(k, p.dtype);
+                    kernels.group_tokens(p, g, &refs, &mut out);
                     let mut tiled = vec![[0.0f32; GROUP]; xs.len()];
-                    qdot::dot_group_tile(k, p, g, &qdot::ActsTile::new(&refs), &mut tiled);
+                    kernels.group_tile(p, g, &ActsTile::new(&refs), &mut tiled);
                     for (o, ra) in out.iter().chain(&tiled).zip(ras.iter().cycle()) {
                         for (j, &got) in o.iter().enumerate().take(rows - g * GROUP) {
                             let r = g * GROUP + j;
@@ -400,12 +401,15 @@ fn batched_quantised_matmul_equals_one_token_matvec() {
             .map(|_| f16::from_f32((next() % 2000) as f32 / 1e4 - 0.1).to_bits())
             .collect();
         let bytes = rows_bytes(dtype, rows, cols / 32, &codes, &scales);
-        let m = Matrix::from_tensor(&Tensor {
-            name: "w".into(),
-            dtype,
-            shape: vec![rows, cols],
-            data: TensorBytes::owned(&bytes),
-        });
+        let m = Matrix::from_tensor(
+            &Tensor {
+                name: "w".into(),
+                dtype,
+                shape: vec![rows, cols],
+                data: TensorBytes::owned(&bytes),
+            },
+            wkernels::default_kernel(),
+        );
         for threads in [2, 3] {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
@@ -462,12 +466,15 @@ fn matvec_many_equals_one_matvec_per_matrix_at_any_thread_count() {
                 rows_bytes(dtype, rows, cols / 32, &codes, &scales)
             }
         };
-        Matrix::from_tensor(&Tensor {
-            name: "w".into(),
-            dtype,
-            shape: vec![rows, cols],
-            data: TensorBytes::owned(&bytes),
-        })
+        Matrix::from_tensor(
+            &Tensor {
+                name: "w".into(),
+                dtype,
+                shape: vec![rows, cols],
+                data: TensorBytes::owned(&bytes),
+            },
+            wkernels::default_kernel(),
+        )
     };
     let sets: Vec<Vec<Matrix>> = vec![
         vec![
@@ -633,7 +640,7 @@ fn activation_quantiser_equals_the_reference_on_special_values() {
     }
 }
 
-/// A matrix past `qdot::STREAM_PREFETCH_BYTES`, whose one-token kernels prefetch ahead
+/// A matrix past `wkernels::STREAM_PREFETCH_BYTES`, whose one-token kernels prefetch ahead
 /// (up to 16 blocks past a group's last, into the next group or past the buffer's end):
 /// every variant still equals the scalar twin on its first and last groups.
 #[test]
@@ -645,7 +652,7 @@ fn prefetching_kernels_on_a_dram_sized_matrix_equal_the_scalar_twin() {
 
 fn prefetching_on_a_dram_sized_matrix(dtype: DType) {
     let nb = 256; // 8192 columns
-    let rows = (qdot::STREAM_PREFETCH_BYTES / (nb * dtype.block_bytes())) + 3;
+    let rows = (wkernels::STREAM_PREFETCH_BYTES / (nb * dtype.block_bytes())) + 3;
     let mut bytes = vec![0u8; rows * nb * dtype.block_bytes()];
     let mut seed = 0x9E37_79B9u32;
     for b in bytes.iter_mut() {
@@ -666,10 +673,10 @@ fn prefetching_on_a_dram_sized_matrix(dtype: DType) {
         .map(|i| ((i * 37) % 101) as f32 - 50.0)
         .collect();
     let (ra, ea) = (ggml_dot::quantize_acts(&x), QuantizedActs::from_f32(&x));
+    // one packing for every variant (Q5_0, IQ4_NL: as their blocks)
+    let p = Packed::new(dtype, rows, nb * 32, &bytes);
+    assert!(p.byte_len() >= wkernels::STREAM_PREFETCH_BYTES);
     for k in Kernel::supported() {
-        // each variant on the matrix packed for it (Q5_0, IQ4_NL: as blocks or as Q8_0)
-        let p = Packed::new_for(k, dtype, rows, nb * 32, &bytes);
-        assert!(p.byte_len() >= qdot::STREAM_PREFETCH_BYTES);
         for g in [0, 1, p.groups() - 1] {
             let r = check_group(k, &p, g, &ea, &ra, dtype, &bytes, rows);
             assert!(r.is_ok(), "{dtype} group {g}: {r:?}");
@@ -677,24 +684,17 @@ fn prefetching_on_a_dram_sized_matrix(dtype: DType) {
     }
 }
 
-/// Q5_0 and IQ4_NL are kept as blocks (22 and 18 bytes per 32 weights, not Q8_0's 34) for
-/// every variant with code for them, and every variant has it: fails if a change silently
-/// falls back to the rewrite as Q8_0 there. A model matrix
-/// (`Matrix::from_tensor`, packed for the active variant) holds what that variant reads.
+/// Q5_0 and IQ4_NL are kept as blocks (22 and 18 bytes per 32 weights, not Q8_0's 34), and
+/// every variant this CPU supports runs its own code for them (the type table resolves no
+/// other variant's): fails if a change silently falls back to a rewrite as Q8_0 or to
+/// another variant's code. A model matrix (`Matrix::from_tensor`, for any variant) holds
+/// the blocks.
 #[test]
 fn q5_0_and_iq4_nl_stay_blocks_for_the_variants_with_code() {
-    #[cfg(target_arch = "x86_64")]
-    {
-        assert!(Kernel::Avx2.has_q5_0() && Kernel::Avx512Vnni.has_q5_0());
-        assert!(Kernel::Avx2.has_iq4_nl() && Kernel::Avx512Vnni.has_iq4_nl());
-    }
-    #[cfg(target_arch = "aarch64")]
-    {
-        assert!(Kernel::NeonDotprod.has_q5_0() && Kernel::NeonDotprod.has_iq4_nl());
-    }
-    assert!(Kernel::Scalar.has_q5_0() && Kernel::Scalar.has_iq4_nl());
-    assert!(Kernel::Portable.has_q5_0() && Kernel::Portable.has_iq4_nl());
     for dtype in [DType::Q5_0, DType::IQ4_NL] {
+        for k in Kernel::supported() {
+            assert_eq!(Kernels::new(k, dtype).code(), k, "{dtype} {}", k.name());
+        }
         stays_blocks(dtype);
     }
 }
@@ -703,36 +703,22 @@ fn stays_blocks(dtype: DType) {
     let (rows, nb) = (19, 18); // 576 columns, as SmolLM2's
     let bs = dtype.block_bytes();
     let bytes: Vec<u8> = (0..rows * nb * bs).map(|i| (i * 7 % 251) as u8).collect();
-    for k in Kernel::supported() {
-        let p = Packed::new_for(k, dtype, rows, nb * 32, &bytes);
-        let (want, block) = if k.reads(dtype) {
-            (dtype, bs)
-        } else {
-            (DType::Q8_0, 34)
-        };
-        assert_eq!(p.dtype, want, "{dtype} {}", k.name());
-        // eight rows' blocks (with their scales) per group, padded to 64 bytes
-        let group = (nb * block * GROUP).next_multiple_of(64);
-        assert_eq!(p.byte_len(), p.groups() * group, "{dtype} {}", k.name());
-    }
-    let m = Matrix::from_tensor(&Tensor {
+    let p = Packed::new(dtype, rows, nb * 32, &bytes);
+    assert_eq!(p.dtype, dtype);
+    // eight rows' blocks (with their scales) per group, padded to 64 bytes
+    let group = (nb * bs * GROUP).next_multiple_of(64);
+    assert_eq!(p.byte_len(), p.groups() * group, "{dtype}");
+    let tensor = Tensor {
         name: "w".into(),
         dtype,
         shape: vec![rows, nb * 32],
         data: TensorBytes::owned(&bytes),
-    });
-    let active = qdot::active();
-    let want = if active.reads(dtype) {
-        dtype
-    } else {
-        DType::Q8_0
     };
-    assert_eq!(
-        m.packed_dtype(),
-        Some(want),
-        "{dtype} active {}",
-        active.name()
-    );
+    for k in Kernel::supported() {
+        let m = Matrix::from_tensor(&tensor, k);
+        assert_eq!(m.packed_dtype(), Some(dtype), "{dtype} {}", k.name());
+    }
+    let m = Matrix::from_tensor(&tensor, wkernels::default_kernel());
     assert_eq!(m.dtype, dtype);
     // the embedding lookup reads the packed copy: the file's values either way
     let mut row = vec![0.0f32; nb * 32];

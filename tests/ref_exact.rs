@@ -88,7 +88,7 @@ fn reductions_equal_the_engine_kernels() {
     kernels();
     for n in 1..=300 {
         let (a, b) = (noise(n, n as u64, 3.0), noise(n, 7 * n as u64, 2.0));
-        let want = tinygpt_cpu::ops::float_dot::row_scalar(&a, &b);
+        let want = tinygpt_cpu::wkernels::scalar::float_row(&a, &b);
         assert_eq!(order::dot8(&a, &b).to_bits(), want.to_bits(), "dot8 n={n}");
         let want = tinygpt_cpu::ops::simd::dot(&a, &b);
         assert_eq!(

@@ -26,7 +26,7 @@ use crate::ggml::f16_at;
 use crate::ggml_more::IQ4_VALUES;
 
 /// Values per block.
-pub const QK: usize = 32;
+pub use tinygpt_types::ggml::QK;
 
 /// An activation vector quantised to 8 bits per block of [`QK`].
 #[derive(Debug, Clone, Default, PartialEq)]

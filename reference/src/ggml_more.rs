@@ -24,13 +24,9 @@
 
 use crate::ggml::f16_at;
 
-/// Values per K-quant super-block.
-pub const QK_K: usize = 256;
-
-/// The 16 levels of IQ4_NL and IQ4_XS codes (ggml's `kvalues_iq4nl`).
-pub const IQ4_VALUES: [i8; 16] = [
-    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-];
+/// Values per K-quant super-block, and the 16 levels of IQ4_NL and IQ4_XS codes (ggml's
+/// `kvalues_iq4nl`): format constants shared with the engine through `tinygpt-types`.
+pub use tinygpt_types::ggml::{IQ4_VALUES, QK_K};
 
 /// Q5_0 row (blocks of 22 bytes, 32 values).
 pub fn dequantize_q5_0(bytes: &[u8], out: &mut [f32]) {

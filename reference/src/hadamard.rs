@@ -19,10 +19,9 @@
 //! `(−a) + (−b)`). The engine uses such a transform (`tinygpt_cpu::attention`), so the
 //! two give identical bits.
 
-/// Whether `d` has a Hadamard matrix here (a power of two, at least 2).
-pub fn supported(d: usize) -> bool {
-    d >= 2 && d.is_power_of_two()
-}
+/// Whether `d` has a Hadamard matrix here (a power of two, at least 2): the cache
+/// configuration's rule (`tinygpt-types`), which decides whether `auto` rotates.
+pub use tinygpt_types::kv::hadamard_supported as supported;
 
 /// The sign of `H[i][j]` (before normalisation): `+1` or `−1`.
 pub fn sign(i: usize, j: usize) -> f32 {

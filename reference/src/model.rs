@@ -54,41 +54,54 @@ impl Linear {
                 let row_bytes = cols / ty.block_len() * ty.block_bytes();
                 assert_eq!(bytes.len(), out.len() * row_bytes);
                 let xs = x.to_vec();
-                if matches!(
-                    ty,
-                    GgmlType::Q2_K
-                        | GgmlType::Q3_K
-                        | GgmlType::Q4_K
-                        | GgmlType::Q5_K
-                        | GgmlType::Q6_K
-                        | GgmlType::IQ4_XS
-                ) {
-                    let acts = ggml_kdot::quantize_q8_k(&xs);
-                    for (row, o) in bytes.chunks_exact(row_bytes).zip(out) {
-                        *o = match ty {
-                            GgmlType::Q2_K => ggml_kdot::dot_q2_k(row, &acts),
-                            GgmlType::Q3_K => ggml_kdot::dot_q3_k(row, &acts),
-                            GgmlType::Q4_K => ggml_kdot::dot_q4_k(row, &acts),
-                            GgmlType::Q5_K => ggml_kdot::dot_q5_k(row, &acts),
-                            GgmlType::IQ4_XS => ggml_kdot::dot_iq4_xs(row, &acts),
-                            _ => ggml_kdot::dot_q6_k(row, &acts),
-                        };
+                match row_dot(*ty) {
+                    RowDot::Blocks32(dot) => {
+                        let acts = ggml_dot::quantize_acts(&xs);
+                        for (row, o) in bytes.chunks_exact(row_bytes).zip(out) {
+                            *o = dot(row, &acts);
+                        }
                     }
-                    return;
-                }
-                let acts = ggml_dot::quantize_acts(&xs);
-                for (row, o) in bytes.chunks_exact(row_bytes).zip(out) {
-                    *o = match ty {
-                        GgmlType::Q8_0 => ggml_dot::dot_q8_0(row, &acts),
-                        GgmlType::Q4_0 => ggml_dot::dot_q4_0(row, &acts),
-                        GgmlType::Q4_1 => ggml_dot::dot_q4_1(row, &acts),
-                        GgmlType::Q5_0 => ggml_dot::dot_q5_0(row, &acts),
-                        GgmlType::Q5_1 => ggml_dot::dot_q5_1(row, &acts),
-                        GgmlType::IQ4_NL => ggml_dot::dot_iq4_nl(row, &acts),
-                        other => panic!("{other:?} is not a block type"),
-                    };
+                    RowDot::Q8K(dot) => {
+                        let acts = ggml_kdot::quantize_q8_k(&xs);
+                        for (row, o) in bytes.chunks_exact(row_bytes).zip(out) {
+                            *o = dot(row, &acts);
+                        }
+                    }
                 }
             }
+        }
+    }
+}
+
+/// How a row of a block type meets the activations: which quantisation of `x` it reads
+/// and its dot product.
+enum RowDot {
+    /// 8-bit blocks of 32 ([`ggml_dot`]).
+    Blocks32(fn(&[u8], &ggml_dot::QuantizedActs) -> f32),
+    /// Q8_K super-blocks of 256 ([`ggml_kdot`]).
+    Q8K(fn(&[u8], &ggml_kdot::Q8K) -> f32),
+}
+
+/// The dot product of each block type (every type listed: a new one must name its own).
+///
+/// # Panics
+/// For the float types, which [`Linear::F32`] holds instead.
+fn row_dot(ty: GgmlType) -> RowDot {
+    match ty {
+        GgmlType::Q8_0 => RowDot::Blocks32(ggml_dot::dot_q8_0),
+        GgmlType::Q4_0 => RowDot::Blocks32(ggml_dot::dot_q4_0),
+        GgmlType::Q4_1 => RowDot::Blocks32(ggml_dot::dot_q4_1),
+        GgmlType::Q5_0 => RowDot::Blocks32(ggml_dot::dot_q5_0),
+        GgmlType::Q5_1 => RowDot::Blocks32(ggml_dot::dot_q5_1),
+        GgmlType::IQ4_NL => RowDot::Blocks32(ggml_dot::dot_iq4_nl),
+        GgmlType::Q2_K => RowDot::Q8K(ggml_kdot::dot_q2_k),
+        GgmlType::Q3_K => RowDot::Q8K(ggml_kdot::dot_q3_k),
+        GgmlType::Q4_K => RowDot::Q8K(ggml_kdot::dot_q4_k),
+        GgmlType::Q5_K => RowDot::Q8K(ggml_kdot::dot_q5_k),
+        GgmlType::Q6_K => RowDot::Q8K(ggml_kdot::dot_q6_k),
+        GgmlType::IQ4_XS => RowDot::Q8K(ggml_kdot::dot_iq4_xs),
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+            panic!("{ty} is not a block type (held as Linear::F32)")
         }
     }
 }

@@ -39,56 +39,13 @@
 
 use half::f16;
 
-/// int8 codes: `q ∈ [INT8_QMIN, INT8_QMAX]`.
-pub const INT8_QMIN: i32 = -128;
-pub const INT8_QMAX: i32 = 127;
-/// int4 codes: `q ∈ [INT4_QMIN, INT4_QMAX]`.
-pub const INT4_QMIN: i32 = -8;
-pub const INT4_QMAX: i32 = 7;
-/// int2 codes: `q ∈ [INT2_QMIN, INT2_QMAX]`.
-pub const INT2_QMIN: i32 = -2;
-pub const INT2_QMAX: i32 = 1;
+/// The code widths and their named ranges (`q ∈ [INT8_QMIN, INT8_QMAX]`, ...), shared with
+/// the engine through `tinygpt-types`.
+pub use tinygpt_types::kv::{
+    Bits, INT2_QMAX, INT2_QMIN, INT4_QMAX, INT4_QMIN, INT8_QMAX, INT8_QMIN,
+};
 /// Lower bound of every scale, before the f16 rounding.
 pub const MIN_SCALE: f32 = 1e-5;
-
-/// A KIVI code width: the one definition, shared by the engine (`tinygpt_cpu::quant::Bits`
-/// re-exports it). Adding a width: its arm here and in the three methods below, and in
-/// [`pack_codes`] / [`unpack_codes`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Bits {
-    Int8,
-    Int4,
-    Int2,
-}
-
-impl Bits {
-    pub fn qmin(self) -> i32 {
-        match self {
-            Bits::Int8 => INT8_QMIN,
-            Bits::Int4 => INT4_QMIN,
-            Bits::Int2 => INT2_QMIN,
-        }
-    }
-    pub fn qmax(self) -> i32 {
-        match self {
-            Bits::Int8 => INT8_QMAX,
-            Bits::Int4 => INT4_QMAX,
-            Bits::Int2 => INT2_QMAX,
-        }
-    }
-    /// Bits per code.
-    pub fn width(self) -> u32 {
-        (self.qmax() - self.qmin() + 1).ilog2()
-    }
-    /// Bytes holding `n` packed codes.
-    pub fn packed_len(self, n: usize) -> usize {
-        match self {
-            Bits::Int8 => n,
-            Bits::Int4 => n.div_ceil(2),
-            Bits::Int2 => n.div_ceil(4),
-        }
-    }
-}
 
 /// Converts to f16 with round-to-nearest-even, saturating at `±f16::MAX` instead of
 /// overflowing to infinity. NaN stays NaN.

@@ -5,8 +5,53 @@
 //! The angle is computed in f32 exactly as transformers does (`pos as f32 * inv_freq`),
 //! so that long positions round the same way in both implementations.
 
-use crate::config::Config;
+use crate::config::{Config, RopeScaling};
 use ndarray::{Array1, ArrayViewMut1, ArrayViewMut2, Axis};
+
+/// RoPE inverse frequencies, one per rotated pair (`head_dim / 2` values),
+/// with the model's scaling applied. Computed in f64 and rounded once, as
+/// transformers computes them in f32 from `theta ** (2i/d)`.
+pub fn inv_freq(cfg: &Config) -> Vec<f32> {
+    let d = cfg.head_dim;
+    let mut out = Vec::with_capacity(d / 2);
+    for i in 0..d / 2 {
+        // transformers: 1.0 / (base ** (arange(0, dim, 2).float() / dim))
+        let exponent = (2 * i) as f32 / d as f32;
+        let inv = 1.0f32 / cfg.rope_theta.powf(exponent);
+        out.push(inv);
+    }
+    match &cfg.rope_scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } => {
+            for f in &mut out {
+                *f /= *factor;
+            }
+        }
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            let old_ctx = *original_max_position_embeddings as f32;
+            let low_freq_wavelen = old_ctx / low_freq_factor;
+            let high_freq_wavelen = old_ctx / high_freq_factor;
+            for f in &mut out {
+                let wavelen = 2.0 * std::f32::consts::PI / *f;
+                if wavelen < high_freq_wavelen {
+                    // high frequency: unchanged
+                } else if wavelen > low_freq_wavelen {
+                    *f /= factor;
+                } else {
+                    let smooth = (old_ctx / wavelen - low_freq_factor)
+                        / (high_freq_factor - low_freq_factor);
+                    *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                }
+            }
+        }
+    }
+    out
+}
 
 /// Per-model RoPE constants.
 #[derive(Debug, Clone)]
@@ -18,7 +63,7 @@ pub struct Rope {
 impl Rope {
     pub fn new(cfg: &Config) -> Self {
         Rope {
-            inv_freq: Array1::from(cfg.rope_inv_freq()),
+            inv_freq: Array1::from(inv_freq(cfg)),
         }
     }
 

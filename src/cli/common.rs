@@ -68,6 +68,7 @@ impl From<Positions> for PositionsMode {
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
 pub enum EngineKind {
     Optimized,
+    /// The scalar reference crate (builds with the `reference-engine` feature only).
     Reference,
 }
 
@@ -242,6 +243,7 @@ impl EngineArgs {
         &self,
         f: impl FnOnce() -> anyhow::Result<T> + Send,
     ) -> anyhow::Result<T> {
+        self.engine.available()?;
         let mut b = rayon::ThreadPoolBuilder::new();
         // Without --threads, decode steps pick the team or one thread by measured speed.
         crate::team::set_adaptive(self.threads.is_none());
@@ -283,19 +285,41 @@ pub fn human_bytes(n: u64) -> String {
     }
 }
 
+impl EngineKind {
+    /// `Ok` when this build has the engine: the scalar reference runs only in a build with
+    /// the `reference-engine` feature (the tests' build has it; the shipped binary does
+    /// not link the reference crate).
+    pub fn available(self) -> Result<()> {
+        match self {
+            EngineKind::Optimized => Ok(()),
+            EngineKind::Reference if cfg!(feature = "reference-engine") => Ok(()),
+            EngineKind::Reference => Err(Error::flag(
+                "--engine",
+                "`reference` is not in this build; build with \
+                 `cargo build --release --features reference-engine` to run it",
+            )),
+        }
+    }
+}
+
 /// A model loaded for either engine.
 pub enum Loaded {
     Optimized(crate::model::Model),
+    #[cfg(feature = "reference-engine")]
     Reference(tinygpt_reference::Model),
 }
 
 impl Loaded {
     pub fn load(files: &ModelFiles, engine: &EngineArgs) -> Result<Loaded> {
+        engine.engine.available()?;
         let w = engine.weights_dtype(files.format);
         crate::memory::check_weights_fit(files, w, engine.engine == EngineKind::Reference)?;
         Ok(match engine.engine {
             EngineKind::Optimized => Loaded::Optimized(crate::model::Model::load(files, w)?),
+            #[cfg(feature = "reference-engine")]
             EngineKind::Reference => Loaded::Reference(crate::model::reference_model(files, w)?),
+            #[cfg(not(feature = "reference-engine"))]
+            EngineKind::Reference => unreachable!("checked by `available` above"),
         })
     }
 
@@ -303,6 +327,7 @@ impl Loaded {
     pub fn run(&self, kv: &KvConfig) -> Box<dyn crate::generate::Engine + '_> {
         match self {
             Loaded::Optimized(m) => Box::new(crate::generate::EngineRun::new(m, kv)),
+            #[cfg(feature = "reference-engine")]
             Loaded::Reference(m) => Box::new(crate::generate::ReferenceRun::new(m, kv)),
         }
     }

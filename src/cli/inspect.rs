@@ -34,49 +34,21 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
         .map(|(k, v)| format!("{k} x{v}"))
         .collect();
     outln!("dtypes:      {}", dt.join(", "))?;
-    for ty in [DType::Q5_0, DType::IQ4_NL] {
-        if !f.dtype_summary().contains_key(ty.name()) {
-            continue;
-        }
-        let k = crate::ops::qdot::active();
-        if k.reads(ty) {
-            outln!(
-                "             ({ty} kept as blocks: native {ty} kernels, {})",
-                k.name()
-            )?;
-        } else {
-            outln!(
-                "             ({ty} rewritten exactly as Q8_0 when packed: the {} kernels have no {ty} code)",
-                k.name()
-            )?;
-        }
-    }
-    if !f.file_dtypes.is_empty() {
-        let (mut repacked, mut later) = (Vec::new(), Vec::new());
-        for n in f.file_dtypes.keys() {
-            match tinygpt_reference::ggml::GgmlType::ALL
-                .iter()
-                .find(|t| t.name() == n)
-            {
-                Some(t) if t.has_native_kernels() => {}
-                Some(t) if crate::dequant::repack_native(*t, &[]).is_some() => {
-                    repacked.push(n.as_str())
-                }
-                _ => later.push(n.as_str()),
-            }
-        }
-        if !repacked.is_empty() {
-            outln!(
-                "             ({} rewritten exactly as Q8_0 at load, for the Q8_0 kernels)",
-                repacked.join(", ")
-            )?;
-        }
-        if !later.is_empty() {
-            outln!(
-                "             ({} dequantised to f32 at load: no native kernels yet)",
-                later.join(", ")
-            )?;
-        }
+    // Every type is held and multiplied as it is stored; say whose code runs for each.
+    let k = crate::wkernels::default_kernel();
+    let borrowed: Vec<String> = f
+        .dtype_summary()
+        .keys()
+        .filter_map(|n| DType::from_name(n))
+        .filter_map(|t| {
+            let code = crate::wkernels::Kernels::new(k, t).code();
+            (code != k).then(|| format!("{t}: {}", code.name()))
+        })
+        .collect();
+    if borrowed.is_empty() {
+        outln!("kernels:     {}", k.name())?;
+    } else {
+        outln!("kernels:     {} ({})", k.name(), borrowed.join(", "))?;
     }
     outln!(
         "vocab:       {} (tokenizer: {})",

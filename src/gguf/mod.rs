@@ -9,7 +9,7 @@
 //! - [`GgufFile::hf_tensors`]: the tensors under their Hugging Face names, in Hugging Face shape
 //!   order, with llama.cpp's Q/K row permutation undone (llama only), so the forward pass is the same one as
 //!   for a safetensors checkpoint. Data stays in its file dtype (quantised blocks included);
-//!   [`crate::dequant`] dequantises it.
+//!   [`crate::wkernels::dequant`] dequantises it.
 //! - [`GgufFile::tokenizer`]: a `tokenizers::Tokenizer` built from `tokenizer.ggml.*`
 //!   ([`tokenizer`] says how, and how it matches transformers' GGUF conversion).
 //! - [`GgufFile::chat_template`]: `tokenizer.chat_template`, for [`crate::chat::render_chat`].
@@ -74,10 +74,10 @@ impl GgufTensor<'_> {
         self.shape.iter().product()
     }
 
-    /// The values as f32 ([`crate::dequant::dequantize_row`]).
-    pub fn to_f32(&self) -> std::result::Result<Vec<f32>, crate::dequant::DequantError> {
+    /// The values as f32 ([`crate::wkernels::dequantize_row`]).
+    pub fn to_f32(&self) -> std::result::Result<Vec<f32>, crate::wkernels::DequantError> {
         let mut out = vec![0.0f32; self.n_elements()];
-        crate::dequant::dequantize_row(self.dtype, &self.data, &mut out)?;
+        crate::wkernels::dequantize_row(self.dtype, &self.data, &mut out)?;
         Ok(out)
     }
 }
@@ -780,29 +780,9 @@ impl GgufFile {
                         .map_err(|msg| Error::tensor(&self.path, &t.name, msg))?
                 }
             };
-            // A type without native kernels is rewritten exactly into one that has them
-            // where it can be (`dequant::repack_native`; no type needs it today: Q5_0 and
-            // IQ4_NL reach the packer as blocks), else becomes f32, once, here
-            // (docs/design.md §2.2).
-            let repacked = (!t.dtype.has_native_kernels())
-                .then(|| crate::dequant::repack_native(t.dtype, &data))
-                .flatten();
-            let (dtype, data) = if t.dtype.has_native_kernels() {
-                (t.dtype, data)
-            } else if let Some(r) = repacked {
-                let (dtype, bytes) =
-                    r.map_err(|e| Error::tensor(&self.path, &t.name, e.to_string()))?;
-                (dtype, Cow::Owned(bytes))
-            } else {
-                let mut vals = vec![0.0f32; t.n_elements()];
-                crate::dequant::dequantize_row(t.dtype, &data, &mut vals)
-                    .map_err(|e| Error::tensor(&self.path, &t.name, e.to_string()))?;
-                let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
-                (DType::F32, Cow::Owned(bytes))
-            };
             out.push(GgufTensor {
                 name,
-                dtype,
+                dtype: t.dtype,
                 shape,
                 data,
             });

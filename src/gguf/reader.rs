@@ -251,7 +251,8 @@ pub struct Parsed {
     pub data_offset: usize,
 }
 
-/// Name of a ggml type id, for error messages (`None` for ids ggml never assigned).
+/// ggml's name of any type id it assigned, supported or not (its registry, for error
+/// messages; `None` for ids ggml never assigned). The supported types are [`DType`]'s.
 pub fn ggml_type_name(id: u32) -> Option<&'static str> {
     Some(match id {
         0 => "F32",
@@ -298,42 +299,21 @@ pub fn ggml_type_name(id: u32) -> Option<&'static str> {
     })
 }
 
-/// The ggml type id of each supported [`DType`]: the one mapping between the two, read both
-/// ways by [`dtype_from_ggml`] and [`ggml_id`].
-const GGML_IDS: [(u32, DType); 15] = [
-    (0, DType::F32),
-    (1, DType::F16),
-    (2, DType::Q4_0),
-    (3, DType::Q4_1),
-    (6, DType::Q5_0),
-    (7, DType::Q5_1),
-    (8, DType::Q8_0),
-    (10, DType::Q2_K),
-    (11, DType::Q3_K),
-    (12, DType::Q4_K),
-    (13, DType::Q5_K),
-    (14, DType::Q6_K),
-    (20, DType::IQ4_NL),
-    (23, DType::IQ4_XS),
-    (30, DType::BF16),
-];
-
-/// The [`DType`] of a ggml type id, if supported.
+/// The [`DType`] of a ggml type id, if supported (every [`DType`] carries its id:
+/// [`DType::ggml_id`]).
 pub fn dtype_from_ggml(id: u32) -> Option<DType> {
-    GGML_IDS.iter().find(|(i, _)| *i == id).map(|&(_, d)| d)
+    DType::from_ggml_id(id)
 }
 
 /// The ggml type id of a [`DType`] (inverse of [`dtype_from_ggml`]).
 pub fn ggml_id(dtype: DType) -> u32 {
-    GGML_IDS
-        .iter()
-        .find(|(_, d)| *d == dtype)
-        .map(|&(i, _)| i)
-        .expect("every DType has a ggml id")
+    dtype.ggml_id()
 }
 
-const SUPPORTED_TYPES: &str =
-    "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS";
+/// The supported types' names, for error messages: `"F32, F16, BF16, Q4_0, …"`.
+fn supported_types() -> String {
+    DType::ALL.map(DType::name).join(", ")
+}
 
 /// Value type ids (the `value_type` field).
 mod vt {
@@ -647,8 +627,9 @@ fn place_tensor(
             .map(str::to_string)
             .unwrap_or_else(|| format!("#{} (unknown)", r.ggml_type));
         c.err(format!(
-            "tensor '{}' has type {ty}, which is not supported (supported: {SUPPORTED_TYPES})",
-            r.name
+            "tensor '{}' has type {ty}, which is not supported (supported: {})",
+            r.name,
+            supported_types()
         ))
     })?;
     let n_elements =

@@ -3,7 +3,7 @@
 //! variants. The engine's own numerics; the scalar oracle is `tinygpt_reference::quant`
 //! (and `tinygpt_reference::hadamard` for the rotation), and every function here agrees
 //! with its twin there bit for bit (`tests.rs`, `tests/quant.rs`, `tests/kv_rotation.rs`).
-//! Not to be confused with the *weight* formats (`crate::dequant`, `crate::ops`).
+//! Not to be confused with the *weight* formats (`crate::wkernels`).
 //!
 //! ```text
 //!     scale = f16(max(1e-5, (hi - lo) / (qmax - qmin)))     zero = f16(lo)   (saturating)
@@ -47,10 +47,9 @@ use crate::ops::simd::{load8, store8, Elem};
 use half::f16;
 use wide::f32x8;
 
-/// The code width and its ranges: types shared with the reference (one definition, the
-/// only `tinygpt_reference` item this module uses outside tests; it moves with the other
-/// shared types to the crate both use). Every computation below is the engine's own.
-pub use tinygpt_reference::quant::{
+/// The code width and its ranges: types shared with the reference (one definition,
+/// `tinygpt-types`). Every computation below is the engine's own.
+pub use tinygpt_types::kv::{
     Bits, INT2_QMAX, INT2_QMIN, INT4_QMAX, INT4_QMIN, INT8_QMAX, INT8_QMIN,
 };
 /// Lower bound of every scale, before the f16 rounding.

@@ -42,10 +42,10 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 pub use policy::{EvictionPolicy, StreamingLlm};
 use storage::{stores_for, KeyRun, KeyStore, Region, Shape, ValueRun, ValueStore};
-pub use tinygpt_reference::kv_cache::{KeyRope, KvConfig, KvRotation, PositionsMode, Precision};
+pub use tinygpt_types::kv::{KeyRope, KvConfig, KvRotation, PositionsMode, Precision};
 
 /// Rows kept at full precision at the start of a KIVI cache (docs/design.md §2).
-pub const FULL_PRECISION_ROWS: usize = 4;
+pub use tinygpt_types::kv::FULL_PRECISION_ROWS;
 /// Largest accepted `--kv-group-size`.
 pub const MAX_GROUP_SIZE: usize = 1 << 16;
 /// Largest accepted `sink + window` (rows per layer).

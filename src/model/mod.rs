@@ -28,12 +28,15 @@ use crate::ops::{self, Matrix};
 use crate::team;
 use crate::weights::ModelTensors;
 use crate::weights::{ModelFiles, Tensor};
+use crate::wkernels::Kernel;
 
+#[cfg(feature = "reference-engine")]
 mod reference;
 mod relay_step;
 mod rows;
 mod team_step;
 
+#[cfg(feature = "reference-engine")]
 pub use reference::reference_model;
 
 /// Weight dtype the engine computes with (`--weights-dtype`).
@@ -143,13 +146,13 @@ pub struct Session {
     pub team_design: team::TeamDesign,
 }
 
-fn matrix(t: &Tensor, want: WeightsDType) -> Matrix {
+fn matrix(t: &Tensor, want: WeightsDType, kernel: Kernel) -> Matrix {
     let target = match want {
         WeightsDType::Native => t.dtype,
         WeightsDType::F32 => DType::F32,
         WeightsDType::Bf16 => DType::BF16,
     };
-    Matrix::from_tensor(&t.converted(target))
+    Matrix::from_tensor(&t.converted(target), kernel)
 }
 
 impl Session {
@@ -170,8 +173,16 @@ impl Session {
 }
 
 impl Model {
-    /// Builds the engine model from loaded files.
+    /// Builds the engine model from loaded files, its products on the default kernel
+    /// variant ([`crate::wkernels::default_kernel`]).
     pub fn load(files: &ModelFiles, wdtype: WeightsDType) -> Result<Model> {
+        Model::load_with(files, wdtype, crate::wkernels::default_kernel())
+    }
+
+    /// Builds the engine model from loaded files, every weight matrix's kernels resolved
+    /// for `kernel` (a variant this CPU lacks runs the scalar twins).
+    pub fn load_with(files: &ModelFiles, wdtype: WeightsDType, kernel: Kernel) -> Result<Model> {
+        let mat = |t: &Tensor| matrix(t, wdtype, kernel);
         let t = ModelTensors::collect(files)?;
         let cfg = files.config.clone();
         let vecf = |t: &Tensor| t.to_f32();
@@ -188,10 +199,10 @@ impl Model {
             .iter()
             .map(|l| Layer {
                 attn_norm: norm(l.attn_norm),
-                wq: matrix(l.wq, wdtype),
-                wk: l.wk.map(|t| matrix(t, wdtype)),
-                wv: l.wv.map(|t| matrix(t, wdtype)),
-                wo: matrix(l.wo, wdtype),
+                wq: mat(l.wq),
+                wk: l.wk.map(mat),
+                wv: l.wv.map(mat),
+                wo: mat(l.wo),
                 bq: l.bq.map(vecf),
                 bk: l.bk.map(vecf),
                 bv: l.bv.map(vecf),
@@ -200,14 +211,14 @@ impl Model {
                 ffn_norm: norm(l.ffn_norm),
                 post_attn_norm: l.post_attn_norm.map(norm),
                 post_ffn_norm: l.post_ffn_norm.map(norm),
-                w_gate: matrix(l.w_gate, wdtype),
-                w_up: matrix(l.w_up, wdtype),
-                w_down: matrix(l.w_down, wdtype),
+                w_gate: mat(l.w_gate),
+                w_up: mat(l.w_up),
+                w_down: mat(l.w_down),
             })
             .collect();
-        let embed = matrix(t.embed, wdtype);
+        let embed = mat(t.embed);
         let mut lm_head = match t.lm_head {
-            Some(h) => matrix(h, wdtype),
+            Some(h) => mat(h),
             None => embed.clone(),
         };
         // Weights that do not fit in cache are re-read from DRAM every token: walk their
@@ -532,13 +543,13 @@ fn glu(c: &Config, gate: &mut [f32], up: &[f32]) {
 }
 
 /// Final logit soft-capping (Gemma's `final_logit_softcapping`) in place, when `cap` is
-/// given: each logit `v` becomes the reference's `soft_cap(v, cap)` (`cap · tanh(v / cap)`),
-/// the same function, so the two agree bit for bit. Element by element, so how the logits
-/// are split between threads does not change them.
+/// given: each logit `v` becomes [`ops::soft_cap`]`(v, cap)` (`cap · tanh(v / cap)`, the
+/// reference's steps, bit for bit). Element by element, so how the logits are split
+/// between threads does not change them.
 fn soft_cap(logits: &mut [f32], cap: Option<f32>) {
     if let Some(cap) = cap {
         for v in logits {
-            *v = tinygpt_reference::model::soft_cap(*v, cap);
+            *v = ops::soft_cap(*v, cap);
         }
     }
 }

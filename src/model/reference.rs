@@ -9,7 +9,7 @@ use crate::weights::{ModelFiles, Tensor};
 /// Builds the scalar reference model from the same files: every weight dequantised to f32
 /// after the same `--weights-dtype` conversion the engine applies, so both see equal values.
 /// Dequantisation here is the reference's own (`tinygpt_reference::ggml`), not the engine's
-/// [`crate::dequant`], so a bug in either shows up as a difference.
+/// [`crate::wkernels::dequant`], so a bug in either shows up as a difference.
 pub fn reference_model(
     files: &ModelFiles,
     wdtype: WeightsDType,

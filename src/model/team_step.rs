@@ -16,9 +16,9 @@ use crate::config::Config;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::ops::matvec::{quantized_forms, row_part, row_parts, rows_into};
-use crate::ops::qdot::QuantizedActs;
 use crate::ops::{self, Matrix};
 use crate::team::{self, Member, SharedCell, SharedSlice};
+use crate::wkernels::QuantizedActs;
 
 /// [`Model::forward`] as a decode team. The caller has checked `token`.
 pub(super) fn run_step(model: &Model, s: &mut Session, token: u32, pos: usize) -> Result<()> {

@@ -6,23 +6,27 @@
 //! order (below), so the result does not depend on the thread count or on whether a
 //! token is decoded alone ([`matvec`]) or inside a prefill batch ([`matmul`]).
 //!
+//! Every matrix resolves its type's kernels for one variant when it is built
+//! ([`crate::wkernels::Kernels`], from the type table); a product calls them without
+//! asking the type or the variant again.
+//!
 //! The order of a float row's dot product `w · x` (`n = cols`, `n8 = n - n % 8`): one
 //! f32x8 accumulator with lane `l` holding `Σ_{i ≡ l (mod 8), i < n8} w_i·x_i`
-//! (multiply-adds in increasing `i`, fused iff [`float_dot::FUSED`]), its lanes summed as
-//! `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, plus the scalar tail
-//! `Σ_{i ≥ n8} w_i·x_i` summed from zero. The one-token kernels come in variants chosen at
-//! run time with the quantised ones ([`super::float_dot`]: scalar, portable, AVX2 + F16C,
-//! AVX-512), all in this order; the prefill micro-kernel ([`tile`]) keeps rows × tokens in
-//! flight, one accumulator each, and reduces eight of them with one transpose
-//! ([`crate::ops::simd::reduce8`]).
+//! (multiply-adds in increasing `i`, fused iff [`crate::ops::simd::FUSED`]), its lanes
+//! summed as `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, plus the scalar tail
+//! `Σ_{i ≥ n8} w_i·x_i` summed from zero ([`crate::wkernels::float`]). The one-token
+//! kernels come in variants (scalar, portable, AVX2 + F16C), all in this order; the prefill
+//! micro-kernel ([`tile`]) keeps rows × tokens in flight, one accumulator each, and reduces
+//! eight of them with one transpose ([`crate::ops::simd::reduce8`]).
 
-use super::float_dot::{self, tail, FloatRows, RB};
-use super::qdot::{self, ActsForms, ActsTile, Packed, QuantizedActs, GROUP};
-use super::simd::{load8, Elem};
-use crate::dequant::dequantize_into;
+use super::simd::{load8, reduce8, Elem};
 use crate::dtype::DType;
-use crate::ops::simd::reduce8;
 use crate::weights::{Tensor, TensorBytes};
+use crate::wkernels::float::tail;
+use crate::wkernels::{
+    dequantize_into, ActsForms, ActsTile, FloatRows, Kernel, Kernels, Packed, QuantizedActs, GROUP,
+    RB, TILE,
+};
 use rayon::prelude::*;
 use std::ops::Range;
 use std::sync::Arc;
@@ -35,9 +39,11 @@ pub struct Matrix {
     pub cols: usize,
     pub dtype: DType,
     data: TensorBytes,
-    /// GGML-block weights repacked at load into interleaved row groups (see
-    /// [`qdot::Packed`]); the kernels read only this.
+    /// GGML-block weights repacked at load into row groups (see [`Packed`]); the kernels
+    /// read only this.
     packed: Option<Arc<Packed>>,
+    /// The type's kernels, resolved for one variant at load.
+    kernels: Kernels,
     /// Read rows one at a time (see [`Matrix::set_streamed`]).
     streamed: bool,
 }
@@ -49,10 +55,11 @@ impl std::fmt::Debug for Matrix {
 }
 
 impl Matrix {
-    /// Wraps a 2-D tensor. The loader has checked the shape and byte length. Matrices
-    /// over [`STREAM_BYTES`] start out streamed. GGML-block matrices are repacked here
-    /// (one copy of their bytes, made once at load).
-    pub fn from_tensor(t: &Tensor) -> Matrix {
+    /// Wraps a 2-D tensor, its products to run on `kernel`'s code for its type (a variant
+    /// this CPU lacks runs the scalar twins). The loader has checked the shape and byte
+    /// length. Matrices over [`STREAM_BYTES`] start out streamed. GGML-block matrices are
+    /// repacked here (one copy of their bytes, made once at load).
+    pub fn from_tensor(t: &Tensor, kernel: Kernel) -> Matrix {
         debug_assert_eq!(t.shape.len(), 2);
         let (rows, cols) = (t.shape[0], t.shape[1]);
         let packed = t
@@ -66,7 +73,13 @@ impl Matrix {
             streamed: t.data.bytes().len() > STREAM_BYTES,
             data: t.data.clone(),
             packed,
+            kernels: Kernels::new(kernel, t.dtype),
         }
+    }
+
+    /// The kernels this matrix's products run.
+    pub fn kernels(&self) -> &Kernels {
+        &self.kernels
     }
 
     /// Chooses how a float matvec walks the rows; the values are bit-identical either way.
@@ -95,9 +108,8 @@ impl Matrix {
         self.data.is_mapped()
     }
 
-    /// The type of the load-time repacked copy (`None` for float matrices): the file's,
-    /// or Q8_0 for a Q5_0 or IQ4_NL matrix packed for a kernel variant without code for it
-    /// ([`qdot::Kernel::reads`]).
+    /// The type of the load-time repacked copy (`None` for float matrices): the file's
+    /// (every type is packed as its own blocks).
     pub fn packed_dtype(&self) -> Option<DType> {
         self.packed.as_ref().map(|p| p.dtype)
     }
@@ -107,9 +119,8 @@ impl Matrix {
         self.packed.as_ref().map_or(0, |p| p.byte_len())
     }
 
-    /// Row `r` as f32 (embedding lookup). A repacked matrix is read from its packed copy
-    /// (in the packed type: Q5_0 or IQ4_NL may be packed as Q8_0, the same values), so the
-    /// file's pages are not touched again after load.
+    /// Row `r` as f32 (embedding lookup). A repacked matrix is read from its packed copy,
+    /// so the file's pages are not touched again after load.
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.cols);
         if let Some(p) = &self.packed {
@@ -127,10 +138,9 @@ impl Matrix {
     fn rows_q(&self, r0: usize, a: &QuantizedActs, out: &mut [f32]) {
         let p = self.packed.as_ref().expect("quantised matrices are packed");
         debug_assert_eq!(r0 % GROUP, 0);
-        let kernel = qdot::active();
         let mut buf = [0.0f32; GROUP];
         for (i, o) in out.chunks_mut(GROUP).enumerate() {
-            qdot::dot_group(kernel, p, r0 / GROUP + i, a, &mut buf);
+            self.kernels.group_dot(p, r0 / GROUP + i, a, &mut buf);
             o.copy_from_slice(&buf[..o.len()]);
         }
     }
@@ -196,12 +206,7 @@ fn tile<E: Elem>(w: &[E], cols: usize, r0: usize, xs: &[f32], t0: usize, out: &m
 
 impl Matrix {
     fn float_rows(&self) -> Option<FloatRows<'_>> {
-        match self.dtype {
-            DType::F32 => Some(FloatRows::F32(bytemuck::cast_slice(self.bytes()))),
-            DType::F16 => Some(FloatRows::F16(bytemuck::cast_slice(self.bytes()))),
-            DType::BF16 => Some(FloatRows::Bf16(bytemuck::cast_slice(self.bytes()))),
-            _ => None,
-        }
+        FloatRows::of(self.dtype, self.bytes())
     }
 }
 
@@ -234,10 +239,12 @@ impl<'a> Input<'a> {
 /// [`RB`] for them). A decode team member computes its share of a product with this.
 pub fn rows_into(m: &Matrix, x: &[f32], q: Option<&QuantizedActs>, r0: usize, out: &mut [f32]) {
     debug_assert_eq!(x.len(), m.cols);
-    match (m.float_rows(), q) {
-        (Some(w), _) => float_dot::rows_with(qdot::active(), w, m.cols, r0, x, out, m.streamed),
-        (None, Some(q)) => m.rows_q(r0, q, out),
-        (None, None) => unreachable!("quantised matrix without quantised input"),
+    match (&m.packed, q) {
+        (None, _) => m
+            .kernels
+            .float_rows(m.bytes(), m.cols, r0, x, out, m.streamed),
+        (Some(_), Some(q)) => m.rows_q(r0, q, out),
+        (Some(_), None) => unreachable!("quantised matrix without quantised input"),
     }
 }
 
@@ -280,8 +287,9 @@ pub fn needs_quantized_input(mats: &[&Matrix]) -> bool {
 /// The quantised forms of their input that `mats` read (Q8_0-style blocks of 32 and/or
 /// Q8_K super-blocks): quantise with [`QuantizedActs::quantize_forms`].
 pub fn quantized_forms(mats: &[&Matrix]) -> ActsForms {
-    mats.iter()
-        .fold(ActsForms::default(), |f, m| f.union(ActsForms::of(m.dtype)))
+    mats.iter().fold(ActsForms::default(), |f, m| {
+        f.union(ActsForms::from_acts(m.kernels.acts()))
+    })
 }
 
 /// Weights above this many bytes are assumed to come from DRAM on every token (they do
@@ -452,7 +460,7 @@ pub fn matmul_rows(w: &Matrix, xs: &[f32], outs: &mut [&mut [f32]]) {
 
 /// [`matmul`] for GGML-block weights: `out[m][t] = mats[m] · token t` (each `mats[m].rows`
 /// long). Every token is quantised to 8 bits once for all the matrices (and interleaved
-/// into tiles of [`qdot::TILE`] tokens); rayon tasks own ranges of one matrix's row groups
+/// into tiles of [`TILE`] tokens); rayon tasks own ranges of one matrix's row groups
 /// (as [`matvec_many`] splits rows, so a handful of tokens still uses every thread) and
 /// the matching pieces of every token's output row, so results land in place; inside a
 /// task, each group meets a tile at a time through the multi-token kernels, which load and
@@ -484,8 +492,7 @@ fn matmul_quantized(mats: &[&Matrix], xs: &[f32], out: Vec<Vec<&mut [f32]>>) {
             .for_each(quantize);
     }
     let act_refs: Vec<&QuantizedActs> = acts[..n].iter().collect();
-    let tiles: Vec<ActsTile> = act_refs.chunks(qdot::TILE).map(ActsTile::new).collect();
-    let kernel = qdot::active();
+    let tiles: Vec<ActsTile> = act_refs.chunks(TILE).map(ActsTile::new).collect();
     // Groups per task: about four tasks per thread over all the matrices (rayon balances
     // them when another process holds a core), at least two groups each.
     let total_groups: usize = mats.iter().map(|m| m.rows.div_ceil(GROUP)).sum();
@@ -510,15 +517,15 @@ fn matmul_quantized(mats: &[&Matrix], xs: &[f32], out: Vec<Vec<&mut [f32]>>) {
     let body = |(m, g0, mut rows_out): (&Matrix, usize, Vec<&mut [f32]>)| {
         let p = m.packed.as_ref().expect("quantised matrices are packed");
         let span = rows_out[0].len();
-        let mut buf = [[0.0f32; GROUP]; qdot::TILE];
+        let mut buf = [[0.0f32; GROUP]; TILE];
         // Token tiles bound the activations a task streams per group (they stay in L2).
-        for (ti, ts) in tiles.chunks(TOKEN_TILE / qdot::TILE).enumerate() {
+        for (ti, ts) in tiles.chunks(TOKEN_TILE / TILE).enumerate() {
             for (i, r0) in (0..span).step_by(GROUP).enumerate() {
                 let r1 = (r0 + GROUP).min(span);
                 let mut t0 = ti * TOKEN_TILE;
                 for tile in ts {
                     let got = &mut buf[..tile.len()];
-                    qdot::dot_group_tile(kernel, p, g0 + i, tile, got);
+                    m.kernels.group_tile(p, g0 + i, tile, got);
                     for (o, v) in rows_out[t0..t0 + tile.len()].iter_mut().zip(got.iter()) {
                         if r1 - r0 == GROUP {
                             // A fixed length: two vector moves, not a `memmove` call.

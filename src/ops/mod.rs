@@ -1,42 +1,11 @@
-//! Compute kernels: SIMD through `wide` (NEON on aarch64, SSE/AVX on x86_64) with scalar
-//! tails, parallel across independent outputs with rayon (never across a float
+//! The float operations of the forward pass (norms, activations) and the matrix products
+//! ([`matvec`]: a [`Matrix`] holds its weights and the kernels resolved for them, from
+//! [`crate::wkernels`]): SIMD through `wide` (NEON on aarch64, SSE/AVX on x86_64) with
+//! scalar tails, parallel across independent outputs with rayon (never across a float
 //! reduction, so results do not depend on the thread count).
 
-/// Calls `$body` with `$dtype` as a literal constant in each arm, one arm per code type
-/// of the 8-row packing: the always-inlined per-block steps then fold every `dtype` branch
-/// (a copy of the loop per type). With the type a run-time value the AVX2 loop kept its
-/// branches and spilled the unpacked codes to the stack, and the NEON one called its
-/// unpacking as a function per block. Shared by `x86` and `aarch64` (defined before them).
-#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-macro_rules! per_code_type {
-    ($dtype:expr, $body:expr, ( $($arg:expr),* )) => {
-        match $dtype {
-            DType::Q4_0 => $body(DType::Q4_0, $($arg),*),
-            DType::Q4_1 => $body(DType::Q4_1, $($arg),*),
-            DType::Q5_0 => $body(DType::Q5_0, $($arg),*),
-            DType::Q8_0 => $body(DType::Q8_0, $($arg),*),
-            DType::IQ4_NL => $body(DType::IQ4_NL, $($arg),*),
-            other => unreachable!("packed {other}"),
-        }
-    };
-}
-
-#[cfg(target_arch = "aarch64")]
-mod aarch64;
-pub mod float_dot;
-#[cfg(target_arch = "x86_64")]
-mod float_x86;
-pub mod kquant;
-pub mod kquant_low;
-#[cfg(target_arch = "aarch64")]
-mod kquant_neon;
-mod kquant_portable;
 pub mod matvec;
-mod portable;
-pub mod qdot;
 pub mod simd;
-#[cfg(target_arch = "x86_64")]
-mod x86;
 
 pub use matvec::{matmul, matmul_many, matmul_rows, matvec, matvec_many, Matrix};
 use wide::f32x8;
@@ -65,13 +34,29 @@ pub fn head_rmsnorm(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
+/// GELU, tanh approximation (`gelu_pytorch_tanh`):
+/// `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))` in f32, each operation rounded
+/// in that order (`√(2/π)` itself computed in f32), as the reference's `gelu_tanh`.
+pub fn gelu_tanh(x: f32) -> f32 {
+    let k = (2.0f32 / std::f32::consts::PI).sqrt();
+    let inner = k * (x + 0.044715 * x * x * x);
+    0.5 * x * (1.0 + inner.tanh())
+}
+
 /// GeGLU in place with tanh-approximated GELU (Gemma): `gate[i] = gelu_tanh(gate[i]) · up[i]`,
 /// scalar, as the reference computes it.
 pub fn geglu_tanh(gate: &mut [f32], up: &[f32]) {
     debug_assert_eq!(gate.len(), up.len());
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = tinygpt_reference::model::gelu_tanh(*g) * u;
+        *g = gelu_tanh(*g) * u;
     }
+}
+
+/// Final logit soft-capping of one logit (Gemma's `final_logit_softcapping`):
+/// `cap · tanh(x / cap)` in f32 — a division, `f32::tanh`, a multiplication, each rounded
+/// once, as the reference's `soft_cap`.
+pub fn soft_cap(x: f32, cap: f32) -> f32 {
+    cap * (x / cap).tanh()
 }
 
 /// SwiGLU in place: `gate[i] = silu(gate[i]) · up[i]`, `silu(g) = g / (1 + e^(−g))`.
@@ -113,4 +98,54 @@ pub fn argmax(x: &[f32]) -> usize {
         }
     }
     best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tinygpt_reference::model as r;
+
+    /// Values across the ranges the activations and logits take, and the edges: zeros,
+    /// subnormals, huge, infinite, NaN.
+    fn values() -> Vec<f32> {
+        let mut v: Vec<f32> = (-4000..=4000).map(|i| i as f32 * 0.0037).collect();
+        v.extend((0..200).map(|i| f32::from_bits(0x3F80_0000 ^ (i * 0x0001_2345))));
+        v.extend([
+            0.0,
+            -0.0,
+            1e-40,
+            -1e-40,
+            1e30,
+            -1e30,
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+        ]);
+        v
+    }
+
+    fn same(a: f32, b: f32) -> bool {
+        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+    }
+
+    #[test]
+    fn gelu_tanh_equals_the_reference() {
+        for x in values() {
+            assert!(same(gelu_tanh(x), r::gelu_tanh(x)), "gelu_tanh({x})");
+        }
+    }
+
+    #[test]
+    fn soft_cap_equals_the_reference() {
+        for cap in [30.0f32, 50.0, 1.0, 1e-3] {
+            for x in values() {
+                assert!(
+                    same(soft_cap(x, cap), r::soft_cap(x, cap)),
+                    "soft_cap({x}, {cap})"
+                );
+            }
+        }
+    }
 }

@@ -13,6 +13,25 @@ pub fn load8(s: &[f32]) -> f32x8 {
     f32x8::from(a)
 }
 
+/// Whether `wide::f32x8::mul_add` fuses the multiply and the add: `wide` 0.7 fuses only on
+/// x86_64 builds with FMA enabled (`target-cpu=native` on any FMA CPU); elsewhere (aarch64
+/// included) it multiplies, rounds, then adds. Every kernel whose order names a
+/// multiply-add (the float weight rows, the exact KIVI kernels) follows it, and so do the
+/// scalar twins ([`madd`]; found by `tests/float_dispatch.rs` under
+/// `scripts/test-aarch64.sh`).
+pub const FUSED: bool = cfg!(all(target_arch = "x86_64", target_feature = "fma"));
+
+/// One multiply-add as `wide`'s `mul_add` does it on this build: `w · x + acc`, fused
+/// iff [`FUSED`].
+#[inline(always)]
+pub fn madd(w: f32, x: f32, acc: f32) -> f32 {
+    if FUSED {
+        w.mul_add(x, acc)
+    } else {
+        w * x + acc
+    }
+}
+
 /// Writes `v` to the first 8 values of `x`.
 #[inline(always)]
 pub fn store8(x: &mut [f32], v: f32x8) {

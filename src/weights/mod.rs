@@ -121,11 +121,11 @@ impl Tensor {
         self.shape.iter().product()
     }
 
-    /// Dequantises/converts the whole tensor to f32 ([`crate::dequant`]; used at load and
+    /// Dequantises/converts the whole tensor to f32 ([`crate::wkernels::dequant`]; used at load and
     /// to build the reference model).
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0.0f32; self.numel()];
-        crate::dequant::dequantize_into(self.dtype, self.data.bytes(), &mut out);
+        crate::wkernels::dequantize_into(self.dtype, self.data.bytes(), &mut out);
         out
     }
 
@@ -191,9 +191,6 @@ pub struct ModelFiles {
     pub chat_template: Option<String>,
     /// Bytes of the model file(s) on disk.
     pub file_bytes: u64,
-    /// Tensors per storage type in the file, where that differs from what was loaded (a
-    /// GGUF whose types without native kernels were dequantised to f32); empty otherwise.
-    pub file_dtypes: BTreeMap<String, usize>,
 }
 
 impl std::fmt::Debug for ModelFiles {
@@ -368,7 +365,6 @@ impl ModelFiles {
             tokenizer_json: Some(tok_json.clone()),
             chat_template: md.get(META_CHAT_TEMPLATE).cloned(),
             file_bytes,
-            file_dtypes: BTreeMap::new(),
         })
     }
 
@@ -445,7 +441,6 @@ impl ModelFiles {
             tokenizer_json: Some(tok_json),
             chat_template,
             file_bytes,
-            file_dtypes: BTreeMap::new(),
         })
     }
 
@@ -461,12 +456,6 @@ impl ModelFiles {
         let file_len = gguf.bytes().len();
         let mut tensors = BTreeMap::new();
         let shared = Arc::new(Backing::Gguf(gguf.clone()));
-        let mut file_dtypes = BTreeMap::new();
-        if gguf.tensors().iter().any(|t| !t.dtype.has_native_kernels()) {
-            for t in gguf.tensors() {
-                *file_dtypes.entry(t.dtype.name().to_string()).or_insert(0) += 1;
-            }
-        }
         for t in gguf.hf_tensors()? {
             let data = match &t.data {
                 std::borrow::Cow::Borrowed(b) => {
@@ -496,7 +485,6 @@ impl ModelFiles {
             tokenizer_json: None,
             chat_template,
             file_bytes,
-            file_dtypes,
         })
     }
 
@@ -505,11 +493,9 @@ impl ModelFiles {
         self.tensors.values().map(|t| t.numel()).sum()
     }
 
-    /// Dtypes present in the file, with the number of tensors of each.
+    /// Dtypes present in the file, with the number of tensors of each (every type is
+    /// held as it is stored).
     pub fn dtype_summary(&self) -> BTreeMap<String, usize> {
-        if !self.file_dtypes.is_empty() {
-            return self.file_dtypes.clone();
-        }
         let mut m = BTreeMap::new();
         for t in self.tensors.values() {
             *m.entry(t.dtype.name().to_string()).or_insert(0) += 1;
@@ -687,7 +673,8 @@ pub fn check_safetensors_header(bytes: &[u8], path: &Path) -> Result<()> {
 }
 
 /// Index of the first non-finite value of a tensor's bytes (for block types: the first
-/// element of the first block whose f16 scale or minimum is NaN/Inf), or `None`.
+/// element of the first block whose f16 scale or minimum is NaN/Inf, or of the first
+/// non-finite value), or `None`.
 pub fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<usize> {
     // An IEEE value is NaN/Inf when its exponent bits are all ones.
     fn scan16(bytes: &[u8], mask: u16) -> Option<usize> {
@@ -695,6 +682,14 @@ pub fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<usize> {
             .chunks_exact(2)
             .position(|c| u16::from_le_bytes([c[0], c[1]]) & mask == mask)
     }
+    // Blocks that start with `halves` f16 fields (scale, then minimum), every value the
+    // scale times a finite code or level, plus the minimum.
+    let scales = |halves: usize| {
+        bytes
+            .chunks_exact(dtype.block_bytes())
+            .position(|b| scan16(&b[..2 * halves], 0x7c00).is_some())
+            .map(|blk| blk * dtype.block_len())
+    };
     match dtype {
         DType::F32 => {
             const MASK: u32 = 0x7f80_0000;
@@ -714,22 +709,20 @@ pub fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<usize> {
         }
         DType::F16 => scan16(bytes, 0x7c00),
         DType::BF16 => scan16(bytes, 0x7f80),
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::IQ4_NL => {
-            // Q8_0, Q4_0, Q5_0 and IQ4_NL start each block with an f16 scale, Q4_1 with a
-            // scale and a minimum (every value is the scale times a finite code or level,
-            // plus the minimum).
-            let halves = if dtype == DType::Q4_1 { 4 } else { 2 };
-            bytes
-                .chunks_exact(dtype.block_bytes())
-                .position(|b| scan16(&b[..halves], 0x7c00).is_some())
-                .map(|blk| blk * dtype.block_len())
-        }
-        // Dequantised at load (see `crate::dequant`): scan the values, a block at a time.
-        _ => {
+        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 | DType::IQ4_NL => scales(1),
+        DType::Q4_1 => scales(2),
+        // Scan the values, a block at a time.
+        DType::Q5_1
+        | DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::IQ4_XS => {
             let (bb, bl) = (dtype.block_bytes(), dtype.block_len());
             let mut vals = vec![0.0f32; bl];
             bytes.chunks_exact(bb).enumerate().find_map(|(i, b)| {
-                crate::dequant::dequantize_into(dtype, b, &mut vals);
+                crate::wkernels::dequantize_into(dtype, b, &mut vals);
                 vals.iter().position(|v| !v.is_finite()).map(|j| i * bl + j)
             })
         }

@@ -26,10 +26,10 @@
 //!   kernel does. Under grouped-query attention each chunk is extracted once for all
 //!   heads.
 //!
-//! Multiply-adds are fused exactly when the portable kernels' are (`float_dot::FUSED`).
+//! Multiply-adds are fused exactly when the portable kernels' are (`simd::FUSED`).
 
 use crate::kivi::{KRun, VRun};
-use crate::ops::float_dot::FUSED;
+use crate::ops::simd::FUSED;
 use std::arch::x86_64::*;
 
 /// Whether the kernels here take head dim `hd` (those of every x86 variant).

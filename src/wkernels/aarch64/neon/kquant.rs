@@ -1,5 +1,5 @@
-//! aarch64 NEON + dot-product (`sdot`) rows for [`super::kquant`]'s types: Q4_K, Q5_K,
-//! Q6_K and IQ4_XS against Q8_K activations, Q5_1 against the 8-bit blocks of 32.
+//! NEON + dot-product (`sdot`) rows of the whole-row types: Q4_K, Q5_K, Q6_K and IQ4_XS
+//! against Q8_K activations, Q5_1 against the 8-bit blocks of 32.
 //!
 //! Every weight super-block (block) is unpacked once into signed bytes in value order —
 //! Q4_K's nibbles, Q5_K's nibbles topped by their fifth bit, Q6_K's six-bit codes minus 32
@@ -17,38 +17,13 @@
 //!
 //! Q6_K subtracts its 32 from the codes before the products (`(q − 32) · x` exactly as the
 //! twin writes it), so it needs no activation block sums.
-//!
-//! The Q2_K and Q3_K rows (`super::kquant_low`) use this module's `fold4`, `lanes` and
-//! `f16_at`.
 
-use super::aarch64::sdot;
-use super::qdot::QuantizedActs;
-use half::f16;
-use std::arch::aarch64::*;
-use tinygpt_reference::ggml_kdot::{
-    iq4_xs_scale, IQ4_XS_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8K,
+use super::{f16_at, fold4, lanes, sdot};
+use crate::wkernels::blocks::{
+    iq4_xs_scale, scale_min_k4, IQ4_VALUES, IQ4_XS_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
 };
-use tinygpt_reference::ggml_more::{scale_min_k4, IQ4_VALUES, QK_K};
-
-#[inline(always)]
-pub(super) fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
-}
-
-/// The four lanes of each of `p[0..4]` summed: `[Σ p0, Σ p1, Σ p2, Σ p3]` (exact).
-#[target_feature(enable = "neon")]
-#[inline]
-pub(super) fn fold4(p: [int32x4_t; 4]) -> int32x4_t {
-    vpaddq_s32(vpaddq_s32(p[0], p[1]), vpaddq_s32(p[2], p[3]))
-}
-
-/// Four signed scales as 32-bit lanes.
-#[target_feature(enable = "neon")]
-#[inline]
-pub(super) fn lanes(s: [i32; 4]) -> int32x4_t {
-    // SAFETY: `s` is four i32s.
-    unsafe { vld1q_s32(s.as_ptr()) }
-}
+use crate::wkernels::{QuantizedActs, Q8K};
+use std::arch::aarch64::*;
 
 /// Q4_K (`FIVE = false`) or Q5_K (`FIVE = true`) row · `T` tokens.
 ///

@@ -1,10 +1,9 @@
-//! The x86_64 variant of [`super::float_dot`]'s row dot products: AVX2 + FMA + F16C. It
-//! keeps the 8-lane order of the module docs there exactly (one multiply-add per term and
-//! lane, fused iff `float_dot::FUSED`, in increasing column), so it equals the scalar twin
-//! bit for bit.
+//! The `avx2` float rows: AVX2 + FMA + F16C. They keep the 8-lane order of
+//! [`crate::wkernels::float`] exactly (one multiply-add per term and lane, fused iff
+//! `FUSED`, in increasing column), so they equal the scalar twin bit for bit.
 
-use super::float_dot::{finish, tail, FUSED, RB};
-use super::simd::Elem;
+use crate::ops::simd::Elem;
+use crate::wkernels::float::{finish, tail, FUSED, RB};
 use half::{bf16, f16};
 use std::arch::x86_64::*;
 
@@ -72,7 +71,7 @@ fn row_at<E>(w: &[E], cols: usize, r: usize) -> &[E] {
 /// AVX2, FMA and F16C must be available; rows `r0..r0 + out.len()` must be in `w` and
 /// `x.len() >= cols` (checked by the slices).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn rows_avx2<E: X86Elem>(
+pub unsafe fn float_rows<E: X86Elem>(
     w: &[E],
     cols: usize,
     r0: usize,

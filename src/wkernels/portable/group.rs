@@ -1,9 +1,5 @@
-//! The portable variant of [`super::qdot`]'s group kernels, written with `wide`'s vector
-//! types only (no `std::arch`, no `unsafe`): it compiles for every target, and `wide`
-//! lowers each operation to the widest vectors the build enables (SSE2 … AVX2 on x86_64,
-//! NEON on aarch64, simd128 on wasm, plain arrays elsewhere). It is what a CPU without
-//! AVX2 or the Arm dot-product extension runs (for example a Cortex-A72, or an x86_64
-//! build for the baseline target).
+//! The `portable` kernels of the interleaved types (Q8_0, Q4_0, Q4_1, Q5_0, IQ4_NL;
+//! layout: [`crate::wkernels::packed`]).
 //!
 //! Per block, each row's 32 codes and the 32 activation codes are widened to 16-bit
 //! lanes (`i16x16`), multiplied and summed in pairs into 32-bit lanes (`i16x16::dot`:
@@ -22,9 +18,10 @@
 //! activation vectors and runs the one-token steps for each of them (equal values, bit
 //! for bit).
 
-use super::qdot::{Group, QuantizedActs, GROUP, QK, TOKENS};
+use super::LANE_BITS;
 use crate::dtype::DType;
-use tinygpt_reference::ggml_more::IQ4_VALUES;
+use crate::wkernels::blocks::IQ4_VALUES;
+use crate::wkernels::{qs_bytes, Group, QuantizedActs, GROUP, QK, TOKENS};
 use wide::{f32x8, i16x16, i32x8, i8x16, u8x16, CmpEq};
 
 /// One 8-row block of codes widened to 16 bits: `[k]` row `k`'s elements 0..16, `[8 + k]`
@@ -35,7 +32,7 @@ fn unpack(dtype: DType, qs: &[u8]) -> [i16x16; 16] {
     let mut w = [i16x16::ZERO; 16];
     for k in 0..GROUP {
         if dtype == DType::Q8_0 {
-            // Layout: byte `(k / 4)·128 + (i / 16)·64 + (k % 4)·16 + i % 16` (qdot docs).
+            // Layout: byte `(k / 4)·128 + (i / 16)·64 + (k % 4)·16 + i % 16` (`packed` docs).
             let base = (k / 4) * 128 + (k % 4) * 16;
             w[k] = i16x16::from_i8x16(i8x16::from_slice_unaligned(bytemuck::cast_slice(
                 &qs[base..base + 16],
@@ -63,7 +60,7 @@ fn unpack(dtype: DType, qs: &[u8]) -> [i16x16; 16] {
             w[8 + k] = v >> 4;
             if dtype == DType::Q5_0 {
                 // `(nibble | fifth bit << 4) − 16`: lane `i` of each half takes bit `i` of
-                // its row's `u16` of fifth bits (qdot's Q5_0 layout).
+                // its row's `u16` of fifth bits (the packed Q5_0 layout).
                 for half in 0..2 {
                     let at = 128 + (k / 4) * 16 + half * 8 + (k % 4) * 2;
                     let bits = i16x16::splat(i16::from_le_bytes([qs[at], qs[at + 1]]));
@@ -76,26 +73,6 @@ fn unpack(dtype: DType, qs: &[u8]) -> [i16x16; 16] {
     }
     w
 }
-
-/// Lane `i` holds bit `i` (as an `i16`): a 16-bit mask ANDed with it shows each lane its bit.
-pub(super) const LANE_BITS: i16x16 = i16x16::new([
-    1,
-    2,
-    4,
-    8,
-    16,
-    32,
-    64,
-    128,
-    256,
-    512,
-    1024,
-    2048,
-    4096,
-    8192,
-    16384,
-    i16::MIN,
-]);
 
 /// One activation block widened to 16 bits: elements 0..16 and 16..32.
 #[inline(always)]
@@ -186,18 +163,8 @@ fn combine(
     acc + t
 }
 
-/// Bytes of one 8-row block of codes.
-#[inline(always)]
-fn qs_bytes(dtype: DType) -> usize {
-    match dtype {
-        DType::Q8_0 => 256,
-        DType::Q5_0 => 160,
-        _ => 128,
-    }
-}
-
-/// Portable group kernel: `out[k] = row (8g + k) · a` for the group's eight rows.
-pub fn group_portable(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; GROUP]) {
+/// `out[k] = row (8g + k) · a` for the group's eight rows.
+pub fn group_dot(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; GROUP]) {
     let qsb = qs_bytes(dtype);
     assert!(g.qs.len() >= g.nb * qsb && a.q.len() >= g.nb * QK && a.d.len() >= g.nb);
     let mut acc = f32x8::ZERO;
@@ -209,9 +176,9 @@ pub fn group_portable(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32
     *out = acc.to_array();
 }
 
-/// Portable multi-token group kernel: [`group_portable`] for [`TOKENS`] tokens, each
-/// 8-row block unpacked (and its scales converted) once for all of them.
-pub fn group_tokens_portable(
+/// [`group_dot`] for [`TOKENS`] tokens, each 8-row block unpacked (and its scales
+/// converted) once for all of them.
+pub fn group_tokens(
     dtype: DType,
     g: &Group,
     acts: &[&QuantizedActs; TOKENS],

@@ -1,7 +1,5 @@
-//! The `portable` variant of [`super::kquant`]'s types, written with `wide`'s vector types
-//! only (no `std::arch`, no `unsafe`), as [`super::portable`] is for the 32-wide types: it
-//! compiles for every target and `wide` lowers it to the vectors the build enables (SSE2 …
-//! AVX2 on x86_64, NEON on aarch64, plain arrays elsewhere).
+//! The `portable` kernels of the whole-row types: the K-quants and IQ4_XS against Q8_K
+//! activations, Q5_1 against the 8-bit blocks of 32 (layout: [`crate::wkernels::packed`]).
 //!
 //! Each weight super-block (block) is unpacked once into sixteen `i16x16` in value order
 //! (`[i]` holds values `16i .. 16i + 16`), every code already multiplied by its sub-block
@@ -16,44 +14,24 @@
 //! the mins (each twice) with the sixteen bsums.
 //!
 //! The float steps then run per row in scalar f32, separate multiplies and adds in the
-//! twin's order (Rust never fuses them): each value equals
-//! `tinygpt_reference::ggml_kdot::dot_q4_k` / `dot_q5_k` / `dot_q6_k` bit for bit
-//! (`tests/kquant_dispatch.rs`).
+//! twin's order (Rust never fuses them): each value equals the scalar twins'
+//! ([`crate::wkernels::scalar`]) and the reference's (`tinygpt_reference::ggml_kdot`)
+//! bit for bit (`tests/kquant_dispatch.rs`).
 //!
-//! One kernel serves one token and several: [`group_tokens`] walks the group's super-block
-//! columns, widens the `T` tokens' codes of that column once, then unpacks each of the
-//! eight rows' super-blocks once for all `T` tokens.
+//! One kernel serves one token and several: each `*_group::<T>` walks the group's
+//! super-block columns, widens the `T` tokens' codes of that column once, then unpacks each
+//! of the eight rows' super-blocks once for all `T` tokens.
 
-use super::qdot::{QuantizedActs, GROUP};
-use crate::dtype::DType;
-use half::f16;
-use tinygpt_reference::ggml_kdot::{
-    iq4_xs_scale, IQ4_XS_BYTES, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8K,
+use super::LANE_BITS;
+use crate::wkernels::blocks::{
+    f16_at, iq4_xs_scale, q3_k_scales, scale_min_k4, IQ4_VALUES, IQ4_XS_BYTES, Q2_K_BYTES,
+    Q3_K_BYTES, Q4_K_BYTES, Q5_1_BYTES, Q5_K_BYTES, Q6_K_BYTES, QK_K,
 };
-use tinygpt_reference::ggml_more::{q3_k_scales, scale_min_k4, IQ4_VALUES, QK_K};
+use crate::wkernels::{QuantizedActs, GROUP, Q8K};
 use wide::{i16x16, i32x8, i8x16, u8x16, CmpEq};
 
 /// One super-block's 256 values in 16-bit lanes: `[i]` = values `16i .. 16i + 16`.
 type Lanes = [i16x16; 16];
-
-/// Whether this module multiplies `dtype` ([`group_tokens`], Q5_1: [`q5_1_group`]).
-pub fn has(dtype: DType) -> bool {
-    matches!(
-        dtype,
-        DType::Q2_K
-            | DType::Q3_K
-            | DType::Q4_K
-            | DType::Q5_K
-            | DType::Q6_K
-            | DType::IQ4_XS
-            | DType::Q5_1
-    )
-}
-
-#[inline(always)]
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
-}
 
 /// Bytes `b[at .. at + 16]` zero-extended to 16-bit lanes.
 #[inline(always)]
@@ -145,29 +123,6 @@ fn q6_k_unpack(blk: &[u8]) -> Lanes {
     w
 }
 
-/// `out[t][r] = row r · token t` for the eight rows of a group (`qs`: the rows one after
-/// another, `rb` bytes each) of `dtype` (one of [`has`]) against `T` tokens.
-///
-/// # Panics
-/// If `dtype` is not a Q8_K-read type of [`has`], or a token or row holds fewer super-blocks than
-/// `rb` implies.
-pub fn group_tokens<const T: usize>(
-    dtype: DType,
-    qs: &[u8],
-    rb: usize,
-    ks: &[&Q8K; T],
-) -> [[f32; GROUP]; T] {
-    match dtype {
-        DType::Q4_K => k4_group::<T, false>(qs, rb, ks),
-        DType::Q5_K => k4_group::<T, true>(qs, rb, ks),
-        DType::Q6_K => q6_k_group::<T>(qs, rb, ks),
-        DType::IQ4_XS => iq4_xs_group::<T>(qs, rb, ks),
-        DType::Q2_K => q2_k_group::<T>(qs, rb, ks),
-        DType::Q3_K => q3_k_group::<T>(qs, rb, ks),
-        _ => panic!("no portable K-quant kernel for {dtype}"),
-    }
-}
-
 /// Asserts the group and the tokens hold `nb` super-blocks of `bytes` bytes.
 fn check<const T: usize>(qs: &[u8], rb: usize, bytes: usize, ks: &[&Q8K; T]) -> usize {
     let nb = rb / bytes;
@@ -179,7 +134,13 @@ fn check<const T: usize>(qs: &[u8], rb: usize, bytes: usize, ks: &[&Q8K; T]) -> 
     nb
 }
 
-fn k4_group<const T: usize, const FIVE: bool>(
+/// `out[t][r] = row r · token t` for the eight rows of a Q4_K (`FIVE = false`) or Q5_K
+/// (`FIVE = true`) group (`qs`: the rows one after another, `rb` bytes each) against `T`
+/// tokens; so the other `*_group` functions for their types.
+///
+/// # Panics
+/// If a token or row holds fewer super-blocks than `rb` implies.
+pub fn k4_group<const T: usize, const FIVE: bool>(
     qs: &[u8],
     rb: usize,
     ks: &[&Q8K; T],
@@ -226,7 +187,7 @@ fn mins_group<const T: usize>(
     acc
 }
 
-fn q6_k_group<const T: usize>(qs: &[u8], rb: usize, ks: &[&Q8K; T]) -> [[f32; GROUP]; T] {
+pub fn q6_k_group<const T: usize>(qs: &[u8], rb: usize, ks: &[&Q8K; T]) -> [[f32; GROUP]; T] {
     let nb = check(qs, rb, Q6_K_BYTES, ks);
     let mut acc = [[0.0f32; GROUP]; T];
     for b in 0..nb {
@@ -262,7 +223,7 @@ fn iq4_xs_unpack(blk: &[u8]) -> Lanes {
     w
 }
 
-fn iq4_xs_group<const T: usize>(qs: &[u8], rb: usize, ks: &[&Q8K; T]) -> [[f32; GROUP]; T] {
+pub fn iq4_xs_group<const T: usize>(qs: &[u8], rb: usize, ks: &[&Q8K; T]) -> [[f32; GROUP]; T] {
     let nb = check(qs, rb, IQ4_XS_BYTES, ks);
     let mut acc = [[0.0f32; GROUP]; T];
     for b in 0..nb {
@@ -314,13 +275,13 @@ fn q3_k_unpack(blk: &[u8]) -> Lanes {
     })
 }
 
-/// The twin's steps of `tinygpt_reference::ggml_kdot::dot_q2_k` (`d`, `dmin` at 80, 82).
-fn q2_k_group<const T: usize>(qs: &[u8], rb: usize, ks: &[&Q8K; T]) -> [[f32; GROUP]; T] {
+/// Q2_K: the twin's steps (`d`, `dmin` at 80, 82).
+pub fn q2_k_group<const T: usize>(qs: &[u8], rb: usize, ks: &[&Q8K; T]) -> [[f32; GROUP]; T] {
     mins_group(qs, rb, ks, Q2_K_BYTES, 80, q2_k_unpack)
 }
 
-/// The twin's steps of `tinygpt_reference::ggml_kdot::dot_q3_k`: `acc += isum · (d_w · d_x)`.
-fn q3_k_group<const T: usize>(qs: &[u8], rb: usize, ks: &[&Q8K; T]) -> [[f32; GROUP]; T] {
+/// Q3_K: the twin's steps, `acc += isum · (d_w · d_x)`.
+pub fn q3_k_group<const T: usize>(qs: &[u8], rb: usize, ks: &[&Q8K; T]) -> [[f32; GROUP]; T] {
     let nb = check(qs, rb, Q3_K_BYTES, ks);
     let mut acc = [[0.0f32; GROUP]; T];
     for b in 0..nb {
@@ -338,15 +299,12 @@ fn q3_k_group<const T: usize>(qs: &[u8], rb: usize, ks: &[&Q8K; T]) -> [[f32; GR
     acc
 }
 
-/// Bytes of one Q5_1 block of 32.
-const Q5_1_BYTES: usize = 24;
-
 /// The 32 five-bit codes of a Q5_1 block in value order (`[0]`: values 0..16, `[1]`:
 /// 16..32): nibbles, each `qh` bit spread to its lane as 0x10.
 #[inline(always)]
 fn q5_1_unpack(blk: &[u8]) -> [i16x16; 2] {
     // Lane l tests bit l of a 16-bit half of qh.
-    let bits = super::portable::LANE_BITS;
+    let bits = LANE_BITS;
     let spread = |h: u16| (i16x16::splat(h as i16) & bits).cmp_eq(bits) & i16x16::splat(0x10);
     let v = bytes16(blk, 8);
     [
@@ -356,8 +314,8 @@ fn q5_1_unpack(blk: &[u8]) -> [i16x16; 2] {
 }
 
 /// `out[t][r] = row r · token t` for the eight rows of a Q5_1 group (`qs`: the rows one
-/// after another, `rb` bytes each) against `T` tokens' 8-bit blocks of 32: the steps of
-/// `tinygpt_reference::ggml_dot::dot_q5_1`, `acc += isum · (d_w · d_x) + m_w · s_x`.
+/// after another, `rb` bytes each) against `T` tokens' 8-bit blocks of 32: the twin's
+/// steps, `acc += isum · (d_w · d_x) + m_w · s_x`.
 ///
 /// # Panics
 /// If a token or row holds fewer blocks than `rb` implies.

@@ -1,5 +1,5 @@
-//! aarch64 variant of [`super::qdot`]'s group kernel: NEON with the dot-product
-//! extension (`sdot`, every Apple M-series core and Armv8.4+ has it).
+//! NEON + dot-product kernels of the interleaved types (layout:
+//! [`crate::wkernels::packed`]).
 //!
 //! Per block, each row's 32 codes meet the activation block in two `sdot`s (four lanes of
 //! four products each), pairwise adds fold the eight rows' lanes into two vectors of
@@ -11,40 +11,20 @@
 //! of each lane); IQ4_NL nibbles are looked up in the 16 levels (`vqtbl1q_s8`), the signed
 //! values `K[n]` (−127..113) as Q8_0 codes. Both need no correction after the `sdot`s.
 //!
-//! The multi-token variant runs the same steps for [`TOKENS`] activation vectors,
+//! The multi-token kernel runs the same steps for [`TOKENS`] activation vectors,
 //! unpacking each 8-row block once for all of them (equal values, bit for bit).
 
-use super::qdot::{qs_bytes, Group, QuantizedActs, GROUP, QK, TOKENS};
+use super::sdot;
 use crate::dtype::DType;
+use crate::wkernels::blocks::IQ4_VALUES;
+use crate::wkernels::{qs_bytes, Group, QuantizedActs, GROUP, QK, TOKENS};
 use half::f16;
 use std::arch::aarch64::*;
-use tinygpt_reference::ggml_more::IQ4_VALUES;
 
 /// Eight f16 values at `b[at..at + 16]` as two f32x4 (exact conversion).
 #[inline(always)]
 fn f16x8(b: &[u8], at: usize) -> [f32; 8] {
     std::array::from_fn(|k| f16::from_le_bytes([b[at + 2 * k], b[at + 2 * k + 1]]).to_f32())
-}
-
-/// `acc + (four-product sums of a · b)` per lane: the `sdot` instruction. Written as
-/// inline assembly because `vdotq_s32` is not yet a stable intrinsic. Also used by
-/// `super::kquant_neon`.
-#[inline(always)]
-pub(super) fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
-    let mut acc = acc;
-    // SAFETY: `sdot` reads three vector registers and writes the first; no memory, no
-    // stack, no flags. Only reached from `group_neon_dotprod` and `super::kquant_neon`'s
-    // kernels, which require `dotprod` (detected at run time by the dispatchers).
-    unsafe {
-        std::arch::asm!(
-            "sdot {acc:v}.4s, {a:v}.16b, {b:v}.16b",
-            acc = inout(vreg) acc,
-            a = in(vreg) a,
-            b = in(vreg) b,
-            options(pure, nomem, nostack, preserves_flags)
-        );
-    }
-    acc
 }
 
 /// Byte `i` of the result is `0x10` if bit `i` of the little-endian `u16` at `p` is set,
@@ -92,7 +72,7 @@ unsafe fn unpack(dtype: DType, qp: *const u8) -> [int8x16_t; 16] {
                     w[8 + k] = vqtbl1q_s8(table, hi);
                 }
                 DType::Q5_0 => {
-                    // row k's masks of elements 0..16 and 16..32 (`qdot::q5_bits_pos`)
+                    // row k's masks of elements 0..16 and 16..32 (`packed::q5_bits_pos`)
                     let at = 128 + (k / 4) * 16 + (k % 4) * 2;
                     let sixteen = vdupq_n_s8(16);
                     let l = vorrq_u8(lo, fifth_bits(qp.add(at)));
@@ -100,9 +80,12 @@ unsafe fn unpack(dtype: DType, qp: *const u8) -> [int8x16_t; 16] {
                     w[k] = vsubq_s8(vreinterpretq_s8_u8(l), sixteen);
                     w[8 + k] = vsubq_s8(vreinterpretq_s8_u8(h), sixteen);
                 }
-                _ => {
+                DType::Q4_0 | DType::Q4_1 => {
                     w[k] = vreinterpretq_s8_u8(lo);
                     w[8 + k] = vreinterpretq_s8_u8(hi);
+                }
+                other @ (DType::Q8_0 | rows_or_float!()) => {
+                    unreachable!("{other}: not a nibble type")
                 }
             }
         }
@@ -160,23 +143,23 @@ unsafe fn block_step(
 /// NEON + dotprod group kernel.
 ///
 /// # Safety
-/// The CPU must support `dotprod`; `g` must be a group of a [`super::qdot::Packed`] of
+/// The CPU must support `dotprod`; `g` must be a group of a [`crate::wkernels::Packed`] of
 /// `dtype` with as many blocks as `a`.
 #[target_feature(enable = "neon,dotprod")]
-pub unsafe fn group_neon_dotprod(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 8]) {
+pub unsafe fn group_dot(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [f32; 8]) {
     let mut o = [[0.0f32; GROUP]; TOKENS];
     // SAFETY: the caller's guarantees are the multi-token body's, for one token.
     unsafe { per_code_type!(dtype, tokens::<1>, (g, &[a], &mut o)) };
     *out = o[0];
 }
 
-/// NEON + dotprod multi-token group kernel: [`group_neon_dotprod`] for [`TOKENS`]
+/// NEON + dotprod multi-token group kernel: [`group_dot`] for [`TOKENS`]
 /// tokens, each block unpacked once.
 ///
 /// # Safety
-/// As for [`group_neon_dotprod`], for every token.
+/// As for [`group_dot`], for every token.
 #[target_feature(enable = "neon,dotprod")]
-pub unsafe fn group_tokens_neon_dotprod(
+pub unsafe fn group_tokens(
     dtype: DType,
     g: &Group,
     acts: &[&QuantizedActs; TOKENS],
@@ -190,8 +173,8 @@ pub unsafe fn group_tokens_neon_dotprod(
 /// constant (`per_code_type!`).
 ///
 /// # Safety
-/// As for [`group_neon_dotprod`], for every token; always inlined into it or into
-/// [`group_tokens_neon_dotprod`] (which enable `dotprod`).
+/// As for [`group_dot`], for every token; always inlined into it or into
+/// [`group_tokens`] (which enable `dotprod`).
 #[inline(always)]
 unsafe fn tokens<const T: usize>(
     dtype: DType,
