@@ -35,7 +35,7 @@ pub mod relay;
 pub mod rope;
 pub mod sampler;
 pub mod server;
-pub mod team;
+pub mod threads;
 pub mod tokenizer;
 pub mod weights;
 

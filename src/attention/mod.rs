@@ -62,7 +62,7 @@ mod tests;
 
 use kernels::{dot_block, rotate_dot_block, BLOCK};
 pub use kernels::{softmax, softmax_portable};
-pub use split::{mix_query_heads, probs_mut, score_rows, size_probs, AttnSplit, SPLIT_MIN_ROWS};
+pub use split::{mix_query_heads, score_rows, AttnSplit, SplitPlan, SPLIT_MIN_ROWS};
 
 /// Work (stored rows × query heads × head_dim) below which heads run sequentially.
 const PARALLEL_MIN_WORK: usize = 1 << 16;
@@ -233,29 +233,13 @@ impl AttnScratch {
     pub fn new(cfg: &Config, kv: &KvConfig) -> Self {
         let _ = kv;
         AttnScratch {
-            tables: StepTables {
-                q: vec![0.0; cfg.q_dim()],
-                k: vec![0.0; cfg.kv_dim()],
-                v: vec![0.0; cfg.kv_dim()],
-                visible: Vec::new(),
-                slot_cos: Vec::new(),
-                slot_sin: Vec::new(),
-                id_cos: Vec::new(),
-                id_sin: Vec::new(),
-                id_pos: Vec::new(),
-                rot: Rotation::None,
-                angles: Angles {
-                    pos: usize::MAX,
-                    cs: Vec::new(),
-                },
-                rope_freq: Vec::new(),
-            },
+            tables: StepTables::new(cfg),
             heads: vec![HeadScratch::default(); cfg.n_kv_heads],
         }
     }
 
-    /// The two halves a decode team shares out: the step tables (written by one member in
-    /// [`prepare_step`], then read by all) and the per-KV-head scratch (one member each).
+    /// The step tables (written by [`prepare_step`], then read by every KV head) and the
+    /// per-KV-head scratch.
     pub fn split_mut(&mut self) -> (&mut StepTables, &mut [HeadScratch]) {
         (&mut self.tables, &mut self.heads)
     }
@@ -273,7 +257,36 @@ fn row_mass(heads: &[HeadScratch], n: usize) -> Vec<f32> {
     mass
 }
 
+impl HeadScratch {
+    /// The softmax weights [`attend_heads`] left for its KV head's query heads,
+    /// `(group, stored)`.
+    pub fn weights(&self) -> &[f32] {
+        &self.probs
+    }
+}
+
 impl StepTables {
+    /// Empty tables for a model of `cfg`'s shape ([`prepare_step`] fills them).
+    pub fn new(cfg: &Config) -> Self {
+        StepTables {
+            q: vec![0.0; cfg.q_dim()],
+            k: vec![0.0; cfg.kv_dim()],
+            v: vec![0.0; cfg.kv_dim()],
+            visible: Vec::new(),
+            slot_cos: Vec::new(),
+            slot_sin: Vec::new(),
+            id_cos: Vec::new(),
+            id_sin: Vec::new(),
+            id_pos: Vec::new(),
+            rot: Rotation::None,
+            angles: Angles {
+                pos: usize::MAX,
+                cs: Vec::new(),
+            },
+            rope_freq: Vec::new(),
+        }
+    }
+
     /// Drops every cached cos/sin if they were computed with another RoPE than `rope`.
     fn use_rope(&mut self, rope: &RopeTable) {
         if self.rope_freq != rope.inv_freq {
@@ -360,7 +373,7 @@ pub fn attend<P: EvictionPolicy + Clone>(
 
 /// Hands the step's softmax weights to an observing eviction policy (a no-op for the
 /// others).
-pub fn observe_step<P: EvictionPolicy + Clone>(layer: &mut LayerKv<P>, heads: &[HeadScratch]) {
+fn observe_step<P: EvictionPolicy + Clone>(layer: &mut LayerKv<P>, heads: &[HeadScratch]) {
     if layer.observes() {
         let mass = row_mass(heads, layer.len());
         layer.observe(&mass);
@@ -427,7 +440,7 @@ pub fn attend_stored<P: EvictionPolicy + Clone>(
     let AttnScratch { tables, heads } = scratch;
     let parallel = cfg.n_kv_heads > 1
         && layer.len() * cfg.n_heads * hd >= PARALLEL_MIN_WORK
-        && crate::team::threads() > 1;
+        && crate::threads::current() > 1;
     if parallel {
         heads
             .par_iter_mut()
@@ -446,7 +459,7 @@ pub fn attend_stored<P: EvictionPolicy + Clone>(
 
 /// Every query head's softmax weights, `(n_heads, stored)`, from the KV heads' scratch
 /// (`per_head`: `group × stored` values each).
-pub fn copy_probs(heads: &[HeadScratch], per_head: usize, p: &mut Vec<f32>) {
+fn copy_probs(heads: &[HeadScratch], per_head: usize, p: &mut Vec<f32>) {
     p.clear();
     for hs in heads {
         p.extend_from_slice(&hs.probs[..per_head]);

@@ -1,7 +1,8 @@
 //! Attention split within a KV head, for a decode team: the scores of row ranges
 //! ([`score_rows`]), then the softmax and weighted sum of runs of query heads
 //! ([`mix_query_heads`]), bit for bit what whole KV heads give
-//! ([`attend_heads`](super::attend_heads)).
+//! ([`attend_heads`](super::attend_heads)); when to split ([`AttnSplit`]) and how the work
+//! is cut and the scores laid out between the two ([`SplitPlan`]).
 
 use super::{hadamard, score_range, weigh, HeadScratch, RopeTable, Step, StepTables, BLOCK};
 use crate::config::Config;
@@ -42,7 +43,7 @@ impl AttnSplit {
     }
 
     /// Whether a team of `members` splits a layer of `n_kv_heads` KV heads holding
-    /// `stored` rows.
+    /// `stored` rows (then [`SplitPlan::new`] cuts it).
     pub fn splits(self, n_kv_heads: usize, members: usize, stored: usize) -> bool {
         match self {
             AttnSplit::Always => true,
@@ -121,15 +122,104 @@ pub fn mix_query_heads<P: EvictionPolicy + Clone>(
     }
 }
 
-/// The size of the scratch a decode team resizes before its members share
-/// [`HeadScratch::probs`] out by rows: `(group, stored)` scores of each KV head.
-pub fn size_probs(heads: &mut [HeadScratch], group: usize, stored: usize) {
-    for hs in heads {
-        hs.probs.resize(group * stored, 0.0);
-    }
+/// How a team of `members` splits one layer's attention over `n` stored rows: first the
+/// scoring units, then the mixing units.
+///
+/// * A scoring unit is one KV head's range of rows, a multiple of 16 rows long (the last
+///   of a head may be shorter): about four units per member over all KV heads, so a late
+///   member's share is taken by the others ([`score_rows`]). A row's score does not depend
+///   on how the rows are cut (the kernels' contract).
+/// * A mixing unit is a run of `group / members` consecutive query heads of one KV head
+///   (at least one; the last of a head may be shorter): Gemma 3's four on two members go
+///   two by two, so a member reads each value row once for its run ([`mix_query_heads`]).
+///
+/// The scores lie unit after unit: unit `(h, rows)` holds its `(group, rows.len())` scores
+/// at [`SplitPlan::score_at`] `= h · group · n + group · rows.start`, one contiguous block
+/// per unit; [`SplitPlan::gather`] reads a mixing unit's scores back out of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SplitPlan {
+    /// stored rows
+    n: usize,
+    /// query heads per KV head
+    group: usize,
+    n_kv_heads: usize,
+    /// rows per scoring unit
+    chunk: usize,
+    /// scoring units per KV head
+    per_head: usize,
+    /// query heads per mixing unit
+    per: usize,
+    /// mixing units per KV head
+    runs: usize,
 }
 
-/// The `(group, stored)` scores (then weights) buffer of a KV head's scratch.
-pub fn probs_mut(hs: &mut HeadScratch) -> &mut [f32] {
-    &mut hs.probs
+impl SplitPlan {
+    pub fn new(n: usize, members: usize, n_kv_heads: usize, group: usize) -> Self {
+        let ranges = (4 * members).div_ceil(n_kv_heads).max(1);
+        let chunk = n.div_ceil(ranges).next_multiple_of(16).max(16);
+        let per = (group / members).max(1);
+        SplitPlan {
+            n,
+            group,
+            n_kv_heads,
+            chunk,
+            per_head: n.div_ceil(chunk),
+            per,
+            runs: group.div_ceil(per),
+        }
+    }
+
+    /// How many scoring units.
+    pub fn score_units(&self) -> usize {
+        self.n_kv_heads * self.per_head
+    }
+
+    /// Scoring unit `u`: its KV head and rows.
+    pub fn score_unit(&self, u: usize) -> (usize, Range<usize>) {
+        let (h, k) = (u / self.per_head, u % self.per_head);
+        (h, k * self.chunk..((k + 1) * self.chunk).min(self.n))
+    }
+
+    /// Where scoring unit `u`'s scores start (`u` = [`SplitPlan::score_units`]: the end of
+    /// the last one, `n_heads · n`).
+    pub fn score_at(&self, u: usize) -> usize {
+        let (h, k) = (u / self.per_head, u % self.per_head);
+        h * self.group * self.n + self.group * (k * self.chunk).min(self.n)
+    }
+
+    /// How many mixing units.
+    pub fn mix_units(&self) -> usize {
+        self.n_kv_heads * self.runs
+    }
+
+    /// Mixing unit `u`: its KV head and query heads (within the head's group).
+    pub fn mix_unit(&self, u: usize) -> (usize, Range<usize>) {
+        let (h, j0) = (u / self.runs, (u % self.runs) * self.per);
+        (h, j0..(j0 + self.per).min(self.group))
+    }
+
+    /// The first query head (of all) of mixing unit `u` (`u` = [`SplitPlan::mix_units`]:
+    /// `n_heads`).
+    pub fn mix_head(&self, u: usize) -> usize {
+        let (h, js) = self.mix_unit(u);
+        h * self.group + js.start
+    }
+
+    /// The raw scores of KV head `h`'s query heads `js` (within its group), `(js.len(), n)`,
+    /// from the scores laid out unit by unit, into `out` (as [`mix_query_heads`] takes
+    /// them).
+    pub fn gather(&self, scores: &[f32], h: usize, js: Range<usize>, out: &mut Vec<f32>) {
+        let n = self.n;
+        out.clear();
+        out.resize(js.len() * n, 0.0);
+        for k in 0..self.per_head {
+            let (_, rows) = self.score_unit(h * self.per_head + k);
+            let len = rows.len();
+            let block = &scores[self.score_at(h * self.per_head + k)..][..self.group * len];
+            for (i, j) in js.clone().enumerate() {
+                out[i * n + rows.start..i * n + rows.end]
+                    .copy_from_slice(&block[j * len..(j + 1) * len]);
+            }
+        }
+    }
 }

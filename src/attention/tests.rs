@@ -117,6 +117,84 @@ fn split_attend(
     (out, probs)
 }
 
+/// A decode team's split of a prepared step ([`SplitPlan`] for `members`): every scoring
+/// unit into its block of the scores, then every mixing unit's scores gathered back and
+/// mixed. The output and the weights, `(n_heads, stored)`.
+fn plan_attend(
+    cfg: &Config,
+    rope: &RopeTable,
+    layer: &LayerKv,
+    tables: &StepTables,
+    members: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let (hd, group, n) = (cfg.head_dim, cfg.group(), layer.len());
+    let plan = SplitPlan::new(n, members, cfg.n_kv_heads, group);
+    let mut scores = vec![f32::NAN; cfg.n_heads * n];
+    let mut hs = HeadScratch::default();
+    for u in 0..plan.score_units() {
+        let (h, rows) = plan.score_unit(u);
+        let len = rows.len();
+        let block = &mut scores[plan.score_at(u)..plan.score_at(u + 1)];
+        assert_eq!(block.len(), group * len);
+        score_rows(cfg, rope, layer, tables, h, rows, &mut hs, block, len);
+    }
+    let (mut out, mut probs) = (vec![f32::NAN; cfg.q_dim()], vec![f32::NAN; cfg.n_heads * n]);
+    let mut p = Vec::new();
+    for u in 0..plan.mix_units() {
+        let (h, js) = plan.mix_unit(u);
+        let (q0, q1) = (plan.mix_head(u), plan.mix_head(u) + js.len());
+        plan.gather(&scores, h, js, &mut p);
+        mix_query_heads(
+            cfg,
+            rope,
+            layer,
+            tables,
+            h,
+            &mut p,
+            &mut out[q0 * hd..q1 * hd],
+        );
+        probs[q0 * n..q1 * n].copy_from_slice(&p);
+    }
+    (out, probs)
+}
+
+/// A [`SplitPlan`]'s units cover every (KV head, row) and every query head once, in order:
+/// scoring units of a multiple of 16 rows, each one's block right after the last, about
+/// four per member; mixing units of consecutive query heads.
+#[test]
+fn split_plans_cover_every_row_and_query_head_once() {
+    for n in [1usize, 2, 15, 16, 17, 100, 255, 256, 257, 1000, 4099] {
+        for (members, nkv, group) in
+            (1..=4).flat_map(|m| (1..=5).flat_map(move |k| (1..=9).map(move |g| (m, k, g))))
+        {
+            let plan = SplitPlan::new(n, members, nkv, group);
+            let what = format!("n={n} members={members} kv heads={nkv} group={group}");
+            assert!(plan.score_units() <= 4 * members + nkv, "{what}");
+            let (mut rows_seen, mut at) = (vec![0u8; nkv * n], 0);
+            for u in 0..plan.score_units() {
+                let (h, rows) = plan.score_unit(u);
+                assert!(!rows.is_empty() && rows.start % 16 == 0, "{what}: unit {u}");
+                assert_eq!(plan.score_at(u), at, "{what}: unit {u}");
+                at += group * rows.len();
+                rows.for_each(|i| rows_seen[h * n + i] += 1);
+            }
+            assert_eq!(plan.score_at(plan.score_units()), at, "{what}");
+            assert_eq!(at, nkv * group * n, "{what}");
+            assert!(rows_seen.iter().all(|&s| s == 1), "{what}: rows");
+            let mut next = 0;
+            for u in 0..plan.mix_units() {
+                let (h, js) = plan.mix_unit(u);
+                assert!(!js.is_empty() && js.end <= group, "{what}: unit {u}");
+                assert_eq!(plan.mix_head(u), h * group + js.start, "{what}: unit {u}");
+                assert_eq!(plan.mix_head(u), next, "{what}: unit {u}");
+                next += js.len();
+            }
+            assert_eq!(plan.mix_head(plan.mix_units()), nkv * group, "{what}");
+            assert_eq!(next, nkv * group, "{what}");
+        }
+    }
+}
+
 /// Runs fused, unfused and reference side by side, comparing after every step (so
 /// every T from 1 to `steps`: T = G − 1, G, G + 1 after the prefix, the window's
 /// fill and every ring wrap are all visited). Returns the worst (fused vs unfused,
@@ -179,6 +257,14 @@ fn run_case(c: &Case) -> (f32, f32) {
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&out_s), bits(&out_f), "{c:?} pos={pos}: split output");
         assert_eq!(bits(&p_s), bits(&p_f), "{c:?} pos={pos}: split weights");
+        // The team's own cuts ([`SplitPlan`]) for 2 and 3 members.
+        for members in [2, 3] {
+            let tables = scratch.split_mut().0;
+            let (out_p, p_p) = plan_attend(&cfg, &rope, &layer, tables, members);
+            let what = format!("{c:?} pos={pos}: planned split for {members}");
+            assert_eq!(bits(&out_p), bits(&out_f), "{what}: output");
+            assert_eq!(bits(&p_p), bits(&p_f), "{what}: weights");
+        }
         attend_stored_dequant(&cfg, &rope, &layer, &q, pos, &mut out_u, Some(&mut p_u));
         tinygpt_reference::attention::attend(
             &cfg,
