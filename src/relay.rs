@@ -27,7 +27,7 @@
 //!   late member copies it and drops the copy if the phase moved meanwhile). A serial
 //!   phase sends into one; a product's items can be published straight into the other, as
 //!   the next product's input. A board is read in serial phases (no item publishes then)
-//!   and, one written in a single phase ([`Board::once`]), by the items of later phases.
+//!   and, one written in a single phase ([`Serial::board_once`]), by the items of later phases.
 //! * A late member may still be computing an item of a phase that has ended, so whatever
 //!   an item reads must stay as it is until the step ends, not only until its phase does,
 //!   and no member waits for a late reader inside the step: items read only the boards
@@ -79,14 +79,23 @@ pub fn taken_over_total() -> usize {
     TAKEN_OVER.load(Ordering::Relaxed)
 }
 
-/// Item states: `phase << 8 | state`; a tag older than the phase reads as free.
+/// Item states: `phase << STATE_BITS | state`; a tag older than the phase reads as free.
 const PUBLISHING: u64 = 1;
 const DONE: u64 = 2;
 /// Claimed by member `id`: `CLAIMED + id`.
 const CLAIMED: u64 = 16;
+const STATE_BITS: u32 = 16;
+
+/// The most members a team may have: every claim's state fits below the phase.
+pub const MAX_MEMBERS: usize = (1 << STATE_BITS) - CLAIMED as usize;
 
 fn tag(phase: u64, state: u64) -> u64 {
-    phase << 8 | state
+    phase << STATE_BITS | state
+}
+
+/// A tag's phase and state.
+fn untag(v: u64) -> (u64, u64) {
+    (v >> STATE_BITS, v & ((1 << STATE_BITS) - 1))
 }
 
 /// What the members of a step share, whatever its serial state.
@@ -168,7 +177,7 @@ pub struct Phase<'b, 'a> {
     pub items: usize,
     /// `(buffer, width)`: the input values the items copy first ([`Sender::send`])
     pub input: Option<(usize, usize)>,
-    /// a board an earlier phase wrote, once ([`Board::once`]), that the items read
+    /// a board an earlier phase wrote, once ([`Serial::board_once`]), that the items read
     pub reads: Option<&'b Board<'a>>,
     /// the board the items publish into, item `k` its range `k`
     pub writes: Option<&'b Board<'a>>,
@@ -210,7 +219,7 @@ impl<'t> Serial<'t> {
     }
 
     /// A board of this step over `buf`, cut at `cuts`, that items publish into in one
-    /// phase only and items of later phases may then read ([`Board::once`]).
+    /// phase only and items of later phases may then read ([`Serial::board_once`]).
     pub fn board_once<'a>(&self, buf: &'a mut [f32], cuts: &'a [usize]) -> Option<Board<'a>> {
         Board::new(self.core, buf, cuts, true)
     }
@@ -325,7 +334,9 @@ pub struct Seat<'r, S> {
 }
 
 impl<'r, S> Seat<'r, S> {
+    /// Member `id` of a team of `n` (at most [`MAX_MEMBERS`]; each member its own `id`).
     pub fn new(r: &'r Relay<S>, id: usize, n: usize) -> Seat<'r, S> {
+        assert!(id < n && n <= MAX_MEMBERS, "member {id} of a team of {n}");
         Seat {
             r,
             id,
@@ -464,7 +475,7 @@ impl<'r, S> Seat<'r, S> {
         let start = self.id * items / self.n;
         for k in (0..items).map(|i| (start + i) % items) {
             let old = core.states[k].load(Ordering::Acquire);
-            if old >> 8 < p && claim(k, old) {
+            if untag(old).0 < p && claim(k, old) {
                 run(k);
             }
         }
@@ -474,11 +485,11 @@ impl<'r, S> Seat<'r, S> {
             let mut looks = 0u32;
             loop {
                 let v = core.states[k].load(Ordering::Acquire);
-                if v >> 8 > p {
+                if untag(v).0 > p {
                     // A later phase's: this one has ended.
                     return;
                 }
-                if v >> 8 < p {
+                if untag(v).0 < p {
                     if core.cur.load(Ordering::Acquire) != p {
                         return;
                     }
@@ -487,7 +498,7 @@ impl<'r, S> Seat<'r, S> {
                     }
                     continue;
                 }
-                match v & 0xff {
+                match untag(v).1 {
                     DONE => break,
                     s if s >= CLAIMED
                         && s != me
@@ -819,6 +830,19 @@ mod tests {
             .expect("helpers start");
             let want: Vec<f32> = (0..10).map(|k| (16 * k + 6) as f32).collect();
             assert_eq!(seen.into_inner().expect("lock"), [want]);
+        }
+    }
+
+    /// A claim's state must fit below the phase in an item's tag: no team of more than
+    /// `MAX_MEMBERS`, no member outside its team.
+    #[test]
+    fn seats_fit_the_tags() {
+        let relay = Relay::new(1, 1, ());
+        let _ = Seat::new(&relay, MAX_MEMBERS - 1, MAX_MEMBERS);
+        assert_eq!(untag(tag(7, CLAIMED + MAX_MEMBERS as u64 - 1)).0, 7);
+        for (id, n) in [(0, MAX_MEMBERS + 1), (2, 2)] {
+            let made = catch_unwind(AssertUnwindSafe(|| Seat::new(&relay, id, n).id));
+            assert!(made.is_err(), "member {id} of {n}");
         }
     }
 

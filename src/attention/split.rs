@@ -89,8 +89,9 @@ pub fn score_rows<P: EvictionPolicy + Clone>(
 /// Consecutive query heads of KV head `h`, after [`score_rows`]: `p` (their raw scores
 /// over every stored row, `(k, stored)`) becomes their softmax weights in place, and
 /// `out` (`(k, head_dim)`) their attention output — bit for bit what
-/// [`attend_heads`](super::attend_heads) computes for those query heads (each query's sum of values does not depend on how many
-/// queries share the kernel call, which reads each value row once for all of them).
+/// [`attend_heads`](super::attend_heads) computes for those query heads (each query's sum
+/// of values does not depend on how many queries share the kernel call, which reads each
+/// value row once for all of them).
 pub fn mix_query_heads<P: EvictionPolicy + Clone>(
     cfg: &Config,
     rope: &RopeTable,

@@ -292,7 +292,7 @@ impl Model {
     /// whose member lost its core to another process can be slower than one thread.
     pub fn forward(&self, s: &mut Session, token: u32, pos: usize) -> Result<()> {
         let n = threads::current();
-        if n == 1 || !threads::team_enabled() || !relay_step::supports(s) {
+        if n == 1 || !threads::team_enabled() || !relay_step::supports(s, n) {
             return self.forward_rows(s, token, pos);
         }
         self.check_token(token)?;

@@ -40,10 +40,11 @@ use std::ops::Range;
 use std::slice::IterMut;
 use std::sync::OnceLock;
 
-/// Whether a step of `s` can run as a team: not when an eviction policy observes
-/// attention's weights (it would change the cache layer a late member may still read).
-pub(super) fn supports(s: &Session) -> bool {
-    !(0..s.cache.n_layers()).any(|l| s.cache.layer(l).observes())
+/// Whether a step of `s` can run as a team of `members`: not when an eviction policy
+/// observes attention's weights (it would change the cache layer a late member may still
+/// read), nor with more members than a relay has room for ([`relay::MAX_MEMBERS`]).
+pub(super) fn supports(s: &Session, members: usize) -> bool {
+    members <= relay::MAX_MEMBERS && !(0..s.cache.n_layers()).any(|l| s.cache.layer(l).observes())
 }
 
 /// What a session keeps for its team steps: the serial phases' buffers, the boards'
@@ -93,7 +94,8 @@ impl RelayScratch {
         self.q = vec![0.0; qd];
         self.proj = vec![0.0; hd];
         // Every layer's matrices have the config's shapes (checked at load), so the cuts of
-        // layer 0's serve them all; a shared layer projects `q` alone.
+        // layer 0's (there is one: the config has at least one layer) serve them all; a
+        // shared layer projects `q` alone.
         let first = &model.layers[0];
         let qkv: Vec<&Matrix> = [Some(&first.wq), first.wk.as_ref(), first.wv.as_ref()]
             .into_iter()
@@ -341,6 +343,9 @@ impl<'a> SerialState<'a> {
             None => (q, k),
         };
         let (at, scratch) = self.layers.next().ok_or_else(order_error)?;
+        if at != l {
+            return Err(order_error());
+        }
         let LayerScratch {
             tables,
             scores,
@@ -361,9 +366,6 @@ impl<'a> SerialState<'a> {
                 view.ok_or_else(order_error)?.layer
             }
         };
-        if at != l {
-            return Err(order_error());
-        }
         prepare_step(c, rope, layer, q, pos, tables);
         let (n, nkv, group) = (layer.len(), c.n_kv_heads, c.group());
         let plan = (st.split.splits(nkv, st.members, n))
