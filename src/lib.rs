@@ -36,7 +36,7 @@ pub mod relay;
 pub mod rope;
 pub mod sampler;
 pub mod server;
-pub mod team;
+pub mod threads;
 pub mod tokenizer;
 pub mod weights;
 pub mod wkernels;

@@ -1,5 +1,6 @@
-//! A relay decode team: the threads of a team share one token's step without barriers,
-//! so a member that loses its core to another process holds the others up only briefly.
+//! The decode team: the threads of a team share one token's step without barriers (a
+//! *relay*), so a member that loses its core to another process holds the others up only
+//! briefly.
 //!
 //! Every member runs the whole step program ([`crate::model`]'s `Model::step`); each of
 //! its stages is one or more *phases*, numbered from 1 in program order, and a shared
@@ -8,31 +9,45 @@
 //! without anyone waiting for it.
 //!
 //! * A *serial* phase ([`Seat::solo`]: norms, residual adds, the K/V append) is run by the
-//!   first member to claim it; the others wait until it ends (microseconds).
+//!   first member to claim it; the others wait until it ends (microseconds). Serial
+//!   phases run one at a time, each after the previous one has ended, so the state they
+//!   share (the step's `S`, [`Relay::new`]) is handed to the member running one as `&mut`.
 //! * A *chunked* phase ([`Seat::chunks`]: products, attention) is cut into items. A member
 //!   claims an item by a compare-and-swap of its state word (tagged with the phase),
-//!   computes it into its own buffers, and publishes it (copies it into the shared output)
-//!   only if its claim still stands. Once nothing is left to claim, a member takes over an
-//!   item another member claimed but has not published in time ([`grace`]): it recomputes it,
-//!   and the late member's result is dropped. Whoever sees every item published opens the
-//!   next phase. Items are computed by the same serial kernels whoever runs them, so the
-//!   values do not depend on the team.
-//! * A chunked phase's input vector is sent through one of [`Relay`]'s two atomic input
-//!   buffers (a sequence lock on the phase counter): a late member copies it and drops the
-//!   copy if the phase moved meanwhile. A serial phase sends into one; a product's items
-//!   can be published straight into the other, as the next product's input.
+//!   computes it into its own buffers, and publishes it only if its claim still stands
+//!   (the state then reads "publishing" until it is done, and no other member can claim
+//!   it). Once nothing is left to claim, a member takes over an item another member
+//!   claimed but has not published in time ([`grace`]): it recomputes it, and the late
+//!   member's result is dropped. Whoever sees every item published opens the next phase,
+//!   so every publish of a phase ends before the next phase starts. Items are computed by
+//!   the same serial kernels whoever runs them, so the values do not depend on the team.
+//! * Items publish into a [`Board`] (a buffer cut into one range per item, handed to the
+//!   item's one publisher) and through the two atomic *input buffers*: a chunked phase's
+//!   input vector is sent through one of them (a sequence lock on the phase counter: a
+//!   late member copies it and drops the copy if the phase moved meanwhile). A serial
+//!   phase sends into one; a product's items can be published straight into the other, as
+//!   the next product's input. A board is read in serial phases (no item publishes then)
+//!   and, one written in a single phase ([`Serial::board_once`]), by the items of later phases.
 //! * A late member may still be computing an item of a phase that has ended, so whatever
-//!   an item reads must stay as it is until the step ends, not only until its phase does
-//!   (the engine gives each layer its own attention scratch, and appends only to the
-//!   layer whose phase it is: `model/relay_step.rs`), and no member waits for a late
-//!   reader inside the step.
+//!   an item reads must stay as it is until the step ends, not only until its phase does,
+//!   and no member waits for a late reader inside the step: items read only the boards
+//!   of earlier phases that are never written again and what the step shares by `&`
+//!   (`model/relay_step.rs`: each layer's cache and attention tables are handed to its
+//!   items by a shared borrow for the rest of the step).
 //!
 //! The caller of [`run`] is member 0; the others are helper threads that outlive the call
 //! (a rayon broadcast per token would make every token wait for its slowest member at
-//! the end: `benches/team_designs.rs`). [`run`] returns only when every member has left
-//! the step program, also when a member panics (the relay is poisoned, every member
-//! panics at its next wait, and the caller re-panics).
+//! the end: docs/performance.md, "Team designs on a busy machine"). [`run`] returns only
+//! when every member has left the step program, also when a member panics (the relay is
+//! poisoned, every member panics at its next wait, and the caller re-panics).
+//!
+//! `unsafe` here, each block with its argument: the serial state's cell (one member at a
+//! time, by the phase order), a [`Board`]'s ranges (one publisher per item, disjoint
+//! ranges, no reader while a phase writes) and the helper threads' job (a borrow whose
+//! lifetime [`run`] erases and outlives).
 
+use std::cell::UnsafeCell;
+use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{
     fence, AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering,
@@ -64,66 +79,117 @@ pub fn taken_over_total() -> usize {
     TAKEN_OVER.load(Ordering::Relaxed)
 }
 
-/// Item states: `phase << 8 | state`; a tag older than the phase reads as free.
+/// Item states: `phase << STATE_BITS | state`; a tag older than the phase reads as free.
 const PUBLISHING: u64 = 1;
 const DONE: u64 = 2;
 /// Claimed by member `id`: `CLAIMED + id`.
 const CLAIMED: u64 = 16;
+const STATE_BITS: u32 = 16;
+
+/// The most members a team may have: every claim's state fits below the phase.
+pub const MAX_MEMBERS: usize = (1 << STATE_BITS) - CLAIMED as usize;
 
 fn tag(phase: u64, state: u64) -> u64 {
-    phase << 8 | state
+    phase << STATE_BITS | state
 }
 
-/// The shared state of one step.
-pub struct Relay {
+/// A tag's phase and state.
+fn untag(v: u64) -> (u64, u64) {
+    (v >> STATE_BITS, v & ((1 << STATE_BITS) - 1))
+}
+
+/// What the members of a step share, whatever its serial state.
+struct Core {
     /// the current phase
     cur: AtomicU64,
     /// the highest serial phase claimed
     solo: AtomicU64,
     states: Vec<AtomicU64>,
-    /// two input buffers ([`Seat::send`])
+    /// two input buffers ([`Sender::send`])
     input: [Vec<AtomicU32>; 2],
     failed: AtomicBool,
     poisoned: AtomicBool,
 }
 
-impl Relay {
+/// The shared state of one step: the phase counter, the items' states, the input buffers,
+/// and `S`, the state its serial phases share.
+pub struct Relay<S> {
+    core: Core,
+    /// reached only by the member running a serial phase ([`Seat::solo`])
+    serial: UnsafeCell<S>,
+}
+
+// SAFETY: everything but `serial` is atomics. `serial` is reached only in `Seat::solo`, by
+// the one member that claimed the current serial phase; serial phases run one at a time,
+// each after the previous one has ended (its runner opens the next phase only once it has
+// returned, and a member reaches a phase only after seeing, with acquire loads, that the
+// ones before it ended), and no other code reaches it. `S: Send` because that member may
+// be any thread of the team.
+unsafe impl<S: Send> Sync for Relay<S> {}
+
+impl<S> Relay<S> {
     /// A step whose chunked phases have at most `items` items and whose inputs at most
-    /// `width` values.
-    pub fn new(items: usize, width: usize) -> Relay {
+    /// `width` values; `serial` is what its serial phases share.
+    pub fn new(items: usize, width: usize, serial: S) -> Relay<S> {
         Relay {
-            cur: AtomicU64::new(1),
-            solo: AtomicU64::new(0),
-            states: (0..items).map(|_| AtomicU64::new(0)).collect(),
-            input: [0, 1].map(|_| (0..width).map(|_| AtomicU32::new(0)).collect()),
-            failed: AtomicBool::new(false),
-            poisoned: AtomicBool::new(false),
+            core: Core {
+                cur: AtomicU64::new(1),
+                solo: AtomicU64::new(0),
+                states: (0..items).map(|_| AtomicU64::new(0)).collect(),
+                input: [0, 1].map(|_| (0..width).map(|_| AtomicU32::new(0)).collect()),
+                failed: AtomicBool::new(false),
+                poisoned: AtomicBool::new(false),
+            },
+            serial: UnsafeCell::new(serial),
         }
     }
 
-    /// Whether a serial phase failed ([`Seat::fail`]): the step's error is the failing
-    /// member's.
+    /// Whether a serial phase failed ([`Serial::fail`]).
     pub fn failed(&self) -> bool {
-        self.failed.load(Ordering::Acquire)
+        self.core.failed.load(Ordering::Acquire)
+    }
+
+    /// The serial state, after the step.
+    pub fn into_serial(self) -> S {
+        self.serial.into_inner()
+    }
+
+    /// A board of this step over `buf`, cut at `cuts` ([`Board`]).
+    pub fn board<'a>(&self, buf: &'a mut [f32], cuts: &'a [usize]) -> Option<Board<'a>> {
+        Board::new(&self.core, buf, cuts, false)
     }
 }
 
 /// Which part of an item [`Seat::chunks`] asks the work function for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Part {
-    /// Compute the item into the member's own buffers.
-    Compute,
-    /// The claim still stands: copy the result into the shared output.
-    Publish,
+pub enum Part<'x> {
+    /// Compute the item into the member's own buffers, from the phase's input as copied
+    /// ([`Phase::input`]) and the board it reads ([`Phase::reads`]; empty without one).
+    Compute { input: &'x [f32], read: &'x [f32] },
+    /// The claim still stands: publish the result, into the item's range of the phase's
+    /// board ([`Phase::writes`]; empty without one) and the input buffers ([`Sender`]).
+    Publish(&'x mut [f32]),
+}
+
+/// A chunked phase ([`Seat::chunks`]).
+#[derive(Clone, Copy, Default)]
+pub struct Phase<'b, 'a> {
+    /// how many items
+    pub items: usize,
+    /// `(buffer, width)`: the input values the items copy first ([`Sender::send`])
+    pub input: Option<(usize, usize)>,
+    /// a board an earlier phase wrote, once ([`Serial::board_once`]), that the items read
+    pub reads: Option<&'b Board<'a>>,
+    /// the board the items publish into, item `k` its range `k`
+    pub writes: Option<&'b Board<'a>>,
 }
 
 /// Writes chunked phases' inputs into a [`Relay`]'s input buffers.
 #[derive(Clone, Copy)]
-pub struct Sender<'r>(&'r Relay);
+pub struct Sender<'r>(&'r Core);
 
 impl Sender<'_> {
-    /// Writes `v` at `at` of input buffer `buf` (0 or 1), for a later chunked phase: inside
-    /// [`Seat::solo`], or publishing an item ([`Part::Publish`]) into the buffer the next
+    /// Writes `v` at `at` of input buffer `buf` (0 or 1), for a later chunked phase: in a
+    /// serial phase, or publishing an item ([`Part::Publish`]) into the buffer the next
     /// product reads, which must not be the one the publishing phase reads.
     pub fn send(self, buf: usize, at: usize, v: &[f32]) {
         // Ordered after this phase's start, which a late reader's check will see.
@@ -134,9 +200,129 @@ impl Sender<'_> {
     }
 }
 
+/// What the member running a serial phase may do besides changing the serial state
+/// ([`Seat::solo`]): send inputs, fail the step, read boards and make boards for later
+/// phases. It lives only as long as the phase.
+pub struct Serial<'t> {
+    core: &'t Core,
+}
+
+impl<'t> Serial<'t> {
+    /// Writes `v` at `at` of input buffer `buf` ([`Sender::send`]).
+    pub fn send(&self, buf: usize, at: usize, v: &[f32]) {
+        Sender(self.core).send(buf, at, v);
+    }
+
+    /// The step fails: every member skips the rest.
+    pub fn fail(&self) {
+        self.core.failed.store(true, Ordering::Release);
+    }
+
+    /// A board of this step over `buf`, cut at `cuts`, that items publish into in one
+    /// phase only and items of later phases may then read ([`Serial::board_once`]).
+    pub fn board_once<'a>(&self, buf: &'a mut [f32], cuts: &'a [usize]) -> Option<Board<'a>> {
+        Board::new(self.core, buf, cuts, true)
+    }
+}
+
+/// A buffer the items of a step's chunked phases publish into: item `k` of a phase that
+/// writes it ([`Phase::writes`]) gets `cuts[k]..cuts[k + 1]` ([`Part::Publish`]). It is read
+/// in serial phases ([`Board::read`]), when no item publishes, and, made to be written in
+/// one phase only ([`Serial::board_once`]), by the items of later phases ([`Phase::reads`]).
+/// The step's owner reads the buffer again once the board is dropped.
+pub struct Board<'a> {
+    ptr: *mut f32,
+    len: usize,
+    cuts: &'a [usize],
+    /// written in one phase only; items of later phases may read it
+    once: bool,
+    /// the phase that wrote it (`once` boards; 0: none yet)
+    written: AtomicU64,
+    /// the relay whose phases write it (compared, never dereferenced)
+    owner: *const Core,
+    _borrow: PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: a board is the exclusive borrow of its buffer, shared by the members of its
+// relay's step (the owner) and reached only through `Board::read` (in a serial phase of
+// that relay: no item publishes then), `Board::read_at` (a `once` board whose one writing
+// phase has ended: nothing writes it again) and `Board::item_mut` (item `k`'s range, to the
+// one member whose claim of `k` stands, while the phase is current; the ranges of a
+// phase's items are disjoint, `cuts` being checked non-decreasing). `f32` is `Send + Sync`.
+unsafe impl Send for Board<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for Board<'_> {}
+
+impl<'a> Board<'a> {
+    /// `None` unless `cuts` is non-decreasing and ends within `buf`.
+    fn new(owner: &Core, buf: &'a mut [f32], cuts: &'a [usize], once: bool) -> Option<Self> {
+        let fits = cuts.windows(2).all(|w| w[0] <= w[1]) && cuts.last() <= Some(&buf.len());
+        fits.then(|| Board {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            cuts,
+            once,
+            written: AtomicU64::new(0),
+            owner,
+            _borrow: PhantomData,
+        })
+    }
+
+    /// How many items it is cut for.
+    pub fn items(&self) -> usize {
+        self.cuts.len().saturating_sub(1)
+    }
+
+    /// The whole buffer, in a serial phase of its relay.
+    pub fn read<'t>(&'t self, serial: &'t Serial<'_>) -> &'t [f32] {
+        assert!(
+            std::ptr::eq(self.owner, serial.core),
+            "a board read in another relay's serial phase"
+        );
+        // SAFETY: in a serial phase no item publishes (every publish of a phase ends before
+        // the next phase starts, and the serial phase is current until it returns), and
+        // the borrow cannot outlive `serial`, which lives only as long as the phase.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The whole buffer, for an item of phase `p` of relay `owner`.
+    fn read_at(&self, owner: &Core, p: u64) -> &[f32] {
+        let w = self.written.load(Ordering::Acquire);
+        assert!(
+            std::ptr::eq(self.owner, owner) && self.once && w != 0 && w < p,
+            "items read only a `once` board of their relay that an earlier phase wrote"
+        );
+        // SAFETY: written in phase `w` only (`item_mut` refuses any other phase), which has
+        // ended for a member at phase `p > w`, its publishes ordered before by the acquire
+        // loads that brought the member here.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// Item `k`'s range, for its publisher in phase `p` of relay `owner`.
+    #[allow(clippy::mut_from_ref)]
+    fn item_mut(&self, owner: &Core, k: usize, p: u64) -> &mut [f32] {
+        assert!(std::ptr::eq(self.owner, owner), "a board of another relay");
+        if self.once {
+            if let Err(w) = self
+                .written
+                .compare_exchange(0, p, Ordering::AcqRel, Ordering::Acquire)
+            {
+                assert_eq!(w, p, "a `once` board written in two phases");
+            }
+        }
+        let (a, b) = (self.cuts[k], self.cuts[k + 1]);
+        // SAFETY: within the buffer (`cuts` checked at `new`), disjoint from every other
+        // item's range, and handed only to the member whose claim of item `k` stands in
+        // the current phase `p`, which alone publishes `k` (module notes); nobody reads the
+        // board while `p` is current (`read`, `read_at`), and the reference does not
+        // outlive the publish.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(a), b - a) }
+    }
+}
+
 /// One member's place in a [`Relay`]: its index, the team's size and its phase count.
-pub struct Seat<'r> {
-    r: &'r Relay,
+pub struct Seat<'r, S> {
+    r: &'r Relay<S>,
     pub id: usize,
     pub n: usize,
     /// the phase this member's program is at
@@ -147,8 +333,10 @@ pub struct Seat<'r> {
     rng: u64,
 }
 
-impl<'r> Seat<'r> {
-    pub fn new(r: &'r Relay, id: usize, n: usize) -> Seat<'r> {
+impl<'r, S> Seat<'r, S> {
+    /// Member `id` of a team of `n` (at most [`MAX_MEMBERS`]; each member its own `id`).
+    pub fn new(r: &'r Relay<S>, id: usize, n: usize) -> Seat<'r, S> {
+        assert!(id < n && n <= MAX_MEMBERS, "member {id} of a team of {n}");
         Seat {
             r,
             id,
@@ -164,7 +352,8 @@ impl<'r> Seat<'r> {
     fn next(&mut self) -> Option<u64> {
         self.p += 1;
         let p = self.p;
-        if self.r.failed.load(Ordering::Acquire) || self.r.cur.load(Ordering::Acquire) > p {
+        let core = &self.r.core;
+        if core.failed.load(Ordering::Acquire) || core.cur.load(Ordering::Acquire) > p {
             return None;
         }
         Some(p)
@@ -175,7 +364,7 @@ impl<'r> Seat<'r> {
         let since = Instant::now();
         let mut looks = 0u32;
         while !done() {
-            if self.r.poisoned.load(Ordering::Relaxed) {
+            if self.r.core.poisoned.load(Ordering::Relaxed) {
                 panic!("a relay team member panicked");
             }
             looks = looks.wrapping_add(1);
@@ -186,59 +375,68 @@ impl<'r> Seat<'r> {
         }
     }
 
-    /// A serial phase: the first member to claim it runs `f`, the others wait until it
-    /// ends. Returns `f`'s result to the member that ran it.
-    pub fn solo<T>(&mut self, f: impl FnOnce(&Self) -> T) -> Option<T> {
+    /// A serial phase: the first member to claim it runs `f` on the serial state, the
+    /// others wait until it ends. Returns `f`'s result to the member that ran it.
+    pub fn solo<T>(&mut self, f: impl FnOnce(&mut S, &Serial<'_>) -> T) -> Option<T> {
         let p = self.next()?;
-        if self.r.solo.fetch_max(p, Ordering::AcqRel) < p {
+        let core = &self.r.core;
+        if core.solo.fetch_max(p, Ordering::AcqRel) < p {
             let mut rng = self.rng ^ p;
             stress_sleep(&mut rng, 8);
-            let t = f(self);
-            self.r.cur.store(p + 1, Ordering::SeqCst);
+            // SAFETY: this member alone claimed serial phase `p` (`fetch_max`), which is
+            // current (a member reaches phase `p` only once `cur >= p`, and `next` saw
+            // `cur <= p`), so every earlier serial phase has ended and no later one can
+            // start before `cur` moves on, below; nothing else reaches `serial`.
+            let state = unsafe { &mut *self.r.serial.get() };
+            let t = f(state, &Serial { core });
+            core.cur.store(p + 1, Ordering::SeqCst);
             return Some(t);
         }
-        self.wait_until(|| self.r.cur.load(Ordering::Acquire) > p);
+        self.wait_until(|| core.cur.load(Ordering::Acquire) > p);
         None
     }
 
     /// A handle that sends inputs ([`Sender::send`]), for work functions.
     pub fn sender(&self) -> Sender<'r> {
-        Sender(self.r)
+        Sender(&self.r.core)
     }
 
-    /// Inside [`solo`](Self::solo): the step fails (every member skips the rest).
-    pub fn fail(&self) {
-        self.r.failed.store(true, Ordering::Release);
-    }
-
-    /// A chunked phase of `items` items. `input`: `(buffer, width)`, the values copied
-    /// first ([`Sender::send`]). `work(k, part, input)` computes item `k` into the
-    /// member's own buffers, then, if the claim still stands, publishes it.
-    pub fn chunks(
-        &mut self,
-        items: usize,
-        input: Option<(usize, usize)>,
-        mut work: impl FnMut(usize, Part, &[f32]),
-    ) {
+    /// A chunked phase. `work(k, part)` computes item `k` into the member's own buffers
+    /// ([`Part::Compute`]), then, if the claim still stands, publishes it
+    /// ([`Part::Publish`]).
+    pub fn chunks(&mut self, phase: Phase<'_, '_>, mut work: impl FnMut(usize, Part<'_>)) {
         let Some(p) = self.next() else {
             return;
         };
-        let r = self.r;
-        let (buf, width) = input.unwrap_or((0, 0));
+        let core = &self.r.core;
+        let (buf, width) = phase.input.unwrap_or((0, 0));
         self.input.clear();
         self.input.extend(
-            r.input[buf][..width]
+            core.input[buf][..width]
                 .iter()
                 .map(|a| f32::from_bits(a.load(Ordering::Relaxed))),
         );
         fence(Ordering::Acquire);
-        if r.cur.load(Ordering::SeqCst) == p {
-            self.work_items(p, items, &mut work);
+        if core.cur.load(Ordering::SeqCst) != p {
+            return;
         }
+        assert!(
+            phase.items <= core.states.len()
+                && phase.writes.is_none_or(|b| b.items() == phase.items),
+            "a phase of more items than the relay has, or than its board is cut for"
+        );
+        let read = phase.reads.map_or(&[][..], |b| b.read_at(core, p));
+        self.work_items(p, phase, read, &mut work);
     }
 
-    fn work_items(&self, p: u64, items: usize, work: &mut impl FnMut(usize, Part, &[f32])) {
-        let (r, me) = (self.r, CLAIMED + self.id as u64);
+    fn work_items(
+        &self,
+        p: u64,
+        phase: Phase<'_, '_>,
+        read: &[f32],
+        work: &mut impl FnMut(usize, Part<'_>),
+    ) {
+        let (core, me, items) = (&self.r.core, CLAIMED + self.id as u64, phase.items);
         let stress = STRESS.load(Ordering::Relaxed);
         let mut rng = self.rng ^ p;
         let input = &self.input[..];
@@ -246,16 +444,16 @@ impl<'r> Seat<'r> {
         // longer than that is late (its member lost its core), not just being computed.
         let longest = std::cell::Cell::new(Duration::ZERO);
         let claim = |k: usize, old: u64| {
-            r.states[k]
+            core.states[k]
                 .compare_exchange(old, tag(p, me), Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
         };
         let mut run = |k: usize| {
             let t0 = Instant::now();
-            work(k, Part::Compute, input);
+            work(k, Part::Compute { input, read });
             longest.set(longest.get().max(t0.elapsed()));
             stress_sleep(&mut rng, 4);
-            let st = &r.states[k];
+            let st = &core.states[k];
             let mine = tag(p, me);
             if st
                 .compare_exchange(
@@ -266,14 +464,18 @@ impl<'r> Seat<'r> {
                 )
                 .is_ok()
             {
-                work(k, Part::Publish, input);
+                let out = match phase.writes {
+                    Some(b) => b.item_mut(core, k, p),
+                    None => &mut [],
+                };
+                work(k, Part::Publish(out));
                 st.store(tag(p, DONE), Ordering::Release);
             }
         };
         let start = self.id * items / self.n;
         for k in (0..items).map(|i| (start + i) % items) {
-            let old = r.states[k].load(Ordering::Acquire);
-            if old >> 8 < p && claim(k, old) {
+            let old = core.states[k].load(Ordering::Acquire);
+            if untag(old).0 < p && claim(k, old) {
                 run(k);
             }
         }
@@ -282,13 +484,13 @@ impl<'r> Seat<'r> {
             let since = Instant::now();
             let mut looks = 0u32;
             loop {
-                let v = r.states[k].load(Ordering::Acquire);
-                if v >> 8 > p {
+                let v = core.states[k].load(Ordering::Acquire);
+                if untag(v).0 > p {
                     // A later phase's: this one has ended.
                     return;
                 }
-                if v >> 8 < p {
-                    if r.cur.load(Ordering::Acquire) != p {
+                if untag(v).0 < p {
+                    if core.cur.load(Ordering::Acquire) != p {
                         return;
                     }
                     if claim(k, v) {
@@ -296,7 +498,7 @@ impl<'r> Seat<'r> {
                     }
                     continue;
                 }
-                match v & 0xff {
+                match untag(v).1 {
                     DONE => break,
                     s if s >= CLAIMED
                         && s != me
@@ -308,10 +510,10 @@ impl<'r> Seat<'r> {
                         }
                     }
                     _ => {
-                        if r.poisoned.load(Ordering::Relaxed) {
+                        if core.poisoned.load(Ordering::Relaxed) {
                             panic!("a relay team member panicked");
                         }
-                        if r.cur.load(Ordering::Acquire) != p {
+                        if core.cur.load(Ordering::Acquire) != p {
                             return;
                         }
                         looks = looks.wrapping_add(1);
@@ -324,7 +526,7 @@ impl<'r> Seat<'r> {
             }
         }
         // Every item is published: open the next phase (unless another member did).
-        let _ = r
+        let _ = core
             .cur
             .compare_exchange(p, p + 1, Ordering::SeqCst, Ordering::Relaxed);
     }
@@ -355,11 +557,11 @@ fn stress_sleep(rng: &mut u64, one_in: u64) {
     }
 }
 
-/// A job for the helpers: the step program, run as member `id`, and its relay (poisoned
-/// if the program panics).
+/// A job for the helpers: the step program, run as member `id`, and its relay's poison
+/// flag (set if the program panics).
 struct Job<'a> {
     f: &'a (dyn Fn(usize) + Sync),
-    relay: &'a Relay,
+    poisoned: &'a AtomicBool,
 }
 
 /// A helper thread's mailbox.
@@ -411,9 +613,9 @@ fn helper_loop(slot: &Slot) {
             let job = slot.job.load(Ordering::Acquire);
             let id = slot.id.load(Ordering::Relaxed);
             // SAFETY: `run` keeps the job alive until it sees `done == gen` (below).
-            let (f, relay) = unsafe { ((*job).f, (*job).relay) };
+            let (f, poisoned) = unsafe { ((*job).f, (*job).poisoned) };
             if catch_unwind(AssertUnwindSafe(|| f(id))).is_err() {
-                relay.poisoned.store(true, Ordering::Relaxed);
+                poisoned.store(true, Ordering::Relaxed);
                 slot.panicked.store(true, Ordering::Relaxed);
             }
             slot.done.store(gen, Ordering::Release);
@@ -436,9 +638,10 @@ fn helper_loop(slot: &Slot) {
 /// returns when all have returned. `None` (nothing ran) when a helper thread cannot be
 /// started: the caller runs its step another way. `relay` is poisoned if a member panics,
 /// so the others stop at their next wait; then this panics too.
-pub fn run(n: usize, relay: &Relay, f: &(dyn Fn(usize) + Sync)) -> Option<()> {
+pub fn run<S: Send>(n: usize, relay: &Relay<S>, f: &(dyn Fn(usize) + Sync)) -> Option<()> {
     let helpers = take_helpers(n - 1)?;
-    let job = Job { f, relay };
+    let poisoned = &relay.core.poisoned;
+    let job = Job { f, poisoned };
     // SAFETY (of the lifetime erased here): the helpers use the job only until they store
     // `done == gen`, and this function does not return (nor unwind: `f(0)` runs under
     // `catch_unwind`) before it has seen that for each of them.
@@ -454,7 +657,7 @@ pub fn run(n: usize, relay: &Relay, f: &(dyn Fn(usize) + Sync)) -> Option<()> {
     }
     let mine = catch_unwind(AssertUnwindSafe(|| f(0)));
     if mine.is_err() {
-        relay.poisoned.store(true, Ordering::Relaxed);
+        poisoned.store(true, Ordering::Relaxed);
     }
     // Every member must have left `f` before its borrows end.
     for (h, &gen) in helpers.iter().zip(&gens) {
@@ -507,44 +710,52 @@ fn take_helpers(k: usize) -> Option<Vec<Helper>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::OnceLock;
+
+    fn items(items: usize) -> Phase<'static, 'static> {
+        Phase {
+            items,
+            ..Phase::default()
+        }
+    }
 
     #[test]
     fn every_item_is_published_once_and_every_serial_phase_runs_once() {
         for members in [2, 3] {
-            let relay = Relay::new(16, 4);
+            let relay = Relay::new(16, 4, 0usize);
             let published: Vec<AtomicUsize> = (0..40 * 16).map(|_| AtomicUsize::new(0)).collect();
-            let serial = AtomicUsize::new(0);
             run(members, &relay, &|id| {
                 let mut seat = Seat::new(&relay, id, members);
                 for phase in 0..40 {
-                    seat.chunks(16, None, |k, part, _| {
-                        if part == Part::Publish {
+                    seat.chunks(items(16), |k, part| {
+                        if let Part::Publish(_) = part {
                             published[phase * 16 + k].fetch_add(1, Ordering::Relaxed);
                         }
                     });
-                    seat.solo(|_| serial.fetch_add(1, Ordering::Relaxed));
+                    // A plain `+= 1` on the serial state: serial phases run one at a time.
+                    seat.solo(|count, _| *count += 1);
                 }
             })
             .expect("helpers start");
             assert!(published.iter().all(|p| p.load(Ordering::Relaxed) == 1));
-            assert_eq!(serial.load(Ordering::Relaxed), 40);
+            assert_eq!(relay.into_serial(), 40);
         }
     }
 
     #[test]
     fn a_failed_serial_phase_ends_the_step_for_every_member() {
-        let relay = Relay::new(8, 4);
+        let relay = Relay::new(8, 4, ());
         let published = AtomicUsize::new(0);
         run(2, &relay, &|id| {
             let mut seat = Seat::new(&relay, id, 2);
-            seat.chunks(8, None, |_, part, _| {
-                if part == Part::Publish {
+            seat.chunks(items(8), |_, part| {
+                if let Part::Publish(_) = part {
                     published.fetch_add(1, Ordering::Relaxed);
                 }
             });
-            seat.solo(|s| s.fail());
-            seat.chunks(8, None, |_, _, _| panic!("work after the failure"));
-            seat.solo(|_| panic!("a serial phase after the failure"));
+            seat.solo(|_, s| s.fail());
+            seat.chunks(items(8), |_, _| panic!("work after the failure"));
+            seat.solo(|_, _| panic!("a serial phase after the failure"));
         })
         .expect("helpers start");
         assert!(relay.failed());
@@ -553,7 +764,7 @@ mod tests {
 
     #[test]
     fn a_member_panicking_in_a_serial_phase_stops_the_step_and_the_caller_panics() {
-        let relay = Relay::new(8, 4);
+        let relay = Relay::new(8, 4, ());
         let outcome = catch_unwind(AssertUnwindSafe(|| {
             run(2, &relay, &|id| {
                 let mut seat = Seat::new(&relay, id, 2);
@@ -561,14 +772,173 @@ mod tests {
                     // Member 1 claims the serial phase first, and panics inside it.
                     std::thread::sleep(Duration::from_millis(50));
                 }
-                seat.solo(|_| {
+                seat.solo(|_, _| {
                     if id == 1 {
                         panic!("member 1 fails");
                     }
                 });
-                seat.chunks(8, None, |_, _, _| {});
+                seat.chunks(items(8), |_, _| {});
             })
         }));
         assert!(outcome.is_err(), "the caller must see the member's panic");
+    }
+
+    /// A serial phase makes a `once` board; one phase's items publish into their ranges of
+    /// it, the next phase's items read it whole and publish a sum each into a board of the
+    /// step, which a serial phase reads: every value where it belongs, on 2 and 3 members.
+    #[test]
+    fn items_publish_their_ranges_and_later_phases_read_them() {
+        for members in [2, 3] {
+            let (mut values, mut sums) = (vec![0.0f32; 40], vec![0.0f32; 10]);
+            let value_cuts: Vec<usize> = (0..=10).map(|k| 4 * k).collect();
+            let sum_cuts: Vec<usize> = (0..=10).collect();
+            let relay = Relay::new(16, 4, Some(&mut values[..]));
+            let sums = relay.board(&mut sums, &sum_cuts).expect("cuts");
+            let made = OnceLock::new();
+            let seen = Mutex::new(Vec::new());
+            run(members, &relay, &|id| {
+                let mut seat = Seat::new(&relay, id, members);
+                seat.solo(|values, s| {
+                    let values = values.take().expect("one serial phase makes it");
+                    let board = s.board_once(values, &value_cuts).expect("cuts");
+                    assert!(made.set(board).is_ok());
+                });
+                let values = made.get().expect("made before the phases that use it");
+                let write = Phase {
+                    writes: Some(values),
+                    ..items(10)
+                };
+                seat.chunks(write, |k, part| {
+                    if let Part::Publish(out) = part {
+                        for (i, x) in out.iter_mut().enumerate() {
+                            *x = (4 * k + i) as f32;
+                        }
+                    }
+                });
+                let mut sum = 0.0;
+                let read = Phase {
+                    reads: Some(values),
+                    writes: Some(&sums),
+                    ..items(10)
+                };
+                seat.chunks(read, |k, part| match part {
+                    Part::Compute { read, .. } => sum = read[4 * k..4 * k + 4].iter().sum(),
+                    Part::Publish(out) => out[0] = sum,
+                });
+                seat.solo(|_, s| seen.lock().expect("lock").push(sums.read(s).to_vec()));
+            })
+            .expect("helpers start");
+            let want: Vec<f32> = (0..10).map(|k| (16 * k + 6) as f32).collect();
+            assert_eq!(seen.into_inner().expect("lock"), [want]);
+        }
+    }
+
+    /// A claim's state must fit below the phase in an item's tag: no team of more than
+    /// `MAX_MEMBERS`, no member outside its team.
+    #[test]
+    fn seats_fit_the_tags() {
+        let relay = Relay::new(1, 1, ());
+        let _ = Seat::new(&relay, MAX_MEMBERS - 1, MAX_MEMBERS);
+        assert_eq!(untag(tag(7, CLAIMED + MAX_MEMBERS as u64 - 1)).0, 7);
+        for (id, n) in [(0, MAX_MEMBERS + 1), (2, 2)] {
+            let made = catch_unwind(AssertUnwindSafe(|| Seat::new(&relay, id, n).id));
+            assert!(made.is_err(), "member {id} of {n}");
+        }
+    }
+
+    /// What a board refuses: cuts that go back or past the buffer; items reading a board
+    /// that phases may write again, or that no earlier phase wrote; a `once` board written
+    /// in two phases; a board of another relay.
+    #[test]
+    fn boards_refuse_what_could_race() {
+        let mut buf = [0.0f32; 8];
+        let relay = Relay::new(4, 4, ());
+        assert!(relay.board(&mut buf, &[0, 5, 4]).is_none());
+        assert!(relay.board(&mut buf, &[0, 4, 9]).is_none());
+        let cuts = [0, 4, 8];
+        type Misuse = fn(&mut Seat<'_, Option<&mut [f32]>>, &Board<'_>);
+        let misuses: [(&str, bool, Misuse); 3] = [
+            (
+                "items read a board written in many phases",
+                false,
+                |seat, b| {
+                    seat.chunks(
+                        Phase {
+                            writes: Some(b),
+                            ..items(2)
+                        },
+                        |_, _| {},
+                    );
+                    seat.chunks(
+                        Phase {
+                            reads: Some(b),
+                            ..items(2)
+                        },
+                        |_, _| {},
+                    );
+                },
+            ),
+            ("items read a board nothing wrote", true, |seat, b| {
+                seat.chunks(
+                    Phase {
+                        reads: Some(b),
+                        ..items(2)
+                    },
+                    |_, _| {},
+                );
+            }),
+            ("a once board written twice", true, |seat, b| {
+                seat.chunks(
+                    Phase {
+                        writes: Some(b),
+                        ..items(2)
+                    },
+                    |_, _| {},
+                );
+                seat.chunks(
+                    Phase {
+                        writes: Some(b),
+                        ..items(2)
+                    },
+                    |_, _| {},
+                );
+            }),
+        ];
+        for (what, once, misuse) in misuses {
+            let mut buf = [0.0f32; 8];
+            let relay = Relay::new(4, 4, Some(&mut buf[..]));
+            let board = OnceLock::new();
+            let outcome = catch_unwind(AssertUnwindSafe(|| {
+                run(2, &relay, &|id| {
+                    let mut seat = Seat::new(&relay, id, 2);
+                    seat.solo(|buf, s| {
+                        let buf = buf.take().expect("one serial phase");
+                        let b = match once {
+                            true => s.board_once(buf, &cuts),
+                            false => Board::new(s.core, buf, &cuts, false),
+                        };
+                        assert!(board.set(b.expect("cuts")).is_ok());
+                    });
+                    let b = board.get().expect("made");
+                    misuse(&mut seat, b);
+                })
+            }));
+            assert!(outcome.is_err(), "{what}: not refused");
+        }
+        let mut other = [0.0f32; 8];
+        let theirs = Relay::new(4, 4, ()).board(&mut other, &cuts).expect("cuts");
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            run(2, &relay, &|id| {
+                let mut seat = Seat::new(&relay, id, 2);
+                seat.chunks(
+                    Phase {
+                        writes: Some(&theirs),
+                        ..items(2)
+                    },
+                    |_, _| {},
+                );
+            })
+        }));
+        assert!(outcome.is_err(), "a board of another relay: not refused");
     }
 }

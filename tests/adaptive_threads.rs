@@ -1,4 +1,4 @@
-//! The adaptive thread choice (`tinygpt_cpu::team::Pace`): decode steps that switch
+//! The adaptive thread choice (`tinygpt_cpu::threads::Pace`): decode steps that switch
 //! between the team and one thread give the same logits bit for bit as one thread all
 //! along, and both modes really run. Its own test binary: `set_adaptive` is process-wide.
 
@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use tinygpt_cpu::kv_cache::KvConfig;
 use tinygpt_cpu::model::{Model, WeightsDType};
-use tinygpt_cpu::team;
+use tinygpt_cpu::threads;
 use tinygpt_cpu::weights::ModelFiles;
 
 const STEPS: usize = 70;
@@ -33,9 +33,9 @@ fn logits(
 
 #[test]
 fn switching_between_team_and_one_thread_changes_no_bit() {
-    team::set_adaptive(true);
+    threads::set_adaptive(true);
     // Both modes must run here even if the machine is busy with other tests.
-    team::set_crowd_check(team::CrowdCheck::Never);
+    threads::set_crowd_check(threads::CrowdCheck::Never);
     for dir in [None, Some(fixtures().join("yoco"))] {
         let files = ModelFiles::open(dir.as_deref()).expect("model");
         let model = Model::load(&files, WeightsDType::Native).expect("load");

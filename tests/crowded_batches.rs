@@ -1,5 +1,5 @@
 //! Batches (prefill chunks, steps of several sequences) on a crowded machine
-//! (`tinygpt_cpu::team::batch`): with the adaptive choice on they run on one thread, and the
+//! (`tinygpt_cpu::threads::batch`): with the adaptive choice on they run on one thread, and the
 //! values are those of one thread and of the whole pool, bit for bit; `--threads N` (the
 //! adaptive choice off) keeps the pool. Its own test binary: the crowd check and the
 //! adaptive choice are process-wide.
@@ -8,7 +8,7 @@ mod common;
 use common::*;
 use tinygpt_cpu::kv_cache::KvConfig;
 use tinygpt_cpu::model::{Model, WeightsDType};
-use tinygpt_cpu::team::{self, CrowdCheck};
+use tinygpt_cpu::threads::{self, CrowdCheck};
 use tinygpt_cpu::weights::ModelFiles;
 
 /// Prefills `prompt` in chunks of 16, then feeds the tokens `decode` one at
@@ -24,7 +24,7 @@ fn run(
         .num_threads(threads)
         .build()
         .expect("thread pool");
-    let before = team::alone_batches();
+    let before = threads::alone_batches();
     let out = pool.install(|| {
         let mut s = model.session(kv);
         let mut out = Vec::new();
@@ -40,7 +40,7 @@ fn run(
         }
         out
     });
-    (out, team::alone_batches() - before)
+    (out, threads::alone_batches() - before)
 }
 
 fn same_bits(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
@@ -59,8 +59,8 @@ fn a_crowded_machine_runs_batches_alone_with_the_same_bits() {
         let prompt: Vec<u32> = (0..40u32).map(|i| (i * 11 + 3) % vocab).collect();
         let decode: Vec<u32> = (0..6u32).map(|i| (i * 5 + 2) % vocab).collect();
         for kv in [KvConfig::default(), int4_window()] {
-            team::set_adaptive(false);
-            team::set_crowd_check(CrowdCheck::Never);
+            threads::set_adaptive(false);
+            threads::set_crowd_check(CrowdCheck::Never);
             let (one, _) = run(&model, &kv, 1, &prompt, &decode);
             let (pool, alone) = run(&model, &kv, 2, &prompt, &decode);
             assert_eq!(alone, 0, "uncrowded: no batch runs alone");
@@ -70,19 +70,19 @@ fn a_crowded_machine_runs_batches_alone_with_the_same_bits() {
             );
 
             // Crowded, threads forced (adaptive off): the pool is kept.
-            team::set_crowd_check(CrowdCheck::Always);
+            threads::set_crowd_check(CrowdCheck::Always);
             let (forced, alone) = run(&model, &kv, 2, &prompt, &decode);
             assert_eq!(alone, 0, "--threads forces the pool");
             assert!(same_bits(&one, &forced));
 
             // Crowded, adaptive: every prefill chunk runs alone, same bits.
-            team::set_adaptive(true);
+            threads::set_adaptive(true);
             let (crowded, alone) = run(&model, &kv, 2, &prompt, &decode);
             assert_eq!(alone, prompt.len().div_ceil(16), "each prefill chunk alone");
             assert!(same_bits(&one, &crowded), "{dir:?} {kv:?}: alone differs");
 
             // Uncrowded, adaptive: the pool again.
-            team::set_crowd_check(CrowdCheck::Never);
+            threads::set_crowd_check(CrowdCheck::Never);
             let (calm, alone) = run(&model, &kv, 2, &prompt, &decode);
             assert_eq!(alone, 0);
             assert!(same_bits(&one, &calm));

@@ -1,19 +1,17 @@
-//! The decode team (`tinygpt_cpu::team`): a step run by 2 or 3 threads, each claiming
+//! The decode team (`tinygpt_cpu::relay`): a step run by 2 or 3 threads, each claiming
 //! parts of every product and KV heads of attention, gives the same logits, cache and
-//! attention weights bit for bit as the same step on one thread, for every model shape
-//! the fixtures have (head_dim 32, 64 and 256, GQA, MQA, biases, a sliding window, Gemma 3's
+//! attention weights (`Session::record_probs`, as `perplexity --sink-report` records them)
+//! bit for bit as the same step on one thread (the rows path), for every model shape the
+//! fixtures have (head_dim 32, 64 and 256, GQA, MQA, biases, a sliding window, Gemma 3's
 //! sliding layers, f16/bf16 weights, YOCO shared layers, GGML-block weights) and every
 //! kind of cache — with attention split within KV heads (`AttnSplit::Always`, forced at
-//! every context length) and not (`Never`, and `Auto` at these short contexts) — both as
-//! the barrier team and as a relay (`TeamDesign::Relay`; sessions recording attention
-//! weights run with barriers either way).
+//! every context length) and not (`Never`, and `Auto` at these short contexts).
 
 mod common;
 use common::*;
 use tinygpt_cpu::attention::AttnSplit;
 use tinygpt_cpu::kv_cache::{KeyRope, KvConfig, Precision};
 use tinygpt_cpu::model::{Model, WeightsDType};
-use tinygpt_cpu::team::TeamDesign;
 use tinygpt_cpu::weights::ModelFiles;
 
 const STEPS: usize = 40;
@@ -83,13 +81,11 @@ fn run(
     probs: bool,
     feed: Option<&[u32]>,
     split: AttnSplit,
-    design: TeamDesign,
 ) -> (Vec<u32>, Vec<Vec<f32>>) {
     pool(threads).install(|| {
         let mut s = model.session(kv);
         s.record_probs = probs;
         s.attn_split = split;
-        s.team_design = design;
         let mut tokens = vec![1u32];
         let mut out = Vec::new();
         for pos in 0..STEPS {
@@ -109,23 +105,20 @@ fn run(
 fn check(name: &str, model: &Model) {
     for (cache, kv) in caches() {
         for probs in [false, true] {
-            let barrier = TeamDesign::Barrier;
-            let (tokens, one) = run(model, &kv, 1, probs, None, AttnSplit::Never, barrier);
+            let (tokens, one) = run(model, &kv, 1, probs, None, AttnSplit::Never);
             for threads in [2, 3] {
                 for split in [AttnSplit::Never, AttnSplit::Always, AttnSplit::Auto] {
-                    for design in [TeamDesign::Barrier, TeamDesign::Relay] {
-                        let feed = Some(&tokens[..]);
-                        let (_, team) = run(model, &kv, threads, probs, feed, split, design);
-                        for (pos, (a, b)) in one.iter().zip(&team).enumerate() {
-                            let same = a.len() == b.len()
-                                && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                            assert!(
-                                same,
-                                "{name}, {cache}, probs {probs}, {split:?}, {design:?}: \
-                                 {threads} threads differ from 1 at step {pos} (max |diff| {})",
-                                max_abs_diff(a, b)
-                            );
-                        }
+                    let feed = Some(&tokens[..]);
+                    let (_, team) = run(model, &kv, threads, probs, feed, split);
+                    for (pos, (a, b)) in one.iter().zip(&team).enumerate() {
+                        let same = a.len() == b.len()
+                            && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                        assert!(
+                            same,
+                            "{name}, {cache}, probs {probs}, {split:?}: {threads} threads \
+                             differ from 1 at step {pos} (max |diff| {})",
+                            max_abs_diff(a, b)
+                        );
                     }
                 }
             }
@@ -182,20 +175,19 @@ fn team_equals_one_thread_on_smollm2_q4_1() {
     };
     let files = ModelFiles::open(Some(&path)).expect("SmolLM2");
     let model = load(&files);
-    // One cache per kind of store is enough at this size.
-    for (cache, kv) in caches().into_iter().take(3) {
-        let barrier = TeamDesign::Barrier;
-        let (tokens, one) = run(&model, &kv, 1, false, None, AttnSplit::Never, barrier);
+    // One cache per kind of store is enough at this size; the attention weights recorded
+    // with the first.
+    for (i, (cache, kv)) in caches().into_iter().take(3).enumerate() {
+        let probs = i == 0;
+        let (tokens, one) = run(&model, &kv, 1, probs, None, AttnSplit::Never);
         for split in [AttnSplit::Never, AttnSplit::Always] {
-            for design in [TeamDesign::Barrier, TeamDesign::Relay] {
-                let (_, team) = run(&model, &kv, 2, false, Some(&tokens), split, design);
-                for (pos, (a, b)) in one.iter().zip(&team).enumerate() {
-                    assert!(
-                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                        "SmolLM2, {cache}, {split:?}, {design:?}: 2 threads differ from 1 \
-                         at step {pos}"
-                    );
-                }
+            let (_, team) = run(&model, &kv, 2, probs, Some(&tokens), split);
+            for (pos, (a, b)) in one.iter().zip(&team).enumerate() {
+                assert!(
+                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "SmolLM2, {cache}, probs {probs}, {split:?}: 2 threads differ from 1 at \
+                     step {pos}"
+                );
             }
         }
     }

@@ -246,7 +246,7 @@ impl EngineArgs {
         self.engine.available()?;
         let mut b = rayon::ThreadPoolBuilder::new();
         // Without --threads, decode steps pick the team or one thread by measured speed.
-        crate::team::set_adaptive(self.threads.is_none());
+        crate::threads::set_adaptive(self.threads.is_none());
         if let Some(n) = self.threads {
             if n == 0 || n > 1024 {
                 return Err(Error::flag(

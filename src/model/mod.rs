@@ -3,11 +3,12 @@
 //! [`Model::step`] is the layer program: every stage of every layer in order. It runs on an
 //! execution strategy ([`Exec`]): [`rows`] holds every token of a set of sequences as rows
 //! (a decode step, a prefill chunk and a serve batch are the same code with different row
-//! counts, each product a rayon fork/join); [`team_step`] is one member of a decode team
-//! (one token, every thread running the whole step on its share of each product, meeting
-//! at barriers). The entry points [`Model::forward`] (one token), [`Model::forward_batch`]
-//! (a prompt chunk) and [`Model::forward_sequences`] (a serve step) only pick the strategy
-//! and the rows. Every strategy gives the same values bit for bit.
+//! counts, each product a rayon fork/join); [`relay_step`] is one member of the decode
+//! team (one token, every member running the whole step and taking items of each product
+//! and of attention, without barriers: [`crate::relay`]). The entry points
+//! [`Model::forward`] (one token), [`Model::forward_batch`] (a prompt chunk) and
+//! [`Model::forward_sequences`] (a serve step) only pick the strategy and the rows. Every
+//! strategy gives the same values bit for bit.
 //!
 //! Weights stay in their file dtype (mmap) unless `--weights-dtype` asks for a
 //! conversion; activations are f32. The numerics are those of
@@ -25,7 +26,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvConfig, LayerKv};
 use crate::ops::{self, Matrix};
-use crate::team;
+use crate::threads;
 use crate::weights::ModelTensors;
 use crate::weights::{ModelFiles, Tensor};
 use crate::wkernels::Kernel;
@@ -34,7 +35,6 @@ use crate::wkernels::Kernel;
 mod reference;
 mod relay_step;
 mod rows;
-mod team_step;
 
 #[cfg(feature = "reference-engine")]
 pub use reference::reference_model;
@@ -123,15 +123,14 @@ pub struct Session {
     /// One layer per model layer that holds K/V (see [`new_cache`]).
     pub cache: KvCache,
     scratch: AttnScratch,
-    /// A relay step's attention scratch, one per model layer (made at its first step), so
-    /// that preparing a layer's attention never waits for a late member still reading an
-    /// earlier layer's ([`relay_step`]).
-    relay_scratch: Vec<AttnScratch>,
+    /// What this sequence's team steps keep from step to step (made at the first one,
+    /// [`relay_step`]).
+    relay: relay_step::RelayScratch,
     /// One token's activations, kept from step to step (a decode step's buffers; a
     /// multi-token step allocates its own).
     bufs: StepBufs,
     /// The adaptive thread choice of this sequence's decode steps.
-    pace: team::Pace,
+    pace: threads::Pace,
     pub logits: Vec<f32>,
     /// When set, `probs[l]` holds the last step's attention weights, `(n_heads, stored)`,
     /// for every model layer (a shared layer's over the rows of the cache it reads).
@@ -141,9 +140,6 @@ pub struct Session {
     /// bit either way; tests force both paths). Default: `TINYGPT_ATTN_SPLIT` (`always`,
     /// `never`), else `Auto`.
     pub attn_split: crate::attention::AttnSplit,
-    /// How team steps run: as a relay or with barriers ([`team::TeamDesign`]; the same
-    /// results bit for bit). Default: the relay, or barriers with `TINYGPT_TEAM=barrier`.
-    pub team_design: team::TeamDesign,
 }
 
 fn matrix(t: &Tensor, want: WeightsDType, kernel: Kernel) -> Matrix {
@@ -157,8 +153,8 @@ fn matrix(t: &Tensor, want: WeightsDType, kernel: Kernel) -> Matrix {
 
 impl Session {
     /// The adaptive thread choice of this sequence's decode steps (how many ran as a team
-    /// and alone: [`team::Pace::runs`]).
-    pub fn pace(&self) -> &team::Pace {
+    /// and alone: [`threads::Pace::runs`]).
+    pub fn pace(&self) -> &threads::Pace {
         &self.pace
     }
 
@@ -282,49 +278,55 @@ impl Model {
         Session {
             cache: new_cache(c, kv),
             scratch: AttnScratch::new(c, kv),
-            relay_scratch: Vec::new(),
+            relay: relay_step::RelayScratch::default(),
             bufs: StepBufs::new(c, 1),
-            pace: team::Pace::default(),
+            pace: threads::Pace::default(),
             logits: vec![0.0; c.vocab_size],
             record_probs: false,
             probs: vec![Vec::new(); c.n_layers],
             attn_split: crate::attention::AttnSplit::from_env(),
-            team_design: team::TeamDesign::from_env(),
         }
     }
 
     /// Runs token `token` at absolute position `pos`; the logits land in `s.logits`.
     ///
     /// One sequence, one token: a case of [`step`](Self::step). With more than one thread
-    /// in the current rayon pool it runs as a decode team ([`crate::team`]; same values
-    /// bit for bit; `TINYGPT_TEAM=off` turns it off), so it must not be called from inside
-    /// a parallel region of that pool.
+    /// in the current rayon pool it runs as a decode team ([`relay_step`]; same values bit
+    /// for bit; `TINYGPT_TEAM=off` turns it off: one fork/join per product), so it must not
+    /// be called from inside a parallel region of that pool. A session whose eviction
+    /// policy observes attention's weights runs on the pool as rows; a step whose team
+    /// cannot start its helper threads runs on the calling thread alone.
     ///
-    /// With [`team::adaptive`] on (the CLI's default when `--threads` is not given), each
+    /// With [`threads::adaptive`] on (the CLI's default when `--threads` is not given), each
     /// step runs either as the team or on the calling thread alone, whichever the
-    /// session's measured step times say is faster just now ([`team::Pace`]): a team
-    /// whose member lost its core to another process is slower than one thread.
+    /// session's measured step times say is faster just now ([`threads::Pace`]): a team
+    /// whose member lost its core to another process can be slower than one thread.
     pub fn forward(&self, s: &mut Session, token: u32, pos: usize) -> Result<()> {
-        if team::threads() == 1 || !team::enabled() {
+        let n = threads::current();
+        if n == 1 || !threads::team_enabled() || !relay_step::supports(s, n) {
             return self.forward_rows(s, token, pos);
         }
         self.check_token(token)?;
-        let relay = s.team_design == team::TeamDesign::Relay && relay_step::supports(s);
-        let mode = match team::adaptive() {
-            // A crowd holds back probes of the barrier team, which would wait for the
-            // member that lost its core; the relay takes that member's work over, so it
-            // is probed, and chosen when faster, crowded or not.
-            true => s.pace.next(|| !relay && team::crowded(team::threads())),
-            false => team::Mode::Team,
+        let mode = match threads::adaptive() {
+            // The relay takes a late member's work over instead of waiting for it: it is
+            // probed, and chosen when faster, crowded or not.
+            true => s.pace.next(|| false),
+            false => threads::Mode::Team,
         };
         let t0 = std::time::Instant::now();
-        let result = match mode {
-            team::Mode::Team if relay => relay_step::run_step(self, s, token, pos, team::threads())
-                .unwrap_or_else(|| team_step::run_step(self, s, token, pos)),
-            team::Mode::Team => team_step::run_step(self, s, token, pos),
-            team::Mode::Solo => team::solo(|| self.forward_rows(s, token, pos)),
+        let team = match mode {
+            threads::Mode::Team => relay_step::run_step(self, s, token, pos, n),
+            threads::Mode::Solo => None,
         };
-        s.pace.record(mode, t0.elapsed());
+        let (ran, result) = match team {
+            Some(result) => (threads::Mode::Team, result),
+            // One thread: chosen, or the team's helper threads could not be started.
+            None => (
+                threads::Mode::Solo,
+                threads::solo(|| self.forward_rows(s, token, pos)),
+            ),
+        };
+        s.pace.record(ran, t0.elapsed());
         result
     }
 
@@ -344,8 +346,8 @@ impl Model {
     /// `s.logits` receives the last token's logits; `all_logits`, if given, receives
     /// `(tokens, vocab)`. Every value equals the token-by-token forward's bit for bit.
     ///
-    /// With [`team::adaptive`] on and another process holding a core the pool needs, the
-    /// batch runs on the calling thread alone ([`team::batch`]; same values).
+    /// With [`threads::adaptive`] on and another process holding a core the pool needs, the
+    /// batch runs on the calling thread alone ([`threads::batch`]; same values).
     pub fn forward_batch(
         &self,
         s: &mut Session,
@@ -361,7 +363,7 @@ impl Model {
             tokens,
             start,
         }];
-        team::batch(|| rows::run(self, &mut steps, all_logits))
+        threads::batch(|| rows::run(self, &mut steps, all_logits))
     }
 
     /// Continuous batching: advances several independent sequences in one forward pass.
@@ -377,17 +379,17 @@ impl Model {
     /// token after token, bit for bit ([`matmul`] computes each token's row as [`matvec`]
     /// does), so a sequence's output does not depend on what else is in the batch. Like
     /// [`forward_batch`](Self::forward_batch), it runs alone on a crowded machine
-    /// ([`team::batch`]).
+    /// ([`threads::batch`]).
     pub fn forward_sequences(&self, steps: &mut [SeqStep<'_>]) -> Result<()> {
-        team::batch(|| rows::run(self, steps, None))
+        threads::batch(|| rows::run(self, steps, None))
     }
 
     /// The forward pass, written once: every layer's stages in order, each run by the
     /// strategy `e` ([`Exec`]) on the rows it holds. [`rows`] holds every token of a set of
-    /// sequences (serial decode, prefill, serve batches); [`team`] is one member of a
-    /// decode team running one token. Stages that need a token's whole vector (norms,
+    /// sequences (serial decode, prefill, serve batches); [`relay_step`] is one member of
+    /// the decode team running one token. Stages that need a token's whole vector (norms,
     /// residual adds) see it in full in either.
-    fn step<E: Exec>(&self, e: &mut E) -> Result<()> {
+    fn step<'m, E: Exec<'m>>(&'m self, e: &mut E) -> Result<()> {
         let eps = self.cfg.rms_norm_eps;
         for (l, lw) in self.layers.iter().enumerate() {
             e.norm(&lw.attn_norm, eps);
@@ -447,26 +449,33 @@ enum Input {
 
 /// An execution strategy of [`Model::step`]: the rows it holds and how it runs each
 /// stage on them. Buffers: `x` the residual stream, `h` its normed copy, `q`/`k`/`v`,
-/// `att` the attention output, `gate`/`up` the MLP, `proj` a block's output.
-trait Exec {
+/// `att` the attention output, `gate`/`up` the MLP, `proj` a block's output. `'m` is the
+/// model's borrow: a strategy may keep its weights from one stage to a later one.
+trait Exec<'m> {
     /// `h = rmsnorm(x) · w`, row by row.
-    fn norm(&mut self, w: &[f32], eps: f32);
+    fn norm(&mut self, w: &'m [f32], eps: f32);
     /// `q, k, v = mats · h + biases` (`q` only when `mats` has one matrix).
-    fn project(&mut self, mats: &[&Matrix], biases: [&Option<Vec<f32>>; 3]);
+    fn project(&mut self, mats: &[&'m Matrix], biases: [&'m Option<Vec<f32>>; 3]);
     /// Refuses a non-finite K/V row of layer `l`.
     fn check_kv(&mut self, l: usize) -> Result<()>;
     /// Per-head RMSNorm of `q` and `k` (Qwen3, Gemma 3), where the layer has one.
-    fn head_norms(&mut self, q_norm: &Option<Vec<f32>>, k_norm: &Option<Vec<f32>>, eps: f32);
+    fn head_norms(&mut self, q_norm: &'m Option<Vec<f32>>, k_norm: &'m Option<Vec<f32>>, eps: f32);
     /// Layer `l`'s attention: this step's K/V appended (`Kv::Own`), then every query
     /// attends over the cache it reads, token by token in order, into `att`.
-    fn attend(&mut self, model: &Model, l: usize, kv: Kv) -> Result<()>;
+    fn attend(&mut self, model: &'m Model, l: usize, kv: Kv) -> Result<()>;
     /// `x += post_norm(w · input)`.
-    fn residual(&mut self, w: &Matrix, input: Input, post_norm: &Option<Vec<f32>>, eps: f32);
+    fn residual(&mut self, w: &'m Matrix, input: Input, post_norm: &'m Option<Vec<f32>>, eps: f32);
     /// `gate = glu(w_gate · h, w_up · h)` (SwiGLU or GeGLU, [`glu`]).
-    fn gated(&mut self, c: &Config, w_gate: &Matrix, w_up: &Matrix);
+    fn gated(&mut self, c: &'m Config, w_gate: &'m Matrix, w_up: &'m Matrix);
     /// The final norm, its finiteness check and the LM head into the logits, soft-capped
     /// when `cap` is given ([`soft_cap`]).
-    fn logits(&mut self, norm: &[f32], eps: f32, lm_head: &Matrix, cap: Option<f32>) -> Result<()>;
+    fn logits(
+        &mut self,
+        norm: &'m [f32],
+        eps: f32,
+        lm_head: &'m Matrix,
+        cap: Option<f32>,
+    ) -> Result<()>;
 }
 
 /// One sequence's share of a [`Model::forward_sequences`] step: `tokens` run at positions
@@ -565,14 +574,20 @@ fn post_norm_rows(x: &mut [f32], weight: &Option<Vec<f32>>, eps: f32) {
     }
 }
 
-/// `x += out`, `out` normed first when the layer has a post norm (a decode team member's
-/// private residual stream; `out` is shared, so the norm goes through a copy).
-fn add_output(x: &mut [f32], out: &[f32], post_norm: &Option<Vec<f32>>, eps: f32) {
+/// `x += out`, `out` normed first (into `normed`) when the layer has a post norm (the
+/// decode team's residual stream; `out` is shared, so the norm goes through a copy).
+fn add_output(
+    x: &mut [f32],
+    out: &[f32],
+    post_norm: &Option<Vec<f32>>,
+    eps: f32,
+    normed: &mut Vec<f32>,
+) {
     match post_norm {
         Some(w) => {
-            let mut normed = vec![0.0f32; out.len()];
-            ops::rmsnorm(out, w, eps, &mut normed);
-            ops::add_assign(x, &normed);
+            normed.resize(out.len(), 0.0);
+            ops::rmsnorm(out, w, eps, normed);
+            ops::add_assign(x, normed);
         }
         None => ops::add_assign(x, out),
     }

@@ -1,49 +1,146 @@
-//! The [`Exec`] of a relay team member ([`crate::relay`]): one sequence, one token, every
+//! The [`Exec`] of a decode team member ([`crate::relay`]): one sequence, one token, every
 //! member running the whole step program without barriers. Serial stages (norms, the
-//! residual adds, the finiteness checks, the K/V append) are phases run by whichever
-//! member claims them, on buffers only serial phases touch; products and attention are
-//! chunked phases whose items are claimed, computed into the member's own buffers and
-//! published (or taken over from a late member). The values are those of the decode team
-//! and of one thread, bit for bit: every item is computed by the same serial kernels.
+//! residual adds, the finiteness checks, the K/V append and attention's preparation) are
+//! serial phases, run by whichever member claims them on the step's [`SerialState`];
+//! products and attention are chunked phases whose items are claimed, computed into the
+//! member's own buffers and published (or taken over from a late member) into the step's
+//! boards ([`Board`]) and input buffers. The values are those of one thread bit for bit,
+//! the attention weights a session records (`Session::record_probs`) included: every item
+//! is computed by the same serial kernels.
 //!
-//! A late member may still compute an attention item of layer `l` while the others have
-//! gone on to later layers. What it reads does not change until the step ends: each model
-//! layer has its own attention scratch (tables and score buffers,
-//! `Session::relay_scratch`), and a later layer appends only to its own cache layer (a
-//! layer reads its own cache or, shared, an earlier layer's). So nobody waits for it; the
-//! step returns once every member has left ([`relay::run`]).
+//! Who writes what (everything else is only read): serial phases the residual stream, the
+//! cache (each layer at its append, through a unique borrow taken in layer order) and each
+//! layer's attention tables, which they then hand to that layer's items by a shared borrow
+//! for the rest of the step, with the layer's split and score layout ([`View`], set once per
+//! layer); items their ranges of the boards (q/k/v, a block's output and the logits, which
+//! serial phases read; a split attention's scores, which the next phase's items read; the
+//! recorded weights) and the two input buffers. A late member may still compute an
+//! attention item of layer `l` while the others have gone on: all it reads is layer `l`'s
+//! view, which nothing changes until the step ends, and a later layer appends only to its
+//! own cache layer (a layer reads its own cache or, shared, an earlier layer's). So nobody
+//! waits for it; the step returns once every member has left ([`relay::run`]).
 
-use super::team_step::{score_chunk, ProbsPtr};
 use super::{
     add_output, check_finite_hidden, check_finite_kv, glu, head_norm, soft_cap, Exec, Input, Kv,
-    Model, Session, StepBufs,
+    Model, Session,
 };
 use crate::attention::{
-    append_kv, attend_heads, mix_query_heads, prepare_step, probs_mut, score_rows, size_probs,
-    AttnScratch, AttnSplit, HeadScratch, StepTables,
+    append_kv, attend_heads, mix_query_heads, prepare_step, score_rows, AttnSplit, HeadScratch,
+    SplitPlan, StepTables,
 };
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kv_cache::LayerKv;
 use crate::ops::matvec::{quantized_forms, row_part, row_parts, rows_into};
 use crate::ops::{self, Matrix};
-use crate::relay::{self, Part, Relay, Seat};
-use crate::team::{SharedCell, SharedSlice};
+use crate::relay::{self, Board, Part, Phase, Relay, Seat, Serial};
 use crate::wkernels::{ActsForms, QuantizedActs};
+use std::iter::Enumerate;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::slice::IterMut;
+use std::sync::OnceLock;
 
-/// Whether a step of `s` can run as a relay: not when an eviction policy observes
-/// attention's weights or the session records them (both read every head's weights after
-/// the attention, which a relay member keeps only for the items it computed).
-pub(super) fn supports(s: &Session) -> bool {
-    !s.record_probs && !(0..s.cache.n_layers()).any(|l| s.cache.layer(l).observes())
+/// Whether a step of `s` can run as a team of `members`: not when an eviction policy
+/// observes attention's weights (it would change the cache layer a late member may still
+/// read), nor with more members than a relay has room for ([`relay::MAX_MEMBERS`]).
+pub(super) fn supports(s: &Session, members: usize) -> bool {
+    members <= relay::MAX_MEMBERS && !(0..s.cache.n_layers()).any(|l| s.cache.layer(l).observes())
 }
 
-/// [`Model::forward`] as a relay of `n` members. `None` (and the session unchanged but
-/// for scratch) when the relay's helper threads are busy with another step: the caller
-/// runs the step another way.
+/// What a session keeps for its team steps: the serial phases' buffers, the boards'
+/// buffers and cuts, and each model layer's attention tables and scores (a layer's own, so
+/// that preparing it never waits for a late member still reading an earlier layer's).
+#[derive(Default)]
+pub(super) struct RelayScratch {
+    /// the team size the cuts were made for (0: none yet)
+    members: usize,
+    x: Vec<f32>,
+    h: Vec<f32>,
+    normed: Vec<f32>,
+    q_normed: Vec<f32>,
+    k_normed: Vec<f32>,
+    /// `q | k | v` of a layer with its own K/V
+    qkv: Vec<f32>,
+    /// `q` of a shared layer
+    q: Vec<f32>,
+    /// a block's output (`o_proj`, `down_proj`)
+    proj: Vec<f32>,
+    /// the items' ranges of each product's board: `qkv`, `q`, `proj`, the logits
+    cuts: [Vec<usize>; 4],
+    layers: Vec<LayerScratch>,
+}
+
+/// One model layer's attention state in a team step.
+struct LayerScratch {
+    tables: StepTables,
+    /// a split attention's scores, laid out by [`SplitPlan::score_at`]
+    scores: Vec<f32>,
+    score_cuts: Vec<usize>,
+    /// the recorded weights' cuts, one range per attention item
+    weight_cuts: Vec<usize>,
+}
+
+impl RelayScratch {
+    /// Sizes everything for `model` on a team of `members` (again only when that changes).
+    fn prepare(&mut self, model: &Model, members: usize) {
+        if self.members == members {
+            return;
+        }
+        let c = &model.cfg;
+        let (hd, qd, kvd) = (c.hidden_size, c.q_dim(), c.kv_dim());
+        self.x = vec![0.0; hd];
+        self.h = vec![0.0; hd];
+        self.qkv = vec![0.0; qd + 2 * kvd];
+        self.q = vec![0.0; qd];
+        self.proj = vec![0.0; hd];
+        // Every layer's matrices have the config's shapes (checked at load), so the cuts of
+        // layer 0's (there is one: the config has at least one layer) serve them all; a
+        // shared layer projects `q` alone.
+        let first = &model.layers[0];
+        let qkv: Vec<&Matrix> = [Some(&first.wq), first.wk.as_ref(), first.wv.as_ref()]
+            .into_iter()
+            .flatten()
+            .collect();
+        let products: [&[&Matrix]; 4] = [&qkv, &[&first.wq], &[&first.wo], &[&model.lm_head]];
+        for (cuts, mats) in self.cuts.iter_mut().zip(products) {
+            part_cuts(mats, members, cuts);
+        }
+        self.layers = (0..c.n_layers)
+            .map(|_| LayerScratch {
+                tables: StepTables::new(c),
+                scores: Vec::new(),
+                score_cuts: Vec::new(),
+                weight_cuts: Vec::new(),
+            })
+            .collect();
+        self.members = members;
+    }
+}
+
+/// Where the parts of a product of `mats` on `members` ([`row_part`]) lie in its output
+/// (the matrices' rows one after the other): part `k` is `cuts[k]..cuts[k + 1]`.
+fn part_cuts(mats: &[&Matrix], members: usize, cuts: &mut Vec<usize>) {
+    let parts = row_parts(mats, members);
+    let starts: Vec<usize> = mats
+        .iter()
+        .scan(0, |at, m| {
+            let start = *at;
+            *at += m.rows;
+            Some(start)
+        })
+        .collect();
+    cuts.clear();
+    cuts.push(0);
+    for k in 0..parts {
+        let mut end = cuts[k];
+        row_part(mats, k, parts, |i, r| end = starts[i] + r.end);
+        cuts.push(end);
+    }
+}
+
+/// [`Model::forward`] as a team of `n` members. `None` (nothing ran, the session unchanged
+/// but for scratch) when the team's helper threads cannot be started: the caller runs the
+/// step another way. The caller has checked `token`.
 pub(super) fn run_step(
     model: &Model,
     s: &mut Session,
@@ -52,45 +149,64 @@ pub(super) fn run_step(
     n: usize,
 ) -> Option<Result<()>> {
     let c = &model.cfg;
-    let mut bufs = StepBufs::reuse(std::mem::take(&mut s.bufs), c, 1);
-    model.embed_row(token, &mut bufs.x);
-    if s.relay_scratch.len() != c.n_layers {
-        s.relay_scratch = vec![AttnScratch::new(c, s.cache.config()); c.n_layers];
-    }
-    let (tables, heads): (Vec<_>, Vec<_>) = s
-        .relay_scratch
-        .iter_mut()
-        .map(AttnScratch::split_mut)
-        .map(|(t, h)| (SharedCell::new(t), SharedSlice::new(h)))
-        .unzip();
-    let mut head_probs = vec![ProbsPtr(std::ptr::null_mut(), 0); c.n_layers * c.n_kv_heads];
-    let error = Mutex::new(None);
+    s.relay.prepare(model, n);
+    let RelayScratch {
+        x,
+        h,
+        normed,
+        q_normed,
+        k_normed,
+        qkv,
+        q,
+        proj,
+        cuts,
+        layers,
+        ..
+    } = &mut s.relay;
+    model.embed_row(token, x);
+    let serial = SerialState {
+        x,
+        h,
+        normed,
+        q_normed,
+        k_normed,
+        cache: s.cache.layers_mut().iter_mut().enumerate(),
+        layers: layers.iter_mut().enumerate(),
+        weights: s.record_probs.then(|| s.probs.iter_mut()),
+        error: None,
+    };
     // At most: a product's parts (4 per member), a split attention's scoring units (about
     // 4 per member, plus one per KV head for rounding), or its query-head units.
     let items = 4 * n + c.n_kv_heads + c.n_heads;
     let width = c.hidden_size.max(c.q_dim()).max(c.intermediate_size);
-    let relay = Relay::new(items, width);
-    let shared = RelayBufs {
-        x: SharedSlice::new(&mut bufs.x),
-        h: SharedSlice::new(&mut bufs.h),
-        q: SharedSlice::new(&mut bufs.q),
-        k: SharedSlice::new(&mut bufs.k),
-        v: SharedSlice::new(&mut bufs.v),
-        proj: SharedSlice::new(&mut bufs.proj),
-        logits: SharedSlice::new(&mut s.logits),
-        layers: SharedSlice::new(s.cache.layers_mut()),
-        tables,
-        heads,
-        head_probs: SharedSlice::new(&mut head_probs),
+    let relay = Relay::new(items, width, serial);
+    let [qkv_cuts, q_cuts, proj_cuts, logits_cuts] = &*cuts;
+    let boards = match (
+        relay.board(qkv, qkv_cuts),
+        relay.board(q, q_cuts),
+        relay.board(proj, proj_cuts),
+        relay.board(&mut s.logits, logits_cuts),
+    ) {
+        (Some(qkv), Some(q), Some(proj), Some(logits)) => Boards {
+            qkv,
+            q,
+            proj,
+            logits,
+        },
+        _ => return Some(Err(cut_error())),
+    };
+    let step = Step {
+        model,
+        boards,
+        views: (0..c.n_layers).map(|_| OnceLock::new()).collect(),
+        pos,
         split: s.attn_split,
-        rows: AtomicUsize::new(0),
-        splits: AtomicBool::new(false),
+        members: n,
     };
     let ran = relay::run(n, &relay, &|id| {
-        let mut member = RelayMember {
+        let mut member = Member {
             seat: Seat::new(&relay, id, n),
-            b: &shared,
-            pos,
+            st: &step,
             acts: QuantizedActs::default(),
             out: Vec::new(),
             up: Vec::new(),
@@ -101,52 +217,198 @@ pub(super) fn run_step(
             pending_check: None,
             pending_norms: None,
         };
-        if let Err(e) = model.step(&mut member) {
-            let mut slot = error.lock().unwrap_or_else(|e| e.into_inner());
-            slot.get_or_insert(e);
-        }
+        // A member's errors are the serial state's (the phase that found one failed the
+        // step).
+        let _ = model.step(&mut member);
     });
-    s.bufs = bufs;
     ran?;
-    let failed = error.into_inner().unwrap_or_else(|e| e.into_inner());
-    Some(match failed {
+    drop(step);
+    let failed = relay.failed();
+    Some(match relay.into_serial().error {
         Some(e) => Err(e),
-        None if relay.failed() => Err(Error::Generate("a relay team step failed".into())),
+        None if failed => Err(Error::Generate("a team step failed".into())),
         None => Ok(()),
     })
 }
 
-/// The buffers of one relay step. Serial phases alone touch `x`, `h`, `q`/`k`/`v` (after
-/// their product), and write a layer's cache, tables and scores' sizes, in that layer's
-/// append phase; chunked phases write only the rows of an item whose claim stands
-/// (publishing), and read a layer's cache, tables and scores after its append phase
-/// (late members: until the step ends; no phase of a later layer writes them).
-struct RelayBufs<'a> {
-    x: SharedSlice<'a, f32>,
-    h: SharedSlice<'a, f32>,
-    q: SharedSlice<'a, f32>,
-    k: SharedSlice<'a, f32>,
-    v: SharedSlice<'a, f32>,
-    proj: SharedSlice<'a, f32>,
-    logits: SharedSlice<'a, f32>,
-    /// the cache's layers
-    layers: SharedSlice<'a, LayerKv>,
-    /// per model layer: its attention tables and its KV heads' scratch
-    tables: Vec<SharedCell<'a, StepTables>>,
-    heads: Vec<SharedSlice<'a, HeadScratch>>,
-    /// `(layer, KV head)`: where the head's scores are
-    head_probs: SharedSlice<'a, ProbsPtr>,
-    split: AttnSplit,
-    /// the rows the current layer's attention reads, and whether it is split (set by the
-    /// serial phase that prepares it)
-    rows: AtomicUsize,
-    splits: AtomicBool,
+fn cut_error() -> Error {
+    Error::Generate("a team step's board is cut past its buffer".into())
 }
 
-struct RelayMember<'r, 'b, 'a> {
-    seat: Seat<'r>,
-    b: &'b RelayBufs<'a>,
+fn order_error() -> Error {
+    Error::Generate("a team step's layers ran out of order".into())
+}
+
+/// What the serial phases of a step share (one of them at a time, [`Seat::solo`]).
+struct SerialState<'a> {
+    /// the residual stream
+    x: &'a mut [f32],
+    /// its normed copy, sent to the next product
+    h: &'a mut [f32],
+    /// a block's post-normed output (Gemma)
+    normed: &'a mut Vec<f32>,
+    /// the per-head-normed `q` and `k` (Qwen3, Gemma 3)
+    q_normed: &'a mut Vec<f32>,
+    k_normed: &'a mut Vec<f32>,
+    /// the cache's layers, each taken at its append
+    cache: Enumerate<IterMut<'a, LayerKv>>,
+    /// each model layer's attention state, taken when it prepares
+    layers: Enumerate<IterMut<'a, LayerScratch>>,
+    /// each model layer's recorded weights, when the session records them
+    weights: Option<IterMut<'a, Vec<f32>>>,
+    /// the error that failed the step
+    error: Option<Error>,
+}
+
+/// The shared part of a step, read by every member.
+struct Step<'m, 'a> {
+    model: &'m Model,
+    boards: Boards<'a>,
+    /// each model layer's attention, as its serial phase prepared it
+    views: Vec<OnceLock<View<'a>>>,
     pos: usize,
+    split: AttnSplit,
+    members: usize,
+}
+
+/// The boards products publish into (cut by [`RelayScratch::cuts`]).
+struct Boards<'a> {
+    qkv: Board<'a>,
+    q: Board<'a>,
+    proj: Board<'a>,
+    logits: Board<'a>,
+}
+
+/// One layer's prepared attention, the same for the rest of the step.
+struct View<'a> {
+    /// the cache layer it reads (its own after the append, or its source's)
+    layer: &'a LayerKv,
+    tables: &'a StepTables,
+    /// how it is split within KV heads, if it is
+    plan: Option<SplitPlan>,
+    /// the split's scores
+    scores: Option<Board<'a>>,
+    /// the recorded weights (`(n_heads, stored)`, the session's `probs` of this layer)
+    weights: Option<Board<'a>>,
+}
+
+/// A layer's per-head q and k norm weights, and their epsilon.
+type Norms<'m> = (&'m Option<Vec<f32>>, &'m Option<Vec<f32>>, f32);
+
+/// `x`, per-head normed by `w` when the layer has such a norm (into `copy`).
+fn head_normed<'x>(
+    x: &'x [f32],
+    w: &Option<Vec<f32>>,
+    eps: f32,
+    copy: &'x mut Vec<f32>,
+) -> &'x [f32] {
+    if w.is_none() {
+        return x;
+    }
+    copy.clear();
+    copy.extend_from_slice(x);
+    head_norm(copy, w, eps);
+    copy
+}
+
+impl<'a> SerialState<'a> {
+    /// Layer `l`'s serial phase before its attention: checks this step's K/V (`check`),
+    /// applies the per-head norms, appends (`Kv::Own`), prepares the layer's tables, and
+    /// hands the layer's [`View`] to its items.
+    fn prepare_layer(
+        &mut self,
+        st: &Step<'_, 'a>,
+        ser: &Serial<'_>,
+        (l, kv): (usize, Kv),
+        check: Option<usize>,
+        norms: Option<Norms<'_>>,
+    ) -> Result<()> {
+        let (c, rope, pos) = (&st.model.cfg, &st.model.ropes[l], st.pos);
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let (q, k, v) = match kv {
+            Kv::Own => {
+                let qkv = st.boards.qkv.read(ser);
+                (&qkv[..qd], &qkv[qd..qd + kvd], &qkv[qd + kvd..qd + 2 * kvd])
+            }
+            Kv::Shared(_) => (st.boards.q.read(ser), &[][..], &[][..]),
+        };
+        if let Some(l) = check {
+            check_finite_kv(k, v, l, pos)?;
+        }
+        let (q, k) = match norms {
+            Some((q_norm, k_norm, eps)) => (
+                head_normed(q, q_norm, eps, self.q_normed),
+                head_normed(k, k_norm, eps, self.k_normed),
+            ),
+            None => (q, k),
+        };
+        let (at, scratch) = self.layers.next().ok_or_else(order_error)?;
+        if at != l {
+            return Err(order_error());
+        }
+        let LayerScratch {
+            tables,
+            scores,
+            score_cuts,
+            weight_cuts,
+        } = scratch;
+        let layer: &'a LayerKv = match kv {
+            Kv::Own => {
+                let (i, layer) = self.cache.next().ok_or_else(order_error)?;
+                if i != l {
+                    return Err(order_error());
+                }
+                append_kv(c, rope, layer, k, v, pos, tables);
+                layer
+            }
+            Kv::Shared(src) => {
+                let view = st.views.get(src).and_then(OnceLock::get);
+                view.ok_or_else(order_error)?.layer
+            }
+        };
+        prepare_step(c, rope, layer, q, pos, tables);
+        let (n, nkv, group) = (layer.len(), c.n_kv_heads, c.group());
+        let plan = (st.split.splits(nkv, st.members, n))
+            .then(|| SplitPlan::new(n, st.members, nkv, group));
+        let scores = match plan {
+            Some(plan) => {
+                scores.resize(c.n_heads * n, 0.0);
+                score_cuts.clear();
+                score_cuts.extend((0..=plan.score_units()).map(|u| plan.score_at(u)));
+                Some(ser.board_once(scores, score_cuts).ok_or_else(cut_error)?)
+            }
+            None => None,
+        };
+        let weights = match self.weights.as_mut().map(Iterator::next) {
+            None => None,
+            Some(None) => return Err(order_error()),
+            Some(Some(w)) => {
+                // Every value is published: each attention item writes its heads' weights.
+                w.resize(c.n_heads * n, 0.0);
+                weight_cuts.clear();
+                match plan {
+                    Some(plan) => {
+                        weight_cuts.extend((0..=plan.mix_units()).map(|u| plan.mix_head(u) * n))
+                    }
+                    None => weight_cuts.extend((0..=nkv).map(|h| h * group * n)),
+                }
+                Some(ser.board_once(w, weight_cuts).ok_or_else(cut_error)?)
+            }
+        };
+        let view = View {
+            layer,
+            tables,
+            plan,
+            scores,
+            weights,
+        };
+        st.views[l].set(view).map_err(|_| order_error())
+    }
+}
+
+struct Member<'r, 's, 'm, 'a> {
+    seat: Seat<'r, SerialState<'a>>,
+    st: &'s Step<'m, 'a>,
     acts: QuantizedActs,
     /// the claimed item's result
     out: Vec<f32>,
@@ -155,19 +417,16 @@ struct RelayMember<'r, 'b, 'a> {
     /// `(matrix, rows)` of the claimed item's pieces in `out`
     pieces: Vec<(usize, Range<usize>)>,
     attn: HeadScratch,
-    /// a copy of a query-head unit's scores (the softmax runs on it in place)
+    /// a query-head unit's scores (the softmax runs on them in place)
     probs: Vec<f32>,
     /// `x += post_norm(proj)` of the last residual, run by the next serial phase (a norm):
-    /// the post norm (of the model, which outlives the step) and its epsilon
-    pending_add: Option<(*const Option<Vec<f32>>, f32)>,
+    /// the post norm and its epsilon
+    pending_add: Option<(&'m Option<Vec<f32>>, f32)>,
     /// the layer whose K/V the next serial phase (the append) checks first
     pending_check: Option<usize>,
-    /// the per-head q and k norms (the model's) it applies next, and their epsilon
-    pending_norms: Option<NormsPtr>,
+    /// the per-head q and k norms it applies next
+    pending_norms: Option<Norms<'m>>,
 }
-
-/// Pointers to a layer's per-head q and k norm weights, and their epsilon.
-type NormsPtr = (*const Option<Vec<f32>>, *const Option<Vec<f32>>, f32);
 
 /// The phase's input `x` in the quantised forms `forms` (if any), quantised on the
 /// member's first item of the phase (`done`).
@@ -184,87 +443,160 @@ fn quantized_once<'a>(
     forms.any().then_some(&*acts)
 }
 
-impl RelayMember<'_, '_, '_> {
-    /// `outs[i] = mats[i] · input` (plus bias, soft-capped when `cap` is given), the input
-    /// being what was sent to input buffer `buf`.
+impl<'m> Member<'_, '_, 'm, '_> {
+    /// `board = mats · input` (plus `biases`, soft-capped when `cap` is given), the input
+    /// being what was sent to input buffer `buf`; the matrices' rows one after the other.
     fn product(
         &mut self,
         mats: &[&Matrix],
         buf: usize,
-        outs: &[(&SharedSlice<f32>, &Option<Vec<f32>>)],
+        board: &Board,
+        biases: &[&Option<Vec<f32>>],
         cap: Option<f32>,
     ) {
         let parts = row_parts(mats, self.seat.n);
         let forms = quantized_forms(mats);
         let (acts, out, pieces) = (&mut self.acts, &mut self.out, &mut self.pieces);
         let mut quantized = false;
-        self.seat
-            .chunks(parts, Some((buf, mats[0].cols)), |k, part, x| match part {
-                Part::Compute => {
-                    let q = quantized_once(acts, x, forms, &mut quantized);
-                    out.clear();
-                    pieces.clear();
-                    row_part(mats, k, parts, |i, r| {
-                        let at = out.len();
-                        out.resize(at + r.len(), 0.0);
-                        rows_into(mats[i], x, q, r.start, &mut out[at..]);
-                        pieces.push((i, r));
-                    });
-                }
-                Part::Publish => {
-                    let mut at = 0;
-                    for (i, r) in pieces.iter() {
-                        // SAFETY: this member's claim of the item stands, so it alone writes
-                        // these rows in this phase; they are read after the phase.
-                        let o = unsafe { outs[*i].0.range_mut(r.clone()) };
-                        o.copy_from_slice(&out[at..at + r.len()]);
-                        at += r.len();
-                        if let Some(bias) = outs[*i].1 {
-                            ops::add_assign(o, &bias[r.clone()]);
-                        }
-                        soft_cap(o, cap);
+        let phase = Phase {
+            items: parts,
+            input: Some((buf, mats[0].cols)),
+            writes: Some(board),
+            ..Phase::default()
+        };
+        self.seat.chunks(phase, |k, part| match part {
+            Part::Compute { input: x, .. } => {
+                let q = quantized_once(acts, x, forms, &mut quantized);
+                out.clear();
+                pieces.clear();
+                row_part(mats, k, parts, |i, r| {
+                    let at = out.len();
+                    out.resize(at + r.len(), 0.0);
+                    rows_into(mats[i], x, q, r.start, &mut out[at..]);
+                    pieces.push((i, r));
+                });
+            }
+            Part::Publish(dst) => {
+                dst.copy_from_slice(out);
+                let mut at = 0;
+                for (i, r) in pieces.iter() {
+                    let o = &mut dst[at..at + r.len()];
+                    if let Some(bias) = biases[*i] {
+                        ops::add_assign(o, &bias[r.clone()]);
                     }
+                    soft_cap(o, cap);
+                    at += r.len();
                 }
-            });
+            }
+        });
     }
 
     /// A serial phase: the last residual's add, then `h = rmsnorm(x) · w`, checked by
     /// `check` (a failure fails the step), sent to the next product (input buffer 0).
-    fn norm_and_send(
-        &mut self,
-        w: &[f32],
-        eps: f32,
-        check: impl FnOnce(&[f32]) -> Result<()>,
-    ) -> Result<()> {
-        let (b, add) = (self.b, self.pending_add.take());
-        let done = self.seat.solo(|seat| {
-            // SAFETY: serial phases run one at a time and alone touch `x`, `h` and (after
-            // its product) `proj`; the post norm is the model's, which outlives the step.
-            let (x, h) = unsafe { (b.x.range_mut(0..b.x.len()), b.h.range_mut(0..b.h.len())) };
+    fn norm_and_send(&mut self, w: &[f32], eps: f32, check: impl FnOnce(&[f32]) -> Result<()>) {
+        let (st, add) = (self.st, self.pending_add.take());
+        self.seat.solo(|state, ser| {
+            let SerialState {
+                x,
+                h,
+                normed,
+                error,
+                ..
+            } = state;
             if let Some((post_norm, add_eps)) = add {
-                add_output(x, unsafe { b.proj.all() }, unsafe { &*post_norm }, add_eps);
+                add_output(x, st.boards.proj.read(ser), post_norm, add_eps, normed);
             }
             ops::rmsnorm(x, w, eps, h);
-            let r = check(h);
-            match r.is_err() {
-                true => seat.fail(),
-                false => seat.sender().send(0, 0, h),
+            match check(h) {
+                Ok(()) => ser.send(0, 0, h),
+                Err(e) => {
+                    error.get_or_insert(e);
+                    ser.fail();
+                }
             }
-            r
         });
-        done.unwrap_or(Ok(()))
+    }
+
+    /// Whole KV heads, one per item, then an empty phase (the split's second).
+    fn attend_whole(&mut self, c: &Config, l: usize, view: &View) {
+        let (rope, width) = (&self.st.model.ropes[l], c.group() * c.head_dim);
+        let (hs, out, tx) = (&mut self.attn, &mut self.out, self.seat.sender());
+        let phase = Phase {
+            items: c.n_kv_heads,
+            writes: view.weights.as_ref(),
+            ..Phase::default()
+        };
+        self.seat.chunks(phase, |h, part| match part {
+            Part::Compute { .. } => {
+                out.resize(width, 0.0);
+                let hs = std::slice::from_mut(hs);
+                attend_heads(c, rope, view.layer, view.tables, h, hs, out);
+            }
+            Part::Publish(weights) => {
+                tx.send(1, h * width, &out[..width]);
+                weights.copy_from_slice(&hs.weights()[..weights.len()]);
+            }
+        });
+        // Every member counts the same phases.
+        self.seat.chunks(Phase::default(), |_, _| {});
+    }
+
+    /// Split ([`SplitPlan`]): the scores of row ranges into the layer's score board, then
+    /// the softmax and weighted sum of runs of query heads.
+    fn attend_split(&mut self, c: &Config, l: usize, view: &View, plan: SplitPlan) {
+        let (rope, hd, group) = (&self.st.model.ropes[l], c.head_dim, c.group());
+        let (hs, out, probs) = (&mut self.attn, &mut self.out, &mut self.probs);
+        let tx = self.seat.sender();
+        let score = Phase {
+            items: plan.score_units(),
+            writes: view.scores.as_ref(),
+            ..Phase::default()
+        };
+        self.seat.chunks(score, |u, part| match part {
+            Part::Compute { .. } => {
+                let (h, rows) = plan.score_unit(u);
+                let len = rows.len();
+                out.resize(group * len, 0.0);
+                score_rows(c, rope, view.layer, view.tables, h, rows, hs, out, len);
+            }
+            Part::Publish(scores) => scores.copy_from_slice(&out[..scores.len()]),
+        });
+        let mix = Phase {
+            items: plan.mix_units(),
+            reads: view.scores.as_ref(),
+            writes: view.weights.as_ref(),
+            ..Phase::default()
+        };
+        self.seat.chunks(mix, |u, part| {
+            let (h, js) = plan.mix_unit(u);
+            let width = js.len() * hd;
+            match part {
+                Part::Compute { read, .. } => {
+                    plan.gather(read, h, js, probs);
+                    out.resize(width, 0.0);
+                    mix_query_heads(c, rope, view.layer, view.tables, h, probs, out);
+                }
+                Part::Publish(weights) => {
+                    tx.send(1, plan.mix_head(u) * hd, &out[..width]);
+                    weights.copy_from_slice(&probs[..weights.len()]);
+                }
+            }
+        });
     }
 }
 
-impl Exec for RelayMember<'_, '_, '_> {
-    fn norm(&mut self, w: &[f32], eps: f32) {
-        let _ = self.norm_and_send(w, eps, |_| Ok(()));
+impl<'m> Exec<'m> for Member<'_, '_, 'm, '_> {
+    fn norm(&mut self, w: &'m [f32], eps: f32) {
+        self.norm_and_send(w, eps, |_| Ok(()));
     }
 
-    fn project(&mut self, mats: &[&Matrix], biases: [&Option<Vec<f32>>; 3]) {
-        let b = self.b;
-        let outs = [(&b.q, biases[0]), (&b.k, biases[1]), (&b.v, biases[2])];
-        self.product(mats, 0, &outs[..mats.len()], None);
+    fn project(&mut self, mats: &[&'m Matrix], biases: [&'m Option<Vec<f32>>; 3]) {
+        let boards = &self.st.boards;
+        let board = match mats.len() {
+            1 => &boards.q,
+            _ => &boards.qkv,
+        };
+        self.product(mats, 0, board, &biases[..mats.len()], None);
     }
 
     /// Deferred to the append's serial phase ([`Exec::attend`]), which checks first.
@@ -274,158 +606,53 @@ impl Exec for RelayMember<'_, '_, '_> {
     }
 
     /// Deferred to the append's serial phase ([`Exec::attend`]), after the check.
-    fn head_norms(&mut self, q_norm: &Option<Vec<f32>>, k_norm: &Option<Vec<f32>>, eps: f32) {
-        self.pending_norms = Some((q_norm as *const _, k_norm as *const _, eps));
+    fn head_norms(&mut self, q_norm: &'m Option<Vec<f32>>, k_norm: &'m Option<Vec<f32>>, eps: f32) {
+        self.pending_norms = Some((q_norm, k_norm, eps));
     }
 
-    /// A serial phase appends the K/V (`Kv::Own`) and prepares layer `l`'s tables (its
-    /// own: a late member may still read an earlier layer's); then two chunked phases:
-    /// whole KV heads (and an empty one), or, split ([`AttnSplit`]), the scores of row
-    /// ranges, then the softmax and weighted sum per run of query heads.
-    fn attend(&mut self, model: &Model, l: usize, kv: Kv) -> Result<()> {
-        let (c, rope, b, pos, members) =
-            (&model.cfg, &model.ropes[l], self.b, self.pos, self.seat.n);
-        let src = match kv {
-            Kv::Own => l,
-            Kv::Shared(src) => src,
-        };
+    /// A serial phase appends the K/V (`Kv::Own`) and prepares layer `l`'s attention (its
+    /// own tables: a late member may still read an earlier layer's); then two chunked
+    /// phases: whole KV heads (and an empty one), or, split ([`AttnSplit`]), the scores of
+    /// row ranges, then the softmax and weighted sum per run of query heads.
+    fn attend(&mut self, model: &'m Model, l: usize, kv: Kv) -> Result<()> {
+        let st = self.st;
         let (check, norms) = (self.pending_check.take(), self.pending_norms.take());
-        let appended = self.seat.solo(|seat| {
-            if let Some(l) = check {
-                // SAFETY: serial; `k`/`v` are complete and only serial phases touch them.
-                let (k, v) = unsafe { (b.k.all(), b.v.all()) };
-                if let Err(e) = check_finite_kv(k, v, l, pos) {
-                    seat.fail();
-                    return Err(e);
-                }
+        self.seat.solo(|state, ser| {
+            if let Err(e) = state.prepare_layer(st, ser, (l, kv), check, norms) {
+                state.error.get_or_insert(e);
+                ser.fail();
             }
-            if let Some((q_norm, k_norm, eps)) = norms {
-                // SAFETY: serial, as above; the norms are the model's, which outlives the
-                // step.
-                let (q, k) = unsafe { (b.q.range_mut(0..b.q.len()), b.k.range_mut(0..b.k.len())) };
-                head_norm(q, unsafe { &*q_norm }, eps);
-                head_norm(k, unsafe { &*k_norm }, eps);
-            }
-            // SAFETY: serial; nobody reads layer `l`'s tables and scores, nor (`Kv::Own`)
-            // its cache layer, before this phase ends (later layers' phases read their
-            // own, earlier ones' read earlier layers); q/k/v are only read.
-            let tables = unsafe { b.tables[l].get_mut() };
-            let (q, k, v) = unsafe { (b.q.all(), b.k.all(), b.v.all()) };
-            if let Kv::Own = kv {
-                let layer = unsafe { &mut b.layers.range_mut(l..l + 1)[0] };
-                append_kv(c, rope, layer, k, v, pos, tables);
-            }
-            // SAFETY: read only, here and by this layer's items; `src <= l`, and no phase
-            // of the step writes a cache layer after its own append phase.
-            let layer = unsafe { b.layers.get(src) };
-            prepare_step(c, rope, layer, q, pos, tables);
-            let n = layer.len();
-            let split = b.split.splits(c.n_kv_heads, members, n);
-            if split {
-                // SAFETY: as above, layer `l`'s scores.
-                let (heads, ptrs) = unsafe {
-                    (
-                        b.heads[l].range_mut(0..b.heads[l].len()),
-                        b.head_probs
-                            .range_mut(l * c.n_kv_heads..(l + 1) * c.n_kv_heads),
-                    )
-                };
-                size_probs(heads, c.group(), n);
-                for (p, hs) in ptrs.iter_mut().zip(heads) {
-                    let probs = probs_mut(hs);
-                    *p = ProbsPtr(probs.as_mut_ptr(), probs.len());
-                }
-            }
-            b.rows.store(n, Ordering::Release);
-            b.splits.store(split, Ordering::Release);
-            Ok(())
         });
-        appended.unwrap_or(Ok(()))?;
-        // Read after this member saw the serial phase end: this layer's plan, or a later
-        // one's if this member is late (stored after the phases below ended, which then
-        // see it and are skipped).
-        let n = b.rows.load(Ordering::Acquire);
-        let split = b.splits.load(Ordering::Acquire);
-        let (hd, group, nkv) = (c.head_dim, c.group(), c.n_kv_heads);
-        let (hs, out, probs) = (&mut self.attn, &mut self.out, &mut self.probs);
-        // Attention's output goes to input buffer 1: `o_proj`'s input.
-        let tx = self.seat.sender();
-        // SAFETY (of every cache, tables and scores access below): layer `l`'s phases run
-        // after its append phase, and nothing writes what they read until the step ends
-        // (the module notes), also for a late member.
-        let layer = unsafe { b.layers.get(src) };
-        let tables = unsafe { b.tables[l].get() };
-        // Where layer `l`'s KV head `h` keeps its scores (set by the append phase).
-        let scores_at = |h: usize| unsafe { b.head_probs.get(l * nkv + h) }.0;
-        if !split {
-            let width = group * hd;
-            self.seat.chunks(nkv, None, |h, part, _| match part {
-                Part::Compute => {
-                    out.resize(width, 0.0);
-                    attend_heads(c, rope, layer, tables, h, std::slice::from_mut(hs), out);
-                }
-                Part::Publish => tx.send(1, h * width, &out[..width]),
-            });
-            // The split's second phase, empty: every member counts the same phases.
-            self.seat.chunks(0, None, |_, _, _| {});
+        // Set before the serial phase ended, unless it failed the step.
+        let Some(view) = st.views[l].get() else {
+            // Skipped, and counted all the same.
+            self.seat.chunks(Phase::default(), |_, _| {});
+            self.seat.chunks(Phase::default(), |_, _| {});
             return Ok(());
+        };
+        match view.plan {
+            None => self.attend_whole(&model.cfg, l, view),
+            Some(plan) => self.attend_split(&model.cfg, l, view, plan),
         }
-        let chunk = score_chunk(n, members, nkv);
-        let per_head = n.div_ceil(chunk);
-        self.seat.chunks(nkv * per_head, None, |u, part, _| {
-            let (h, k) = (u / per_head, u % per_head);
-            let rows = k * chunk..((k + 1) * chunk).min(n);
-            let len = rows.len();
-            match part {
-                Part::Compute => {
-                    out.resize(group * len, 0.0);
-                    score_rows(c, rope, layer, tables, h, rows, hs, out, len);
-                }
-                Part::Publish => {
-                    for (j, s) in out[..group * len].chunks_exact(len).enumerate() {
-                        let at = j * n + rows.start;
-                        // SAFETY: sized `group * n` by the serial phase; the claim
-                        // stands, so this member alone writes these scores.
-                        let dst =
-                            unsafe { std::slice::from_raw_parts_mut(scores_at(h).add(at), len) };
-                        dst.copy_from_slice(s);
-                    }
-                }
-            }
-        });
-        let per = (group / members).max(1);
-        let units = group.div_ceil(per);
-        self.seat.chunks(nkv * units, None, |u, part, _| {
-            let (h, j0) = (u / units, (u % units) * per);
-            let j1 = (j0 + per).min(group);
-            let (q0, q1) = (h * group + j0, h * group + j1);
-            match part {
-                Part::Compute => {
-                    // SAFETY: every score was published in the previous phase; only read.
-                    let scores = unsafe {
-                        std::slice::from_raw_parts(scores_at(h).add(j0 * n), (j1 - j0) * n)
-                    };
-                    probs.clear();
-                    probs.extend_from_slice(scores);
-                    out.resize((q1 - q0) * hd, 0.0);
-                    mix_query_heads(c, rope, layer, tables, h, probs, out);
-                }
-                Part::Publish => tx.send(1, q0 * hd, &out[..(q1 - q0) * hd]),
-            }
-        });
         Ok(())
     }
 
     /// The product of what attention or the GLU published (input buffer 1) into `proj`;
     /// the next serial phase (a norm) adds it to `x`.
-    fn residual(&mut self, w: &Matrix, _input: Input, post_norm: &Option<Vec<f32>>, eps: f32) {
-        let b = self.b;
-        self.product(&[w], 1, &[(&b.proj, &None)], None);
-        self.pending_add = Some((post_norm as *const _, eps));
+    fn residual(
+        &mut self,
+        w: &'m Matrix,
+        _input: Input,
+        post_norm: &'m Option<Vec<f32>>,
+        eps: f32,
+    ) {
+        let board = &self.st.boards.proj;
+        self.product(&[w], 1, board, &[&None], None);
+        self.pending_add = Some((post_norm, eps));
     }
 
     /// Gate and up on the same rows, the GLU on the item's rows.
-    fn gated(&mut self, c: &Config, w_gate: &Matrix, w_up: &Matrix) {
+    fn gated(&mut self, c: &'m Config, w_gate: &'m Matrix, w_up: &'m Matrix) {
         let pair = [w_gate, w_up];
         let parts = row_parts(&pair[..1], self.seat.n);
         let forms = quantized_forms(&pair);
@@ -437,36 +664,46 @@ impl Exec for RelayMember<'_, '_, '_> {
         );
         let tx = self.seat.sender();
         let mut quantized = false;
-        self.seat
-            .chunks(parts, Some((0, w_gate.cols)), |k, part, x| match part {
-                Part::Compute => {
-                    let q = quantized_once(acts, x, forms, &mut quantized);
-                    pieces.clear();
-                    row_part(&pair[..1], k, parts, |_, r| {
-                        out.resize(r.len(), 0.0);
-                        up.resize(r.len(), 0.0);
-                        rows_into(w_gate, x, q, r.start, out);
-                        rows_into(w_up, x, q, r.start, up);
-                        // Parts start on multiples of 8 rows: the same 8-lane chunks as a
-                        // whole vector's GLU.
-                        glu(c, out, up);
-                        pieces.push((0, r));
-                    });
+        let phase = Phase {
+            items: parts,
+            input: Some((0, w_gate.cols)),
+            ..Phase::default()
+        };
+        self.seat.chunks(phase, |k, part| match part {
+            Part::Compute { input: x, .. } => {
+                let q = quantized_once(acts, x, forms, &mut quantized);
+                pieces.clear();
+                row_part(&pair[..1], k, parts, |_, r| {
+                    out.resize(r.len(), 0.0);
+                    up.resize(r.len(), 0.0);
+                    rows_into(w_gate, x, q, r.start, out);
+                    rows_into(w_up, x, q, r.start, up);
+                    // Parts start on multiples of 8 rows: the same 8-lane chunks as a
+                    // whole vector's GLU.
+                    glu(c, out, up);
+                    pieces.push((0, r));
+                });
+            }
+            Part::Publish(_) => {
+                for (_, r) in pieces.iter() {
+                    // `down_proj`'s input.
+                    tx.send(1, r.start, &out[..r.len()]);
                 }
-                Part::Publish => {
-                    for (_, r) in pieces.iter() {
-                        // `down_proj`'s input.
-                        tx.send(1, r.start, &out[..r.len()]);
-                    }
-                }
-            });
+            }
+        });
     }
 
-    fn logits(&mut self, norm: &[f32], eps: f32, lm_head: &Matrix, cap: Option<f32>) -> Result<()> {
-        let pos = self.pos;
-        self.norm_and_send(norm, eps, |h| check_finite_hidden(h, pos))?;
-        let b = self.b;
-        self.product(&[lm_head], 0, &[(&b.logits, &None)], cap);
+    fn logits(
+        &mut self,
+        norm: &'m [f32],
+        eps: f32,
+        lm_head: &'m Matrix,
+        cap: Option<f32>,
+    ) -> Result<()> {
+        let pos = self.st.pos;
+        self.norm_and_send(norm, eps, |h| check_finite_hidden(h, pos));
+        let board = &self.st.boards.logits;
+        self.product(&[lm_head], 0, board, &[&None], cap);
         Ok(())
     }
 }

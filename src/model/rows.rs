@@ -96,7 +96,7 @@ struct Rows<'r, 's> {
     all_logits: Option<&'r mut Vec<f32>>,
 }
 
-impl Exec for Rows<'_, '_> {
+impl Exec<'_> for Rows<'_, '_> {
     fn norm(&mut self, w: &[f32], eps: f32) {
         norm_rows(&self.b.x, w, eps, &mut self.b.h);
     }
@@ -214,7 +214,7 @@ impl Exec for Rows<'_, '_> {
             Ok(())
         };
         let (steps, replay) = (&mut *self.steps, &mut self.replay);
-        if steps.len() > 1 && crate::team::threads() > 1 {
+        if steps.len() > 1 && crate::threads::current() > 1 {
             steps
                 .par_iter_mut()
                 .zip(replay.par_iter_mut())

@@ -313,7 +313,7 @@ pub fn matvec_many(mats: &[&Matrix], x: &[f32], outs: &mut [&mut [f32]]) {
     debug_assert_eq!(mats.len(), outs.len());
     let input = Input::new(x, mats);
     let work: usize = mats.iter().map(|m| m.rows * m.cols).sum();
-    let threads = crate::team::threads();
+    let threads = crate::threads::current();
     if work < PAR_MIN_WORK || threads == 1 {
         for (m, o) in mats.iter().zip(outs.iter_mut()) {
             input.rows(m, 0, o);
@@ -377,7 +377,7 @@ const TOKEN_TILE: usize = 64;
 /// Tokens per [`matmul`] task: at most [`TOKEN_TILE`], small enough that every thread
 /// gets a tile, a multiple of `MT`.
 fn token_tile(n_tokens: usize) -> usize {
-    let threads = crate::team::threads();
+    let threads = crate::threads::current();
     n_tokens
         .div_ceil(threads)
         .clamp(MT, TOKEN_TILE)
@@ -469,7 +469,7 @@ fn matmul_quantized(mats: &[&Matrix], xs: &[f32], out: Vec<Vec<&mut [f32]>>) {
     let cols = mats[0].cols;
     debug_assert!(mats.iter().all(|m| m.cols == cols));
     let n = xs.len() / cols;
-    let threads = crate::team::threads();
+    let threads = crate::threads::current();
     let work: usize = mats.iter().map(|m| m.rows * cols * n).sum();
     let parallel = work >= PAR_MIN_WORK && threads > 1;
     // The quantised tokens go into buffers this thread keeps from one product to the next
@@ -576,7 +576,7 @@ fn for_each_token_tile(
 ) {
     let n = xs.len() / cols;
     let tt = token_tile(n);
-    if weights * n < PAR_MIN_WORK || crate::team::threads() == 1 {
+    if weights * n < PAR_MIN_WORK || crate::threads::current() == 1 {
         xs.chunks(tt * cols)
             .zip(out.chunks_mut(tt * rows))
             .for_each(body);

@@ -1,202 +1,23 @@
-//! A decode thread team: every thread of the rayon pool runs one token's whole forward
-//! pass (SPMD), each taking its share of every product, with a spinning barrier between
-//! the steps that depend on each other.
+//! How many threads a step runs on: the current rayon pool's, or the calling thread alone
+//! ([`solo`]); whether one sequence's decode step may run as a team ([`team_enabled`];
+//! the team itself is [`crate::relay`]); and, without `--threads`, the adaptive choice
+//! between the team and one thread for each step ([`Pace`]) and for batches ([`batch`]),
+//! by measured step times and by how crowded the machine is ([`crowded`]).
 //!
-//! Why: a decode step of a small model is a few hundred small products. As rayon
-//! fork/joins, each one wakes the other threads (they fall asleep between products, and a
-//! futex wake-up in a VM costs tens of microseconds): SmolLM2-135M decoded *slower* on two
-//! threads than on one. A team costs one rayon broadcast per token; inside it the threads
-//! stay awake and meet at [`Member::sync`] (an atomic counter, a few hundred nanoseconds;
-//! a member left waiting longer than 50 µs sleeps, so a team with fewer free cores than
-//! threads degrades like sleeping locks do, not like a spin lock).
-//!
-//! Numerics: a member computes whole rows (or whole KV heads) with the same serial
-//! kernels as the one-thread path, so values do not depend on the team size.
-//!
-//! Soundness: members share the step's buffers through [`SharedSlice`] / [`SharedCell`]
-//! (raw pointers). Between two barriers every member writes only its own disjoint part and
-//! nobody reads what is being written; [`Member::sync`] orders everything written before
-//! it (release) before everything read after it (acquire). A panicking member poisons the
-//! barrier, so the others panic at their next sync instead of spinning forever.
+//! Both modes give the same values bit for bit (every product and attention head is
+//! computed by the same serial kernels whoever runs it), so every choice made here is a
+//! choice of speed only.
 
 use std::cell::Cell;
-use std::marker::PhantomData;
-use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// How long a member spins at a barrier before it sleeps. Members normally arrive within
-/// microseconds of each other; a member that is much later has lost its core (another
-/// process, or more threads than cores), and then the early ones must give theirs up.
-const SPIN: Duration = Duration::from_micros(50);
-
-/// A reusable barrier for `n` threads that spins, then sleeps on a condition variable.
-struct SpinBarrier {
-    n: usize,
-    arrived: AtomicUsize,
-    generation: AtomicUsize,
-    poisoned: AtomicBool,
-    /// members asleep (or about to sleep) in [`SpinBarrier::sleep`]
-    sleepers: AtomicUsize,
-    lock: Mutex<()>,
-    wake: Condvar,
-}
-
-impl SpinBarrier {
-    fn new(n: usize) -> Self {
-        SpinBarrier {
-            n,
-            arrived: AtomicUsize::new(0),
-            generation: AtomicUsize::new(0),
-            poisoned: AtomicBool::new(false),
-            sleepers: AtomicUsize::new(0),
-            lock: Mutex::new(()),
-            wake: Condvar::new(),
-        }
-    }
-
-    fn wait(&self) {
-        let gen = self.generation.load(Ordering::SeqCst);
-        if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
-            // Last to arrive: reset the count before releasing the others, who cannot
-            // arrive again until they see the new generation.
-            self.arrived.store(0, Ordering::Relaxed);
-            self.generation.store(gen.wrapping_add(1), Ordering::SeqCst);
-            if self.sleepers.load(Ordering::SeqCst) > 0 {
-                self.wake_all();
-            }
-            return;
-        }
-        let start = Instant::now();
-        let mut spins = 0u32;
-        while self.generation.load(Ordering::SeqCst) == gen {
-            self.check_poison();
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(64) && start.elapsed() > SPIN {
-                return self.sleep(gen);
-            }
-            std::hint::spin_loop();
-        }
-    }
-
-    /// Sleeps until the generation moves on from `gen`. A sleeper counts itself before
-    /// its last look at the generation, and the releaser bumps the generation before it
-    /// looks at the count (all `SeqCst`), so either the releaser sees the sleeper and
-    /// wakes it under the lock, or the sleeper sees the new generation.
-    fn sleep(&self, gen: usize) {
-        let mut guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.sleepers.fetch_add(1, Ordering::SeqCst);
-        while self.generation.load(Ordering::SeqCst) == gen {
-            self.check_poison();
-            guard = self
-                .wake
-                .wait_timeout(guard, Duration::from_millis(10))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        self.sleepers.fetch_sub(1, Ordering::SeqCst);
-    }
-
-    fn wake_all(&self) {
-        let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.wake.notify_all();
-    }
-
-    fn check_poison(&self) {
-        if self.poisoned.load(Ordering::Relaxed) {
-            panic!("a decode team member panicked");
-        }
-    }
-}
-
-/// One thread of a team: its index and the team's size, barrier and work counter.
-pub struct Member<'a> {
-    pub id: usize,
-    pub n: usize,
-    barrier: &'a SpinBarrier,
-    /// the team's claim counter (see [`Member::claim_each`])
-    next: &'a AtomicUsize,
-    /// where this loop's claims start on `next`
-    base: Cell<usize>,
-    /// a loop has been claimed from since the last sync
-    claimed: Cell<bool>,
-}
-
-impl Member<'_> {
-    /// Waits until every member has arrived. Every member must call it the same number
-    /// of times (take the same branches between syncs).
-    pub fn sync(&self) {
-        self.claimed.set(false);
-        if self.n > 1 {
-            self.barrier.wait();
-        }
-    }
-
-    /// Runs `f(i)` for the items `i < items` of a loop the team shares, each item on the
-    /// member that claims it first: a member that is ahead (its core is faster just now,
-    /// or it had less to do before) takes more, so nobody waits long at the next sync.
-    /// Every member calls this for the same loops in the same order, with a sync between
-    /// two loops.
-    ///
-    /// The counter is never reset: a member stops at its first claim past the end, so a
-    /// loop consumes exactly `items + n` counts, and every member knows where the next
-    /// loop starts.
-    pub fn claim_each(&self, items: usize, mut f: impl FnMut(usize)) {
-        debug_assert!(!self.claimed.get(), "two claimed loops without a sync");
-        self.claimed.set(true);
-        let base = self.base.get();
-        loop {
-            let i = self.next.fetch_add(1, Ordering::Relaxed).wrapping_sub(base);
-            if i >= items {
-                break;
-            }
-            f(i);
-        }
-        self.base.set(base.wrapping_add(items + self.n));
-    }
-}
-
-/// Poisons the barrier if its member unwinds.
-struct PoisonOnPanic<'a>(&'a SpinBarrier);
-
-impl Drop for PoisonOnPanic<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.poisoned.store(true, Ordering::Relaxed);
-            self.0.wake_all();
-        }
-    }
-}
-
-/// Whether decode steps run as a team: yes unless the environment sets `TINYGPT_TEAM=off`
-/// (then every product is its own rayon fork/join, as before teams; kept for A/B runs).
-pub fn enabled() -> bool {
+/// Whether one sequence's decode step may run as a team: yes unless the environment sets
+/// `TINYGPT_TEAM=off` (then every product is its own rayon fork/join, as before teams;
+/// kept for A/B runs). Any other value is ignored.
+pub fn team_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("TINYGPT_TEAM").map_or(true, |v| v != "off"))
-}
-
-/// How a session's team steps run ([`crate::model::Session::team_design`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum TeamDesign {
-    /// Every member claims parts of each stage and meets the others at a barrier after it.
-    Barrier,
-    /// No barriers: a late member's work is taken over ([`crate::relay`]). Steps whose
-    /// eviction policy observes attention's weights, or whose session records them, run
-    /// as [`TeamDesign::Barrier`].
-    #[default]
-    Relay,
-}
-
-impl TeamDesign {
-    /// The default of new sessions: [`TeamDesign::Relay`], or `TINYGPT_TEAM=barrier`.
-    pub fn from_env() -> Self {
-        static ENV: std::sync::OnceLock<TeamDesign> = std::sync::OnceLock::new();
-        *ENV.get_or_init(|| match std::env::var("TINYGPT_TEAM").as_deref() {
-            Ok("barrier") => TeamDesign::Barrier,
-            _ => TeamDesign::Relay,
-        })
-    }
 }
 
 thread_local! {
@@ -206,14 +27,14 @@ thread_local! {
 
 /// The threads a parallel region may use here: the current rayon pool's, or 1 inside
 /// [`solo`]. The kernels ask this, not rayon, before they split work.
-pub fn threads() -> usize {
+pub fn current() -> usize {
     match SOLO.with(Cell::get) {
         true => 1,
         false => rayon::current_num_threads(),
     }
 }
 
-/// Runs `f` with every kernel on the calling thread ([`threads`] is 1 inside): the pool's
+/// Runs `f` with every kernel on the calling thread ([`current`] is 1 inside): the pool's
 /// other threads stay asleep.
 pub fn solo<R>(f: impl FnOnce() -> R) -> R {
     struct Restore(bool);
@@ -295,9 +116,10 @@ pub enum Mode {
 /// holds the core a member needs, so the probe would only measure that) waits for a step
 /// where it is not, or for [`CROWDED_WAIT`] times its budget, whichever comes first; and a
 /// team measured while crowded is tried again as soon as the crowd has gone (at most once
-/// in [`PROBE_EVERY`] steps), its crowded average forgotten. (The relay team, which takes
-/// a late member's work over instead of waiting for it, is never held back: its caller
-/// answers "not crowded", so it is probed as paced above and chosen when faster.)
+/// in [`PROBE_EVERY`] steps), its crowded average forgotten. (That is for a team that
+/// waits for a late member. The engine's team, the relay ([`crate::relay`]), takes a late
+/// member's work over instead, so `Model::forward` answers "not crowded": the relay is
+/// probed as paced above and chosen when faster, crowded or not.)
 #[derive(Debug, Clone, Default)]
 pub struct Pace {
     /// steps run in each mode: team, solo
@@ -507,7 +329,7 @@ fn own_running() -> usize {
 /// two threads waits for the one whose core another process holds, and one thread is
 /// faster. Otherwise `f` runs on the whole pool. Same values either way.
 pub fn batch<R>(f: impl FnOnce() -> R) -> R {
-    let n = threads();
+    let n = current();
     if n > 1 && adaptive() && crowded(n) {
         ALONE_BATCHES.fetch_add(1, Ordering::Relaxed);
         solo(f)
@@ -531,212 +353,9 @@ impl Pace {
     }
 }
 
-/// Runs `f` once on every thread of the current rayon pool, as one team; returns each
-/// member's result in member order. Inside `f` use only serial kernels: a nested
-/// parallel region could wait on a thread that is spinning at the barrier.
-pub fn run<R: Send>(f: impl Fn(&Member) -> R + Sync) -> Vec<R> {
-    let n = rayon::current_num_threads();
-    let barrier = SpinBarrier::new(n);
-    let next = AtomicUsize::new(0);
-    rayon::broadcast(|ctx| {
-        let _guard = PoisonOnPanic(&barrier);
-        f(&Member {
-            id: ctx.index(),
-            n: ctx.num_threads(),
-            barrier: &barrier,
-            next: &next,
-            base: Cell::new(0),
-            claimed: Cell::new(false),
-        })
-    })
-}
-
-/// A mutable slice the members of a team share (see the module notes for the rules).
-pub struct SharedSlice<'a, T> {
-    ptr: *mut T,
-    len: usize,
-    _borrow: PhantomData<&'a mut [T]>,
-}
-
-// SAFETY: the slice is only reached through the unsafe accessors below, whose callers
-// guarantee that no two members hold overlapping references while one of them writes;
-// `T: Send` lets a member write an element another thread created.
-unsafe impl<T: Send> Sync for SharedSlice<'_, T> {}
-// SAFETY: as above; the wrapper is a borrow of `&mut [T]`, which is `Send` for `T: Send`.
-unsafe impl<T: Send> Send for SharedSlice<'_, T> {}
-
-impl<'a, T> SharedSlice<'a, T> {
-    pub fn new(s: &'a mut [T]) -> Self {
-        SharedSlice {
-            ptr: s.as_mut_ptr(),
-            len: s.len(),
-            _borrow: PhantomData,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Elements `r` for writing.
-    ///
-    /// # Safety
-    /// Until the returned reference is dropped, no other reference to any element of `r`
-    /// exists (members write disjoint ranges between two syncs).
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn range_mut(&self, r: Range<usize>) -> &mut [T] {
-        assert!(r.start <= r.end && r.end <= self.len, "share out of bounds");
-        // SAFETY: in bounds (checked above) of the slice borrowed for 'a; exclusivity is
-        // the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.end - r.start) }
-    }
-
-    /// Element `i` for reading.
-    ///
-    /// # Safety
-    /// Until the returned reference is dropped, no member writes element `i`.
-    pub unsafe fn get(&self, i: usize) -> &T {
-        assert!(i < self.len, "share out of bounds");
-        // SAFETY: in bounds (checked above) of the slice borrowed for 'a; no concurrent
-        // writer of this element by the caller's contract.
-        unsafe { &*self.ptr.add(i) }
-    }
-
-    /// The whole slice for reading.
-    ///
-    /// # Safety
-    /// Until the returned reference is dropped, no member writes any element.
-    pub unsafe fn all(&self) -> &[T] {
-        // SAFETY: the slice borrowed for 'a; no concurrent writer by the caller's contract.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
-
-/// A value the members of a team share: one member changes it while the others wait,
-/// then all read it (see the module notes).
-pub struct SharedCell<'a, T> {
-    ptr: *mut T,
-    _borrow: PhantomData<&'a mut T>,
-}
-
-// SAFETY: reached only through the unsafe accessors below, whose callers guarantee that a
-// `&mut` never coexists with another reference; `T: Send + Sync` because one thread may
-// change it and several read it.
-unsafe impl<T: Send + Sync> Sync for SharedCell<'_, T> {}
-// SAFETY: as above.
-unsafe impl<T: Send + Sync> Send for SharedCell<'_, T> {}
-
-impl<'a, T> SharedCell<'a, T> {
-    pub fn new(v: &'a mut T) -> Self {
-        SharedCell {
-            ptr: v,
-            _borrow: PhantomData,
-        }
-    }
-
-    /// # Safety
-    /// No member holds a [`get_mut`](Self::get_mut) reference while this one lives.
-    pub unsafe fn get(&self) -> &T {
-        // SAFETY: borrowed for 'a; no writer by the caller's contract.
-        unsafe { &*self.ptr }
-    }
-
-    /// # Safety
-    /// No other reference to the value exists while this one lives (one member, while
-    /// the others wait at a sync).
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn get_mut(&self) -> &mut T {
-        // SAFETY: borrowed for 'a; exclusive by the caller's contract.
-        unsafe { &mut *self.ptr }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn claimed_loops_cover_every_item_once() {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .expect("pool");
-        // Loops of varied sizes (0 and 1 included), many in a row, each item counted.
-        let sizes: Vec<usize> = (0..300).map(|k| (k * 7) % 23).collect();
-        let total: usize = sizes.iter().sum();
-        let hits: Vec<AtomicUsize> = (0..total).map(|_| AtomicUsize::new(0)).collect();
-        pool.install(|| {
-            run(|m| {
-                let mut off = 0;
-                for &items in &sizes {
-                    m.claim_each(items, |i| {
-                        assert!(i < items);
-                        hits[off + i].fetch_add(1, Ordering::Relaxed);
-                    });
-                    off += items;
-                    m.sync();
-                }
-            })
-        });
-        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
-    }
-
-    #[test]
-    fn barrier_orders_writes_before_reads() {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .expect("pool");
-        let mut data = vec![0usize; 3 * 64];
-        let rounds = 200;
-        let sums = pool.install(|| {
-            let shared = SharedSlice::new(&mut data);
-            run(|m| {
-                let mut seen = Vec::new();
-                for round in 0..rounds {
-                    m.claim_each(shared.len() / 8, |i| {
-                        // SAFETY: each chunk is claimed once; the syncs separate writes
-                        // from reads.
-                        unsafe { shared.range_mut(i * 8..(i + 1) * 8) }
-                            .iter_mut()
-                            .for_each(|x| *x = round + 1);
-                    });
-                    m.sync();
-                    // SAFETY: nobody writes until the next sync.
-                    seen.push(unsafe { shared.all() }.iter().sum::<usize>());
-                    m.sync();
-                }
-                seen
-            })
-        });
-        for s in sums {
-            let want: Vec<usize> = (0..rounds).map(|r| (r + 1) * 3 * 64).collect();
-            assert_eq!(s, want);
-        }
-    }
-
-    #[test]
-    fn a_panicking_member_does_not_hang_the_team() {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .expect("pool");
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            pool.install(|| {
-                run(|m| {
-                    if m.id == 1 {
-                        panic!("member 1 fails");
-                    }
-                    m.sync();
-                })
-            })
-        }));
-        assert!(r.is_err());
-    }
 
     /// Feeds `pace` steps whose time is `team` / `solo` microseconds by mode, the machine
     /// `crowded` or not; returns the modes chosen.
