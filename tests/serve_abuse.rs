@@ -1,6 +1,9 @@
-//! `serve` under abuse (issue 27): one test per numbered case of the issue, against the
-//! binary on an ephemeral loopback port, with raw sockets where a well-behaved client
-//! cannot misbehave enough. Every wait is bounded.
+//! `serve` under abuse: one test per numbered case of issue 27 (sections 1–9), then
+//! bounded tokenising (10) and one hostile request against the others (11, issue 50),
+//! against the binary on an ephemeral loopback port, with raw sockets where a well-behaved
+//! client cannot misbehave enough. Every wait is bounded; timing bounds leave wide margins
+//! for a loaded machine (each is several times what an idle one takes, and far below what
+//! the old server took).
 
 mod common;
 use common::server::*;

@@ -111,25 +111,24 @@ async fn models(State(s): State<AppState>, headers: HeaderMap) -> Response {
 /// Runs a request's CPU work (`work`: parsing its body, checking its fields, rendering the
 /// chat template, tokenising) on the blocking pool, at most [`Shared::prep`] requests at a
 /// time, so that the runtime that accepts connections, answers `/health` and carries the
-/// streams never waits for it. After a large body, the memory it freed is given back.
+/// streams never waits for it. After a large body, the memory it freed is given back, once
+/// the result is on its way.
 async fn prepare<T: Send + 'static>(
     s: &AppState,
     body: Bytes,
     work: fn(&Shared, &Bytes) -> ApiResult<T>,
 ) -> ApiResult<T> {
-    let _turn = s.prep.acquire().await.map_err(|_| shutting_down())?;
+    let turn = s.prep.acquire().await.map_err(|_| shutting_down())?;
+    let large = body.len() >= TRIM_AFTER_BODY_BYTES;
     let shared = Arc::clone(s);
-    tokio::task::spawn_blocking(move || {
-        let large = body.len() >= TRIM_AFTER_BODY_BYTES;
-        let result = work(&shared, &body);
-        drop(body);
-        if large {
-            crate::memory::release_free_memory();
-        }
-        result
-    })
-    .await
-    .map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+    let result = tokio::task::spawn_blocking(move || work(&shared, &body))
+        .await
+        .map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    drop(turn);
+    if large {
+        tokio::task::spawn_blocking(crate::memory::release_free_memory);
+    }
+    result
 }
 
 fn shutting_down() -> ApiError {
