@@ -27,7 +27,7 @@ fn host_allowed(s: &Shared, host: &str) -> bool {
     hosts.is_empty() || hosts.iter().any(|h| h == "*" || *h == host_part(host))
 }
 
-/// The server's access rules (see the module docs); `key` = the endpoint needs the API
+/// The server's access rules (see [`super::http`]); `key` = the endpoint needs the API
 /// key, `json` = it takes a JSON body.
 pub(super) fn check_access(
     s: &Shared,

@@ -9,17 +9,22 @@
 //! `kv_key_rope`, `kv_rotation` (the `sample` flags' names with underscores; they override the server's
 //! defaults for this request).
 //!
-//! Before a body is read, [`check_access`] applies the server's access rules: the Host
+//! Before a body is read, `access::check_access` applies the server's access rules: the Host
 //! header must name an allowed host (the loopback names when bound to loopback, against
 //! DNS rebinding), an Origin header must be an allowed origin (a web page elsewhere cannot
 //! drive the server), `/v1/*` needs `Authorization: Bearer KEY` when keys are set (401,
 //! compared in constant time), and POST bodies must be `application/json` (415; a browser
 //! cannot send that cross-origin without a preflight, which is not answered). The body is
-//! then read under `--body-timeout` (408) and `--max-body-bytes` (413).
+//! then read under `--body-timeout` (408) and `--max-body-bytes` (413), and abandoned with
+//! 503 if the drain's grace ends first.
 //!
 //! OpenAI fields this server does not implement (`logprobs`, `echo`, `tools`,
 //! `response_format` other than text, `logit_bias`, penalties, `suffix`, ...) are a 400
 //! naming the field when set to anything but their no-op value, never silently ignored.
+//!
+//! The rest of a request's work before admission (parsing the body, checking its fields,
+//! rendering the chat template, tokenising the prompt with its token limit) runs in
+//! `prepare`, on the blocking pool, so this runtime's one thread only moves bytes.
 
 use super::access::{check_access, read_body};
 use super::api::{ApiError, ApiResult};

@@ -9,7 +9,9 @@
 //!    keep decoding;
 //! 4. one [`Model::forward_sequences`] runs them all;
 //! 5. every sequence that produced logits samples its next token with its own sampler
-//!    (the sequences in parallel), and finished sequences (EOS, `max_tokens`, a stop string) leave.
+//!    (the sequences in parallel), and finished sequences (EOS, `max_tokens`, a stop string) leave;
+//!    when one whose cache held 16 MiB or more leaves, the memory it
+//!    freed is given back to the system ([`crate::memory::release_free_memory`]).
 //!
 //! A sequence past its deadline (`--request-timeout`) leaves at the start of a step with
 //! finish reason `length`; when the drain times out (`Shared::abort`) every sequence
