@@ -126,3 +126,22 @@ pub fn check_weights_fit(
         )
     })
 }
+
+/// Gives the heap memory freed so far back to the system, where the allocator would keep
+/// it: glibc's malloc holds freed pages in its arenas (one per thread that allocated,
+/// raising its mmap threshold to the largest block freed), so a process that once held a
+/// large buffer keeps its resident size until `malloc_trim(0)` returns the free pages.
+/// Costs a walk over the free lists (milliseconds for a few GiB); a no-op with other
+/// allocators and systems. Returns whether memory was released.
+pub fn release_free_memory() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: malloc_trim takes each arena's lock itself and only returns free pages
+        // (madvise); it is safe to call from any thread at any time.
+        unsafe { libc::malloc_trim(0) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}

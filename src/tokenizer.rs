@@ -1,8 +1,17 @@
 //! Text ↔ token ids, through the `tokenizers` crate, plus streaming detokenisation.
+//!
+//! [`Tokenizer::encode_bounded`] ([`bounded`]) tokenises a text that may be far longer
+//! than a limit in tokens at a cost bounded by the limit, not by the text; a text within
+//! the limit gets exactly the ids of encoding it whole.
+
+mod bounded;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+pub use bounded::Bounded;
+use bounded::{Cuts, Segments, Spelled};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 
 /// A model's tokenizer with its special ids resolved.
 #[derive(Clone)]
@@ -15,6 +24,12 @@ pub struct Tokenizer {
     /// Longest vocabulary entry, in bytes of its string form (an upper bound on the text
     /// one token stands for when no normalizer shortens the input).
     max_token_bytes: usize,
+    /// Where a text may be cut for [`Self::encode_bounded`].
+    cuts: Cuts,
+    /// How its entries spell raw text, when known (for [`Self::encode_bounded`]).
+    spelled: Option<Spelled>,
+    /// Built the first time [`Self::encode_bounded`] meets a long run it cannot cut.
+    segments: Arc<OnceLock<Option<Segments>>>,
 }
 
 impl Tokenizer {
@@ -59,9 +74,14 @@ impl Tokenizer {
                 }
             }
         }
+        let cuts = Cuts::of(&inner, vocab.keys().map(String::as_str));
+        let spelled = cuts.spelling().and_then(|s| Spelled::of(&inner, s));
         Ok(Tokenizer {
             bos_id: cfg.bos_token_id,
             max_token_bytes,
+            cuts,
+            spelled,
+            segments: Arc::new(OnceLock::new()),
             inner,
             path: path.to_path_buf(),
             eos_ids,

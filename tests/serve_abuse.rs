@@ -1,6 +1,9 @@
-//! `serve` under abuse (issue 27): one test per numbered case of the issue, against the
-//! binary on an ephemeral loopback port, with raw sockets where a well-behaved client
-//! cannot misbehave enough. Every wait is bounded.
+//! `serve` under abuse: one test per numbered case of issue 27 (sections 1–9), then
+//! bounded tokenising (10) and one hostile request against the others (11, issue 50),
+//! against the binary on an ephemeral loopback port, with raw sockets where a well-behaved
+//! client cannot misbehave enough. Every wait is bounded; timing bounds leave wide margins
+//! for a loaded machine (each is several times what an idle one takes, and far below what
+//! the old server took).
 
 mod common;
 use common::server::*;
@@ -697,4 +700,416 @@ fn request_timeout_ends_a_generation_with_length() {
     );
     assert_eq!(code, 400);
     assert_eq!(v["error"]["param"], "max_tokens");
+}
+
+// ---- 10. bounded tokenising (issue 50) ----------------------------------------------------
+
+/// Texts that stress the places a text may be cut: words and runs of spaces, tabs and
+/// newlines, long runs without a space (letters, digits, punctuation), multi-byte UTF-8
+/// (accents, CJK, emoji, combining marks, NBSP, ideographic space), special-token text
+/// next to spaces, and `> </` (a Gemma 3 entry joins `>` to the following space).
+fn boundary_texts() -> Vec<String> {
+    let pieces = [
+        "hello",
+        " world",
+        "  ",
+        "     ",
+        "\t",
+        "\n",
+        "\r\n",
+        "\n\n   ",
+        " \n",
+        "a.",
+        " b",
+        "it's",
+        " don't",
+        "'s",
+        "123",
+        " 4567",
+        "9999999999",
+        "x",
+        "é",
+        " café",
+        "中文",
+        " 中文",
+        "😀",
+        " 😀😀",
+        "e\u{301}",
+        "\u{a0}",
+        "\u{a0}word",
+        "\u{3000}",
+        " ǅ",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<start_of_turn>",
+        "<end_of_turn>",
+        "<bos>",
+        "<eos>",
+        "</s>",
+        "<s>",
+        " > </",
+        ">",
+        " </b>",
+        "-->",
+        " ==",
+        "(x)",
+        " [1]",
+        "ß",
+        " ÅNGSTRÖM",
+    ];
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    let mut texts = vec![
+        "a ".repeat(3000),
+        "word ".repeat(2000),
+        "a".repeat(5000),
+        " ".repeat(3000),
+        "x ".repeat(100) + &"y".repeat(3000) + &" z".repeat(100),
+        "中文 ".repeat(500),
+        "> </".repeat(400),
+        "<|im_start|>user\nhello there<|im_end|>\n".repeat(60),
+    ];
+    for _ in 0..8 {
+        let mut t = String::new();
+        while t.len() < 3000 {
+            t.push_str(pieces[next(pieces.len())]);
+            if next(3) == 0 {
+                t.push(' ');
+            }
+        }
+        texts.push(t);
+    }
+    texts
+}
+
+/// Within the limit, `encode_bounded` gives exactly the ids of encoding the text whole,
+/// however small the chunks; over it, it says so with a count that is never above the
+/// true one.
+fn check_bounded_tokenizing(name: &str, tok: &tinygpt_cpu::tokenizer::Tokenizer) {
+    use tinygpt_cpu::tokenizer::Bounded;
+    for (i, text) in boundary_texts().iter().enumerate() {
+        for add in [false, true] {
+            let whole = tok.encode_with(text, add).unwrap();
+            let n = whole.len();
+            for chunk in [1, 5, 64, 1000, 1 << 20] {
+                let got = tok.encode_bounded_in(text, add, n, chunk).unwrap();
+                assert_eq!(
+                    got,
+                    Bounded::Ids(whole.clone()),
+                    "{name}: text {i}, chunk {chunk}"
+                );
+                for limit in [0, n / 3, n.saturating_sub(1)] {
+                    if limit >= n || chunk < 64 {
+                        continue;
+                    }
+                    match tok.encode_bounded_in(text, add, limit, chunk).unwrap() {
+                        Bounded::Over { at_least, exact } => {
+                            assert!(
+                                at_least > limit && at_least <= n && (!exact || at_least == n),
+                                "{name}: text {i}, chunk {chunk}, limit {limit}: at least {at_least} of {n}"
+                            );
+                        }
+                        other => panic!("{name}: text {i}, limit {limit} < {n}: {other:?}"),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Runs of 100 kB and more with no place to cut (letters, spaces, newlines, CJK, a
+/// base64-like mix, `> </`): bounded by the fewest vocabulary entries that spell them, a
+/// bound that must never exceed the true count, and exact within the limit.
+fn check_long_runs(name: &str, tok: &tinygpt_cpu::tokenizer::Tokenizer) {
+    use tinygpt_cpu::tokenizer::Bounded;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let base64: String = (0..120_000)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+                [(state % 64) as usize] as char
+        })
+        .collect();
+    let runs = [
+        "a".repeat(150_000),
+        " ".repeat(120_000),
+        "\n".repeat(100_000),
+        "中".repeat(40_000),
+        base64,
+        ">".repeat(60_000) + &" </".repeat(30_000),
+    ];
+    for (i, text) in runs.iter().enumerate() {
+        let whole = tok.encode_with(text, true).unwrap();
+        let n = whole.len();
+        assert_eq!(
+            tok.encode_bounded(text, true, n).unwrap(),
+            Bounded::Ids(whole),
+            "{name}: run {i}"
+        );
+        for limit in [n / 10, n / 2, n - 1] {
+            match tok.encode_bounded(text, true, limit).unwrap() {
+                Bounded::Over { at_least, .. } => assert!(
+                    at_least > limit && at_least <= n,
+                    "{name}: run {i}, limit {limit}: at least {at_least} of {n}"
+                ),
+                other => panic!("{name}: run {i}, limit {limit} < {n}: {other:?}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn bounded_tokenizing_equals_whole_text_tokenizing_on_the_bundled_model() {
+    let files = tinygpt_cpu::weights::ModelFiles::open(None).unwrap();
+    assert!(files.tokenizer.cuts_texts());
+    check_bounded_tokenizing("bundled", &files.tokenizer);
+    check_long_runs("bundled", &files.tokenizer);
+}
+
+#[test]
+fn bounded_tokenizing_equals_whole_text_tokenizing_on_smollm2_and_gemma3() {
+    if let Some(p) = smollm2_path() {
+        let files = tinygpt_cpu::weights::ModelFiles::open(Some(&p)).unwrap();
+        assert!(files.tokenizer.cuts_texts());
+        check_bounded_tokenizing("SmolLM2", &files.tokenizer);
+        check_long_runs("SmolLM2", &files.tokenizer);
+    }
+    let gemma = std::env::var_os("TINYGPT_GEMMA3")
+        .map(std::path::PathBuf::from)
+        .filter(|p| p.is_file());
+    match gemma {
+        Some(p) => {
+            let files = tinygpt_cpu::weights::ModelFiles::open(Some(&p)).unwrap();
+            assert!(files.tokenizer.cuts_texts());
+            check_bounded_tokenizing("Gemma 3", &files.tokenizer);
+            check_long_runs("Gemma 3", &files.tokenizer);
+        }
+        None => eprintln!("skipping Gemma 3: TINYGPT_GEMMA3 is not set to its GGUF"),
+    }
+}
+
+// ---- 11. one hostile request against the others (issue 50) -------------------------------
+
+/// The server's resident set in MiB (Linux).
+#[cfg(target_os = "linux")]
+fn rss_mib(srv: &Server) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", srv.child.id())).unwrap();
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kib / 1024.0
+}
+
+/// Seconds a `GET /health` on a new connection takes to answer 200.
+fn health_secs(a: &str, within: Duration) -> f64 {
+    let t0 = Instant::now();
+    let (code, text) = raw_status(
+        a,
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+        within,
+    )
+    .expect("/health answers");
+    assert_eq!(code, 200, "{text}");
+    t0.elapsed().as_secs_f64()
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn huge_prompts_are_refused_with_bounded_work_while_a_stream_and_health_go_on() {
+    // A bounded cache: the limit is --max-prompt-tokens, set so that the prompts below pass
+    // the byte-length check (64 bytes per token for the bundled vocabulary) and must be
+    // tokenised. The old server tokenised them whole, on the thread that answers /health:
+    // seconds each, and hundreds of MiB it kept.
+    let srv = Server::start(&[
+        "--streaming-llm-sink",
+        "4",
+        "--streaming-llm-window",
+        "60",
+        "--max-prompt-tokens",
+        "131072",
+        "--max-request-tokens",
+        "200000",
+    ]);
+    let a = addr(&srv);
+    let mut stream = long_stream(&srv);
+    // Chunk arrival times, read as they come.
+    let reader = std::thread::spawn(move || {
+        let mut times = Vec::new();
+        let mut line = String::new();
+        while times.len() < 100_000 {
+            line.clear();
+            match stream.read_line(&mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) if line.starts_with("data: ") => times.push(Instant::now()),
+                Ok(_) => {}
+            }
+        }
+        times
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let before = rss_mib(&srv);
+    let t0 = Instant::now();
+    for prompt in ["a ".repeat(3_900_000), "a".repeat(7_800_000)] {
+        let body = json!({ "prompt": prompt }).to_string();
+        let url = srv.url("/v1/completions");
+        let big = std::thread::spawn(move || {
+            let t = Instant::now();
+            let r = post_json(&url)
+                .timeout(Duration::from_secs(120))
+                .send_string(&body);
+            let text = match r {
+                Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap()),
+                other => panic!("{other:?}"),
+            };
+            (text, t.elapsed().as_secs_f64())
+        });
+        // /health, polled while the prompt is read and refused.
+        let mut slowest = 0.0f64;
+        while !big.is_finished() {
+            slowest = slowest.max(health_secs(&a, Duration::from_secs(30)));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let ((code, text), secs) = big.join().unwrap();
+        assert_eq!(code, 400, "{text}");
+        assert!(text.contains("--max-prompt-tokens (131072)"), "{text}");
+        // Milliseconds on an idle machine; the bounds leave room for a loaded CI host.
+        assert!(secs < 3.0, "refused after {secs:.2} s");
+        assert!(slowest < 1.0, "/health took {slowest:.2} s meanwhile");
+    }
+    let window = (t0, Instant::now());
+    for _ in 0..4 {
+        let (code, _) = post(
+            &srv,
+            "/v1/completions",
+            &[JSON],
+            &json!({ "prompt": "a ".repeat(3_900_000) }).to_string(),
+        );
+        assert_eq!(code, 400);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let after = rss_mib(&srv);
+    assert!(
+        after - before < 64.0,
+        "RSS {before:.0} -> {after:.0} MiB after six 7.8 MB prompts"
+    );
+    drop(srv);
+    let times = reader.join().unwrap();
+    let gap = times
+        .windows(2)
+        .filter(|w| w[1] >= window.0 && w[0] <= window.1)
+        .map(|w| (w[1] - w[0]).as_secs_f64())
+        .fold(0.0, f64::max);
+    assert!(
+        times
+            .iter()
+            .filter(|&&t| t > window.0 && t < window.1)
+            .count()
+            > 0,
+        "the stream stalled while the prompts were refused"
+    );
+    assert!(gap < 1.5, "the stream's longest gap was {gap:.2} s");
+}
+
+#[test]
+fn silent_sockets_at_the_connection_cap_do_not_keep_health_waiting() {
+    // The old server left new connections in the kernel's backlog until a slot's header
+    // timeout (here 30 s) expired.
+    let srv = Server::start(&["--max-connections", "32", "--header-timeout", "30"]);
+    let a = addr(&srv);
+    let silent: Vec<TcpStream> = (0..60).map(|_| TcpStream::connect(&a).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let secs = health_secs(&a, Duration::from_secs(40));
+    assert!(secs < 5.0, "/health took {secs:.1} s");
+    // A generation too.
+    let t0 = Instant::now();
+    let (code, v) = post(
+        &srv,
+        "/v1/completions",
+        &[JSON],
+        r#"{"prompt": "The", "max_tokens": 2}"#,
+    );
+    assert_eq!(code, 200, "{v}");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    drop(silent);
+}
+
+#[cfg(unix)]
+#[test]
+fn sigterm_closes_half_sent_connections_when_the_grace_ends() {
+    // No stream runs: the process exits at the end of the grace, not at the header or body
+    // timeout (60 s here) nor the drain timeout (30 s).
+    let mut srv = Server::start(&[
+        "--header-timeout",
+        "60",
+        "--body-timeout",
+        "60",
+        "--drain-grace",
+        "1",
+    ]);
+    let a = addr(&srv);
+    let mut half = TcpStream::connect(&a).unwrap();
+    half.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow:")
+        .unwrap();
+    let mut body = TcpStream::connect(&a).unwrap();
+    body.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro")
+        .unwrap();
+    let silent = TcpStream::connect(&a).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    sigterm(&srv);
+    let (status, secs) = wait_exit(&mut srv, Duration::from_secs(40));
+    assert!(status.success(), "{status:?}");
+    assert!(
+        secs < 1.0 + 3.0,
+        "exited {secs:.1} s after SIGTERM (grace 1 s)"
+    );
+    // The stalled body was told why.
+    body.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut text = String::new();
+    let _ = body.read_to_string(&mut text);
+    assert!(text.starts_with("HTTP/1.1 503"), "{text}");
+    drop((half, silent));
+}
+
+#[test]
+fn request_heads_follow_the_rfcs() {
+    let srv = Server::start(&["--api-key", "KEY"]);
+    let a = addr(&srv);
+    let status = |req: &[u8]| raw_status(&a, req, Duration::from_secs(10)).expect("an answer");
+    // RFC 9112 §3.2: HTTP/1.1 needs exactly one Host; HTTP/1.0 may leave it out.
+    let (code, text) = status(b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n");
+    assert_eq!(code, 400, "{text}");
+    assert!(text.contains("Host"), "{text}");
+    let (code, text) = status(
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+    );
+    assert_eq!(code, 400, "{text}");
+    assert_eq!(status(b"GET /health HTTP/1.0\r\n\r\n").0, 200);
+    // RFC 9110 §11.1: the auth scheme is case-insensitive.
+    for auth in ["bearer KEY", "BEARER KEY", "Bearer   KEY "] {
+        let req = format!(
+            "GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {auth}\r\nConnection: close\r\n\r\n"
+        );
+        assert_eq!(status(req.as_bytes()).0, 200, "{auth}");
+    }
+    let req = "GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Basic KEY\r\nConnection: close\r\n\r\n";
+    assert_eq!(status(req.as_bytes()).0, 401);
+    // A header line over 8 KiB, and a head over 32 KiB: 431.
+    for n in [10_000, 100_000] {
+        let req = format!(
+            "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: {}\r\nConnection: close\r\n\r\n",
+            "a".repeat(n)
+        );
+        assert_eq!(status(req.as_bytes()).0, 431, "a {n}-byte header line");
+    }
 }

@@ -9,32 +9,37 @@
 //! `kv_key_rope`, `kv_rotation` (the `sample` flags' names with underscores; they override the server's
 //! defaults for this request).
 //!
-//! Before a body is read, [`check_access`] applies the server's access rules: the Host
+//! Before a body is read, `access::check_access` applies the server's access rules: the Host
 //! header must name an allowed host (the loopback names when bound to loopback, against
 //! DNS rebinding), an Origin header must be an allowed origin (a web page elsewhere cannot
 //! drive the server), `/v1/*` needs `Authorization: Bearer KEY` when keys are set (401,
 //! compared in constant time), and POST bodies must be `application/json` (415; a browser
 //! cannot send that cross-origin without a preflight, which is not answered). The body is
-//! then read under `--body-timeout` (408) and `--max-body-bytes` (413).
+//! then read under `--body-timeout` (408) and `--max-body-bytes` (413), and abandoned with
+//! 503 if the drain's grace ends first.
 //!
 //! OpenAI fields this server does not implement (`logprobs`, `echo`, `tools`,
 //! `response_format` other than text, `logit_bias`, penalties, `suffix`, ...) are a 400
 //! naming the field when set to anything but their no-op value, never silently ignored.
+//!
+//! The rest of a request's work before admission (parsing the body, checking its fields,
+//! rendering the chat template, tokenising the prompt with its token limit) runs in
+//! `prepare`, on the blocking pool, so this runtime's one thread only moves bytes.
 
+use super::access::{check_access, read_body};
+use super::api::{ApiError, ApiResult};
+use super::params::{self, GenParams};
 use super::scheduler::{Event, FinishReason, Job};
 use super::{Refusal, Shared};
-use crate::generate::{GenerateOptions, Surface};
-use crate::kv_cache::{KeyRope, KvConfig, KvRotation, PositionsMode, Precision};
-use crate::sampler::SamplerConfig;
+use crate::generate::Surface;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde_json::{json, Map, Value};
-use std::collections::BTreeMap;
+use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -44,8 +49,9 @@ use tokio_stream::StreamExt;
 
 /// Seconds a 429 asks the client to wait.
 const RETRY_AFTER_SECS: u64 = 1;
-/// Most stop strings per request (OpenAI allows 4).
-const MAX_STOP: usize = 16;
+/// After a body at least this large is prepared, freed memory is given back to the
+/// system ([`crate::memory::release_free_memory`]).
+const TRIM_AFTER_BODY_BYTES: usize = 1 << 20;
 
 type AppState = Arc<Shared>;
 
@@ -59,72 +65,6 @@ pub fn router(shared: AppState) -> Router {
         .route("/metrics", get(metrics))
         .with_state(shared)
 }
-
-/// An error answered in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
-#[derive(Debug)]
-pub struct ApiError {
-    status: StatusCode,
-    message: String,
-    param: Option<String>,
-    retry_after: Option<u64>,
-}
-
-impl ApiError {
-    fn bad(param: &str, message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::BAD_REQUEST,
-            message: format!("{param}: {}", message.into()),
-            param: Some(param.to_string()),
-            retry_after: None,
-        }
-    }
-    fn unsupported(param: &str, what: &str) -> Self {
-        ApiError::bad(
-            param,
-            format!("{what} is not supported by this server; leave it out"),
-        )
-    }
-    fn status(status: StatusCode, message: impl Into<String>) -> Self {
-        ApiError {
-            status,
-            message: message.into(),
-            param: None,
-            retry_after: None,
-        }
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let kind = match self.status {
-            StatusCode::BAD_REQUEST
-            | StatusCode::REQUEST_TIMEOUT
-            | StatusCode::PAYLOAD_TOO_LARGE
-            | StatusCode::UNSUPPORTED_MEDIA_TYPE => "invalid_request_error",
-            StatusCode::UNAUTHORIZED => "authentication_error",
-            StatusCode::FORBIDDEN => "permission_error",
-            StatusCode::NOT_FOUND => "not_found_error",
-            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
-            StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
-            _ => "server_error",
-        };
-        let body = json!({"error": {
-            "message": self.message,
-            "type": kind,
-            "param": self.param,
-            "code": self.status.as_u16(),
-        }});
-        let mut r = (self.status, Json(body)).into_response();
-        if let Some(s) = self.retry_after {
-            if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
-                r.headers_mut().insert(header::RETRY_AFTER, v);
-            }
-        }
-        r
-    }
-}
-
-type ApiResult<T> = Result<T, ApiError>;
 
 async fn health(State(s): State<AppState>, headers: HeaderMap) -> Response {
     if let Err(e) = check_access(&s, &headers, false, false) {
@@ -173,505 +113,34 @@ async fn models(State(s): State<AppState>, headers: HeaderMap) -> Response {
     .into_response()
 }
 
-// ---------------------------------------------------------------------------------------
-// Access rules and the body
-
-/// The host part of a Host header or an Origin's authority, lower case, without port
-/// (`[::1]:8080` → `[::1]`).
-fn host_part(authority: &str) -> String {
-    let a = authority.trim().to_ascii_lowercase();
-    if a.starts_with('[') {
-        return match a.find(']') {
-            Some(i) => a[..=i].to_string(),
-            None => a,
-        };
+/// Runs a request's CPU work (`work`: parsing its body, checking its fields, rendering the
+/// chat template, tokenising) on the blocking pool, at most [`Shared::prep`] requests at a
+/// time, so that the runtime that accepts connections, answers `/health` and carries the
+/// streams never waits for it. After a large body, the memory it freed is given back, once
+/// the result is on its way.
+async fn prepare<T: Send + 'static>(
+    s: &AppState,
+    body: Bytes,
+    work: fn(&Shared, &Bytes) -> ApiResult<T>,
+) -> ApiResult<T> {
+    let turn = s.prep.acquire().await.map_err(|_| shutting_down())?;
+    let large = body.len() >= TRIM_AFTER_BODY_BYTES;
+    let shared = Arc::clone(s);
+    let result = tokio::task::spawn_blocking(move || work(&shared, &body))
+        .await
+        .map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    drop(turn);
+    if large {
+        tokio::task::spawn_blocking(crate::memory::release_free_memory);
     }
-    match a.rsplit_once(':') {
-        Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h.to_string(),
-        _ => a,
-    }
+    result
 }
 
-fn host_allowed(s: &Shared, host: &str) -> bool {
-    let hosts = &s.cfg.access.allowed_hosts;
-    hosts.is_empty() || hosts.iter().any(|h| h == "*" || *h == host_part(host))
-}
-
-/// The server's access rules (see the module docs); `key` = the endpoint needs the API
-/// key, `json` = it takes a JSON body.
-fn check_access(s: &Shared, headers: &HeaderMap, key: bool, json: bool) -> ApiResult<()> {
-    let access = &s.cfg.access;
-    if let Some(h) = headers.get(header::HOST) {
-        let h = h.to_str().unwrap_or("");
-        if !host_allowed(s, h) {
-            return Err(ApiError::status(
-                StatusCode::FORBIDDEN,
-                format!("Host '{h}' is not allowed here (see serve --allowed-hosts)"),
-            ));
-        }
-    }
-    if let Some(o) = headers.get(header::ORIGIN) {
-        let o = o.to_str().unwrap_or("");
-        let by_list = access
-            .allowed_origins
-            .iter()
-            .any(|a| a == "*" || a.eq_ignore_ascii_case(o.trim_end_matches('/')));
-        // A page served from an allowed host (e.g. http://localhost:3000) may call.
-        let by_host = o
-            .split_once("://")
-            .is_some_and(|(_, auth)| !access.allowed_hosts.is_empty() && host_allowed(s, auth));
-        if !(by_list || by_host) {
-            return Err(ApiError::status(
-                StatusCode::FORBIDDEN,
-                format!("Origin '{o}' is not allowed here (see serve --allowed-origins)"),
-            ));
-        }
-    }
-    if key && !access.api_keys.is_empty() {
-        use subtle::ConstantTimeEq;
-        let given = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        let ok = given.is_some_and(|g| {
-            // Every key is compared (no early exit on the first match).
-            access.api_keys.iter().fold(0u8, |acc, k| {
-                acc | g.as_bytes().ct_eq(k.as_bytes()).unwrap_u8()
-            }) == 1
-        });
-        if !ok {
-            let mut e = ApiError::status(
-                StatusCode::UNAUTHORIZED,
-                if given.is_some() {
-                    "Incorrect API key provided"
-                } else {
-                    "Missing API key: send 'Authorization: Bearer KEY'"
-                },
-            );
-            e.param = None;
-            return Err(e);
-        }
-    }
-    if json {
-        let ct = headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("");
-        let mime = ct.split(';').next().unwrap_or("").trim();
-        if !mime.eq_ignore_ascii_case("application/json") {
-            return Err(ApiError::status(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                format!(
-                    "Content-Type must be application/json, got '{}'",
-                    if ct.is_empty() { "(none)" } else { ct }
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// Reads the whole body within `--body-timeout` and `--max-body-bytes`.
-async fn read_body(s: &Shared, headers: &HeaderMap, body: Body) -> ApiResult<Bytes> {
-    let limits = &s.cfg.limits;
-    let too_large = || {
-        ApiError::status(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!(
-                "the request body is larger than this server's --max-body-bytes ({})",
-                limits.max_body_bytes
-            ),
-        )
-    };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limits.max_body_bytes as u64) {
-        return Err(too_large());
-    }
-    match tokio::time::timeout(
-        limits.body_timeout,
-        axum::body::to_bytes(body, limits.max_body_bytes),
+fn shutting_down() -> ApiError {
+    ApiError::status(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the server is shutting down",
     )
-    .await
-    {
-        Err(_) => Err(ApiError::status(
-            StatusCode::REQUEST_TIMEOUT,
-            format!(
-                "the request body did not arrive within --body-timeout ({} s)",
-                limits.body_timeout.as_secs_f64()
-            ),
-        )),
-        Ok(Ok(b)) => Ok(b),
-        Ok(Err(e)) => {
-            let length_limit = std::error::Error::source(&e)
-                .is_some_and(|src| src.is::<http_body_util::LengthLimitError>());
-            if length_limit {
-                Err(too_large())
-            } else {
-                Err(ApiError::bad("body", format!("could not read it: {e}")))
-            }
-        }
-    }
-}
-
-/// Refuses, before any work, fields this server would otherwise ignore.
-fn refuse_unsupported(o: &Map<String, Value>) -> ApiResult<()> {
-    let set = |name: &str| field(o, name);
-    let truthy = |v: &Value| match v {
-        Value::Bool(b) => *b,
-        Value::Number(n) => n.as_f64() != Some(0.0),
-        Value::String(s) => !s.is_empty(),
-        Value::Array(a) => !a.is_empty(),
-        Value::Object(m) => !m.is_empty(),
-        Value::Null => false,
-    };
-    for (name, what) in [
-        ("logprobs", "logprobs"),
-        ("top_logprobs", "top_logprobs"),
-        ("echo", "echo"),
-        ("suffix", "suffix (insertion)"),
-        ("logit_bias", "logit_bias"),
-        ("presence_penalty", "presence_penalty"),
-        ("frequency_penalty", "frequency_penalty"),
-        ("tools", "tool calling"),
-        ("tool_choice", "tool calling"),
-        ("functions", "function calling"),
-        ("function_call", "function calling"),
-        ("parallel_tool_calls", "tool calling"),
-        ("audio", "audio output"),
-        ("prediction", "predicted outputs"),
-    ] {
-        if set(name).is_some_and(truthy) {
-            return Err(ApiError::unsupported(name, what));
-        }
-    }
-    if let Some(rf) = set("response_format") {
-        if rf.get("type").and_then(Value::as_str) != Some("text") {
-            return Err(ApiError::unsupported(
-                "response_format",
-                "a response_format other than {\"type\": \"text\"}",
-            ));
-        }
-    }
-    if let Some(m) = set("modalities") {
-        if m != &json!(["text"]) {
-            return Err(ApiError::unsupported(
-                "modalities",
-                "an output other than [\"text\"]",
-            ));
-        }
-    }
-    Ok(())
-}
-
-// ---------------------------------------------------------------------------------------
-// Field readers: each error names the field.
-
-fn parse_body(body: &Bytes) -> ApiResult<Map<String, Value>> {
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(m)) => Ok(m),
-        Ok(_) => Err(ApiError::bad("body", "must be a JSON object")),
-        Err(e) => Err(ApiError::bad("body", format!("invalid JSON: {e}"))),
-    }
-}
-
-/// The field's value, `None` when absent or `null`.
-fn field<'a>(o: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
-    o.get(name).filter(|v| !v.is_null())
-}
-
-fn get_uint(o: &Map<String, Value>, name: &str, max: u64) -> ApiResult<Option<u64>> {
-    match field(o, name) {
-        None => Ok(None),
-        Some(v) => match v.as_u64() {
-            Some(n) if n <= max => Ok(Some(n)),
-            Some(n) => Err(ApiError::bad(
-                name,
-                format!("{n} is above this server's limit of {max}"),
-            )),
-            None => Err(ApiError::bad(
-                name,
-                format!("must be a non-negative integer, got {v}"),
-            )),
-        },
-    }
-}
-
-fn get_f32(o: &Map<String, Value>, name: &str) -> ApiResult<Option<f32>> {
-    match field(o, name) {
-        None => Ok(None),
-        Some(v) => match v.as_f64() {
-            Some(x) if x.is_finite() => Ok(Some(x as f32)),
-            _ => Err(ApiError::bad(name, format!("must be a number, got {v}"))),
-        },
-    }
-}
-
-fn get_bool(o: &Map<String, Value>, name: &str) -> ApiResult<Option<bool>> {
-    match field(o, name) {
-        None => Ok(None),
-        Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(v) => Err(ApiError::bad(
-            name,
-            format!("must be true or false, got {v}"),
-        )),
-    }
-}
-
-fn get_str<'a>(o: &'a Map<String, Value>, name: &str) -> ApiResult<Option<&'a str>> {
-    match field(o, name) {
-        None => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s)),
-        Some(v) => Err(ApiError::bad(name, format!("must be a string, got {v}"))),
-    }
-}
-
-/// The settings shared by both generation endpoints.
-struct GenParams {
-    stream: bool,
-    max_tokens: Option<usize>,
-    sampler: SamplerConfig,
-    ignore_eos: bool,
-    stop: Vec<String>,
-    kv: KvConfig,
-}
-
-fn gen_params(s: &Shared, o: &Map<String, Value>) -> ApiResult<GenParams> {
-    refuse_unsupported(o)?;
-    if let Some(m) = get_str(o, "model")? {
-        if m != s.cfg.model_name {
-            return Err(ApiError {
-                status: StatusCode::NOT_FOUND,
-                message: format!(
-                    "model: '{m}' is not served here (this server serves '{}')",
-                    s.cfg.model_name
-                ),
-                param: Some("model".into()),
-                retry_after: None,
-            });
-        }
-    }
-    if let Some(n) = get_uint(o, "n", u64::MAX)? {
-        if n != 1 {
-            return Err(ApiError::bad("n", "only n = 1 is supported"));
-        }
-    }
-    if let Some(b) = get_uint(o, "best_of", u64::MAX)? {
-        if b != 1 {
-            return Err(ApiError::bad("best_of", "only best_of = 1 is supported"));
-        }
-    }
-    let cap = s.cfg.limits.max_request_tokens as u64;
-    let max_tokens = match get_uint(o, "max_tokens", cap)? {
-        Some(n) => Some(n),
-        None => get_uint(o, "max_completion_tokens", cap)?,
-    };
-    if max_tokens == Some(0) {
-        return Err(ApiError::bad("max_tokens", "must be at least 1"));
-    }
-    let temperature = get_f32(o, "temperature")?.unwrap_or(1.0);
-    if !(0.0..=100.0).contains(&temperature) {
-        return Err(ApiError::bad(
-            "temperature",
-            format!("must be in [0, 100], got {temperature}"),
-        ));
-    }
-    let top_p = get_f32(o, "top_p")?.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::bad(
-            "top_p",
-            format!("must be in (0, 1], got {top_p}"),
-        ));
-    }
-    let top_k = get_uint(o, "top_k", s.model_cfg.vocab_size as u64)?.unwrap_or(0) as usize;
-    let seed = match field(o, "seed") {
-        None => None,
-        // OpenAI documents the seed as an integer; negative ones are taken as two's complement.
-        Some(v) => Some(
-            v.as_u64()
-                .or_else(|| v.as_i64().map(|i| i as u64))
-                .ok_or_else(|| ApiError::bad("seed", format!("must be an integer, got {v}")))?,
-        ),
-    };
-    let seed = seed.unwrap_or_else(|| {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        t ^ NEXT.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
-    });
-    let stop = match field(o, "stop") {
-        None => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) => {
-            if a.len() > MAX_STOP {
-                return Err(ApiError::bad(
-                    "stop",
-                    format!("at most {MAX_STOP} stop strings"),
-                ));
-            }
-            a.iter()
-                .map(|v| {
-                    v.as_str().map(String::from).ok_or_else(|| {
-                        ApiError::bad("stop", "must be a string or a list of strings")
-                    })
-                })
-                .collect::<ApiResult<_>>()?
-        }
-        Some(_) => {
-            return Err(ApiError::bad(
-                "stop",
-                "must be a string or a list of strings",
-            ))
-        }
-    };
-    if stop.iter().any(|s| s.is_empty() || s.len() > 256) {
-        return Err(ApiError::bad(
-            "stop",
-            "each stop string must be 1 to 256 bytes",
-        ));
-    }
-    let kv = request_kv(s, o)?;
-    Ok(GenParams {
-        stream: get_bool(o, "stream")?.unwrap_or(false),
-        max_tokens: max_tokens.map(|n| n as usize),
-        sampler: SamplerConfig {
-            temperature,
-            top_k,
-            top_p,
-            seed,
-        },
-        ignore_eos: get_bool(o, "ignore_eos")?.unwrap_or(false),
-        stop,
-        kv,
-    })
-}
-
-/// The request's cache settings: the server's defaults with the request's overrides.
-fn request_kv(s: &Shared, o: &Map<String, Value>) -> ApiResult<KvConfig> {
-    const MAX_ROWS: u64 = crate::kv_cache::MAX_CACHE_ROWS as u64;
-    let mut kv = s.cfg.kv.clone();
-    let precision = |field: &str| -> ApiResult<Option<Precision>> {
-        get_str(o, field)?
-            .map(|p| {
-                Precision::parse(p).ok_or_else(|| {
-                    let names: Vec<&str> = Precision::ALL.iter().map(|p| p.name()).collect();
-                    ApiError::bad(field, format!("'{p}' is not one of {}", names.join(", ")))
-                })
-            })
-            .transpose()
-    };
-    if let Some(p) = precision("kv_quantize")? {
-        kv.precision = p;
-    }
-    if let Some(p) = precision("kv_quantize_k")? {
-        kv.k_precision = Some(p);
-    }
-    if let Some(p) = precision("kv_quantize_v")? {
-        kv.v_precision = Some(p);
-    }
-    if let Some(r) = get_uint(o, "kv_residual", MAX_ROWS)? {
-        kv.residual = r as usize;
-    }
-    if let Some(k) = get_str(o, "kv_key_rope")? {
-        kv.key_rope = KeyRope::parse(k).ok_or_else(|| {
-            ApiError::bad("kv_key_rope", format!("'{k}' is not one of pre, post"))
-        })?;
-    }
-    if let Some(r) = get_str(o, "kv_rotation")? {
-        kv.rotation = KvRotation::parse(r).ok_or_else(|| {
-            ApiError::bad(
-                "kv_rotation",
-                format!("'{r}' is not one of auto, none, hadamard"),
-            )
-        })?;
-    }
-    if let Some(g) = get_uint(o, "kv_group_size", crate::kv_cache::MAX_GROUP_SIZE as u64)? {
-        if g == 0 {
-            return Err(ApiError::bad("kv_group_size", "must be at least 1"));
-        }
-        kv.group_size = g as usize;
-    }
-    if let Some(p) = get_str(o, "streaming_llm_positions")? {
-        kv.positions = match p {
-            "original" => PositionsMode::Original,
-            "cache" => PositionsMode::Cache,
-            _ => {
-                return Err(ApiError::bad(
-                    "streaming_llm_positions",
-                    format!("'{p}' is not one of original, cache"),
-                ))
-            }
-        };
-    }
-    let sink = get_uint(o, "streaming_llm_sink", MAX_ROWS)?;
-    let window = get_uint(o, "streaming_llm_window", MAX_ROWS)?;
-    match (sink, window) {
-        (_, Some(0)) => return Err(ApiError::bad("streaming_llm_window", "must be at least 1")),
-        (Some(sk), None) => {
-            if kv.window.is_none() && sk > 0 {
-                return Err(ApiError::bad(
-                    "streaming_llm_sink",
-                    "needs streaming_llm_window (sinks only matter when the window evicts rows)",
-                ));
-            }
-            kv.sink = sk as usize;
-        }
-        (sk, Some(w)) => {
-            kv.window = Some(w as usize);
-            if let Some(sk) = sk {
-                kv.sink = sk as usize;
-            }
-        }
-        (None, None) => {}
-    }
-    crate::kv_cache::validate(&kv, &s.model_cfg).map_err(|e| {
-        let param = match &e {
-            crate::Error::Flag { flag, .. } => flag.trim_start_matches("--").replace('-', "_"),
-            _ => "kv_quantize".into(),
-        };
-        ApiError::bad(&param, e.to_string())
-    })?;
-    Ok(kv)
-}
-
-/// Checks a prompt's size before it is tokenised (see
-/// [`GenerateOptions::check_prompt_bytes`]): `bytes` of text for a request with `p`.
-fn check_prompt_bytes(s: &Shared, p: &GenParams, bytes: usize, param: &str) -> ApiResult<()> {
-    let opts = options(s, p, 1)?;
-    let limit = opts
-        .prompt_token_limit()
-        .unwrap_or(s.cfg.limits.max_prompt_tokens);
-    opts.check_prompt_bytes(bytes, &s.tokenizer, Some(limit), Surface::Http)
-        .map_err(|e| from_flag_error(e, param))
-}
-
-/// `sample`'s options for this request: the one place both check a run's settings.
-fn options(s: &Shared, p: &GenParams, max_tokens: usize) -> ApiResult<GenerateOptions> {
-    GenerateOptions::new(
-        max_tokens,
-        p.sampler.clone(),
-        p.ignore_eos,
-        &p.kv,
-        s.model_cfg.max_position_embeddings,
-        s.cfg.allow_past_context,
-    )
-    .map_err(|e| from_flag_error(e, "temperature"))
-}
-
-/// A library refusal as a 400: a flag error names its field; others get `fallback`.
-fn from_flag_error(e: crate::Error, fallback: &str) -> ApiError {
-    match e {
-        crate::Error::Flag { flag, msg } => {
-            let field = flag.trim_start_matches("--").replace('-', "_");
-            ApiError::bad(&field, msg)
-        }
-        other => ApiError::bad(fallback, other.to_string()),
-    }
 }
 
 /// The completion's token limit, the checks `sample` makes, and admission (at once, or
@@ -693,7 +162,8 @@ async fn admit(
     let max_tokens = p
         .max_tokens
         .unwrap_or(default_max.min(s.cfg.limits.max_request_tokens));
-    let opts = options(s, &p, max_tokens)?;
+    let opts = params::options(s, &p, max_tokens)?;
+    // Prompts of token ids (text prompts were checked while they were tokenised).
     if opts.prompt_token_limit().is_none() && n > s.cfg.limits.max_prompt_tokens {
         return Err(ApiError::bad(
             "prompt",
@@ -704,7 +174,7 @@ async fn admit(
         ));
     }
     opts.check_prompt_on(n, Surface::Http)
-        .map_err(|e| from_flag_error(e, "max_tokens"))?;
+        .map_err(|e| super::api::from_flag_error(e, "max_tokens"))?;
     let need = s.worst_case_bytes(&p.kv, n + max_tokens);
     if need > s.budget.max_bytes {
         let param = if bounded {
@@ -720,14 +190,8 @@ async fn admit(
             ),
         ));
     }
-    let draining = || {
-        ApiError::status(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the server is shutting down",
-        )
-    };
     if s.is_draining() {
-        return Err(draining());
+        return Err(shutting_down());
     }
     let limits = &s.cfg.limits;
     let reservation = s
@@ -753,7 +217,7 @@ async fn admit(
                     "the server stayed busy for {:.1} s (--queue-timeout); retry later",
                     waited.as_secs_f64()
                 ),
-                Refusal::Draining => return draining(),
+                Refusal::Draining => return shutting_down(),
             };
             ApiError {
                 status: StatusCode::TOO_MANY_REQUESTS,
@@ -786,10 +250,7 @@ fn submit(s: &Shared, job: Job) -> ApiResult<()> {
     if s.submit(job) {
         Ok(())
     } else {
-        Err(ApiError::status(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the server is shutting down",
-        ))
+        Err(shutting_down())
     }
 }
 
@@ -864,39 +325,7 @@ async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) 
 async fn completions_inner(s: AppState, headers: HeaderMap, body: Body) -> ApiResult<Response> {
     check_access(&s, &headers, true, true)?;
     let body = read_body(&s, &headers, body).await?;
-    let o = parse_body(&body)?;
-    let p = gen_params(&s, &o)?;
-    let encode = |t: &str| {
-        check_prompt_bytes(&s, &p, t.len(), "prompt")?;
-        s.tokenizer
-            .encode(t)
-            .map_err(|e| ApiError::bad("prompt", e.to_string()))
-    };
-    let prompt_ids = match field(&o, "prompt") {
-        Some(Value::String(t)) => encode(t)?,
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-            encode(a[0].as_str().unwrap_or_default())?
-        }
-        Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_u64) => {
-            let vocab = s.model_cfg.vocab_size as u64;
-            a.iter()
-                .map(|v| match v.as_u64() {
-                    Some(t) if t < vocab => Ok(t as u32),
-                    _ => Err(ApiError::bad(
-                        "prompt",
-                        format!("token id {v} is outside the vocabulary ({vocab})"),
-                    )),
-                })
-                .collect::<ApiResult<Vec<u32>>>()?
-        }
-        Some(_) => {
-            return Err(ApiError::bad(
-                "prompt",
-                "must be a string, a list of one string, or a list of token ids",
-            ))
-        }
-        None => return Err(ApiError::bad("prompt", "is required")),
-    };
+    let (p, prompt_ids) = prepare(&s, body, params::completion_request).await?;
     // OpenAI's default for /v1/completions.
     let (job, rx, stream) = admit(&s, p, prompt_ids, 16).await?;
     submit(&s, job)?;
@@ -928,80 +357,6 @@ async fn completions_inner(s: AppState, headers: HeaderMap, body: Body) -> ApiRe
     Ok(Json(v).into_response())
 }
 
-// ---------------------------------------------------------------------------------------
-// POST /v1/chat/completions
-
-fn chat_messages(o: &Map<String, Value>) -> ApiResult<Vec<BTreeMap<String, minijinja::Value>>> {
-    let Some(Value::Array(msgs)) = field(o, "messages") else {
-        return Err(ApiError::bad("messages", "is required and must be a list"));
-    };
-    if msgs.is_empty() {
-        return Err(ApiError::bad("messages", "must not be empty"));
-    }
-    msgs.iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let role = m
-                .get("role")
-                .and_then(Value::as_str)
-                .ok_or_else(|| ApiError::bad("messages", "each message needs a string 'role'"))?;
-            let role = match role {
-                "system" | "user" | "assistant" => role,
-                // OpenAI's newer name for system instructions.
-                "developer" => "system",
-                "tool" | "function" => {
-                    return Err(ApiError::bad(
-                        &format!("messages[{i}].role"),
-                        format!(
-                        "'{role}' messages need tool calling, which this server does not support"
-                    ),
-                    ))
-                }
-                _ => {
-                    return Err(ApiError::bad(
-                        &format!("messages[{i}].role"),
-                        format!("'{role}' is not one of system, developer, user, assistant"),
-                    ))
-                }
-            };
-            if m.get("tool_calls").is_some_and(|v| !v.is_null()) {
-                return Err(ApiError::unsupported(
-                    &format!("messages[{i}].tool_calls"),
-                    "tool calling",
-                ));
-            }
-            let content = match m.get("content") {
-                None | Some(Value::Null) => String::new(),
-                Some(Value::String(s)) => s.clone(),
-                // Content parts: the text ones, concatenated.
-                Some(Value::Array(parts)) => parts
-                    .iter()
-                    .map(
-                        |p| match (p.get("type").and_then(Value::as_str), p.get("text")) {
-                            (Some("text"), Some(Value::String(t))) => Ok(t.as_str()),
-                            _ => Err(ApiError::bad(
-                                "messages",
-                                "only text content parts are supported",
-                            )),
-                        },
-                    )
-                    .collect::<ApiResult<Vec<&str>>>()?
-                    .concat(),
-                Some(_) => {
-                    return Err(ApiError::bad(
-                        "messages",
-                        "'content' must be a string or a list of parts",
-                    ))
-                }
-            };
-            let mut msg = BTreeMap::new();
-            msg.insert("role".to_string(), minijinja::Value::from(role));
-            msg.insert("content".to_string(), minijinja::Value::from(content));
-            Ok(msg)
-        })
-        .collect()
-}
-
 async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     match chat_inner(s, headers, body).await {
         Ok(r) => r,
@@ -1012,26 +367,7 @@ async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: B
 async fn chat_inner(s: AppState, headers: HeaderMap, body: Body) -> ApiResult<Response> {
     check_access(&s, &headers, true, true)?;
     let body = read_body(&s, &headers, body).await?;
-    let o = parse_body(&body)?;
-    let p = gen_params(&s, &o)?;
-    let messages = chat_messages(&o)?;
-    let template = s.chat_template.as_deref().ok_or_else(|| {
-        ApiError::bad(
-            "messages",
-            "this model has no chat template; use /v1/completions",
-        )
-    })?;
-    let tok = &s.tokenizer;
-    let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();
-    let (bos, eos) = (name(tok.bos_id), name(tok.eos_ids.first().copied()));
-    // As `sample --chat`: render, then encode without adding special tokens (the template
-    // spells them out).
-    let text = crate::chat::render_messages(template, &messages, true, &bos, &eos)
-        .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-    check_prompt_bytes(&s, &p, text.len(), "messages")?;
-    let prompt_ids = tok
-        .encode_with(&text, false)
-        .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+    let (p, prompt_ids) = prepare(&s, body, params::chat_request).await?;
     // No max_tokens: up to the context length (whatever the cache mode, to bound the run).
     let default_max = s
         .model_cfg

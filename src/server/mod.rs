@@ -4,10 +4,14 @@
 //! ```text
 //!  HTTP (axum on a 1-worker tokio runtime)        scheduler thread (rayon pool)
 //!  ───────────────────────────────────────        ─────────────────────────────
-//!  accept (connection cap, header/idle timeout, TLS)   [net]
-//!  host/origin/api-key/content-type checks, body read (timeout, size cap)
-//!  parse + validate the request (400 names the field)
-//!  render the chat template, tokenize
+//!  accept (connection cap, idle connections closed under pressure, TLS)   [net]
+//!  head checks (Host, 431), header/idle timeout                           [net]
+//!  host/origin/api-key/content-type checks, body read (timeout, size cap) [access]
+//!  ┄┄ blocking pool, one request at a time per two cores ┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄
+//!  parse + validate the request (400 names the field)                     [params]
+//!  render the chat template, tokenize (refused once past its token limit)
+//!  give freed memory back after a large body
+//!  ┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄┄
 //!  admission: reserve worst-case KV bytes, or wait in the bounded queue
 //!             ──429──▶ (queue full or queue timeout: Retry-After)
 //!  send a Job ─────────── std mpsc ─────────────▶ joins the batch between two steps
@@ -18,17 +22,25 @@
 //! * [`scheduler`]: the step loop. Every step runs all active sequences through one
 //!   [`Model::forward_sequences`](crate::model::Model::forward_sequences) (weights read
 //!   once per step), prompts in chunks so that a long prompt does not stall the others.
-//! * [`http`]: the endpoints and the OpenAI request/response shapes.
+//! * [`http`]: the endpoints, admission, and the response shapes (JSON or server-sent
+//!   events); `access` (who may call, the body's limits), `params` (a request's fields and
+//!   its prompt as ids) and `api` (the OpenAI error shape, field readers) serve it.
 //! * [`metrics`]: counters and gauges for `/metrics` (Prometheus text format).
 //! * [`net`]: the accept loop (hyper, one task per connection), timeouts, the connection
-//!   cap, TLS, and the drain on SIGTERM/SIGINT.
+//!   cap and what happens when it is reached, the checks on a request's head, TLS, and the
+//!   drain on SIGTERM/SIGINT.
 //!
-//! The server keeps no state between requests, so replicas scale behind any HTTP load
-//! balancer.
+//! The work of one request that is not generation (parsing, tokenising) is bounded by its
+//! limits and runs off the runtime's thread, so one request never stalls another's stream
+//! or `/health`. The server keeps no state between requests, so replicas scale behind any
+//! HTTP load balancer.
 
+mod access;
+mod api;
 pub mod http;
 pub mod metrics;
 pub mod net;
+mod params;
 pub mod scheduler;
 
 use crate::config::Config;
@@ -367,9 +379,44 @@ pub struct Shared {
     /// Set when the drain timeout passes or a second signal arrives: the scheduler ends
     /// every sequence at its next step.
     pub abort: AtomicBool,
+    /// Set when the drain's grace ends: request bodies still arriving are abandoned (503).
+    pub closing: Flag,
+    /// Turns for a request's CPU work off the runtime (parsing, tokenising): half the
+    /// cores, at least one, so that generation keeps the rest.
+    pub prep: tokio::sync::Semaphore,
     jobs: Mutex<Option<std::sync::mpsc::Sender<scheduler::Job>>>,
     /// Memo of [`worst_case_kv_bytes`] by (cache settings, length).
     estimates: Mutex<HashMap<(String, usize), usize>>,
+}
+
+/// A flag that can be awaited.
+#[derive(Debug, Default)]
+pub struct Flag {
+    set: AtomicBool,
+    notify: tokio::sync::Notify,
+}
+
+impl Flag {
+    pub fn set(&self) {
+        self.set.store(true, Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.set.load(Ordering::SeqCst)
+    }
+
+    /// Returns once the flag is set.
+    pub async fn wait(&self) {
+        let notified = self.notify.notified();
+        tokio::pin!(notified);
+        // Registered before the check, so a `set` between the two is not missed.
+        notified.as_mut().enable();
+        if self.is_set() {
+            return;
+        }
+        notified.await;
+    }
 }
 
 impl Shared {
@@ -406,6 +453,11 @@ impl Shared {
     }
 }
 
+/// Requests whose CPU work may run at once: half the cores, at least one.
+fn prep_turns() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
+}
+
 /// Runs the server until SIGTERM/SIGINT: binds `addr` (port 0 = any free port), calls
 /// `on_bound` with the bound address, serves, then drains ([`net::run`]) and returns.
 /// `threads` sizes the compute pool (default: all cores).
@@ -434,6 +486,8 @@ pub fn serve(
         metrics: Metrics::default(),
         draining: AtomicBool::new(false),
         abort: AtomicBool::new(false),
+        closing: Flag::default(),
+        prep: tokio::sync::Semaphore::new(prep_turns()),
         jobs: Mutex::new(Some(tx)),
         estimates: Mutex::new(HashMap::new()),
     });
@@ -444,6 +498,15 @@ pub fn serve(
     let pool = pool
         .build()
         .map_err(|e| Error::flag("--threads", e.to_string()))?;
+    // The tokenizer's trie for long prompts, built while the server starts.
+    let tokenizer = shared.tokenizer.clone();
+    std::thread::Builder::new()
+        .name("prepare-bounds".into())
+        .spawn(move || {
+            tokenizer.prepare_bounds();
+            crate::memory::release_free_memory();
+        })
+        .map_err(io)?;
     let sched_shared = Arc::clone(&shared);
     let scheduler = std::thread::Builder::new()
         .name("scheduler".into())

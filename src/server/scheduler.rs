@@ -9,7 +9,9 @@
 //!    keep decoding;
 //! 4. one [`Model::forward_sequences`] runs them all;
 //! 5. every sequence that produced logits samples its next token with its own sampler
-//!    (the sequences in parallel), and finished sequences (EOS, `max_tokens`, a stop string) leave.
+//!    (the sequences in parallel), and finished sequences (EOS, `max_tokens`, a stop string) leave;
+//!    when one whose cache held 16 MiB or more leaves, the memory it
+//!    freed is given back to the system ([`crate::memory::release_free_memory`]).
 //!
 //! A sequence past its deadline (`--request-timeout`) leaves at the start of a step with
 //! finish reason `length`; when the drain times out (`Shared::abort`) every sequence
@@ -99,17 +101,11 @@ struct Seq {
 /// Runs until the job channel is closed and every sequence has finished.
 pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>) {
     let m = &shared.metrics;
-    let tok = &shared.tokenizer;
     let mut seqs: Vec<Seq> = Vec::new();
-    // (end of step, tokens generated in it), last ~2 s, for the tok/s gauge.
-    let mut recent: VecDeque<(Instant, usize)> = VecDeque::new();
+    let mut gauges = Gauges::default();
     loop {
         if seqs.is_empty() {
-            m.set_decode_tok_s(0.0);
-            m.active.store(0, Ordering::Relaxed);
-            m.prefilling.store(0, Ordering::Relaxed);
-            m.kv_bytes_in_use.store(0, Ordering::Relaxed);
-            recent.clear();
+            gauges.idle(m);
             match jobs.recv() {
                 Ok(j) => seqs.push(start(model, j)),
                 Err(_) => return,
@@ -134,142 +130,213 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
             }
             continue;
         }
-        let now = Instant::now();
-        let mut i = 0;
-        while i < seqs.len() {
-            if seqs[i].job.deadline.is_some_and(|d| now >= d) {
-                let mut s = seqs.remove(i);
-                flush_final(&mut s, tok, false);
-                m.requests_timed_out.fetch_add(1, Ordering::Relaxed);
-                m.requests_finished.fetch_add(1, Ordering::Relaxed);
-                let done = Event::Done {
-                    reason: FinishReason::Length,
-                    prompt_tokens: s.job.prompt_ids.len(),
-                    completion_tokens: s.generated.len(),
-                };
-                leave(s, done);
-            } else {
-                i += 1;
-            }
-        }
+        expire(&mut seqs, shared);
         if seqs.is_empty() {
             continue;
         }
+        let Some(produced) = step(model, shared, &mut seqs) else {
+            continue;
+        };
+        gauges.after_step(m, &seqs, produced);
+    }
+}
 
-        // Which tokens each sequence runs this step.
-        let mut budget = shared.cfg.prefill_tokens_per_step.max(1);
-        let mut ran: Vec<(usize, usize)> = Vec::new(); // (seq index, tokens run)
-        let mut steps: Vec<SeqStep<'_>> = Vec::new();
-        for (i, s) in seqs.iter_mut().enumerate() {
-            let Seq {
-                job,
-                session,
-                prefilled,
-                pos,
-                next,
-                ..
-            } = s;
-            let prompt_left = job.prompt_ids.len() - *prefilled;
-            if prompt_left > 0 {
-                if budget == 0 {
-                    continue;
-                }
-                let take = prompt_left.min(budget);
-                budget -= take;
-                steps.push(SeqStep {
-                    session,
-                    tokens: &job.prompt_ids[*prefilled..*prefilled + take],
-                    start: *prefilled,
-                });
-                ran.push((i, take));
-            } else {
-                steps.push(SeqStep {
-                    session,
-                    tokens: std::slice::from_ref(next),
-                    start: *pos,
-                });
-                ran.push((i, 1));
-            }
+/// Caches at least this large give their memory back to the system when their sequence
+/// leaves ([`crate::memory::release_free_memory`]).
+const TRIM_AFTER_CACHE_BYTES: usize = 16 << 20;
+
+/// Sequences past their deadline (`--request-timeout`) leave with finish reason `length`.
+fn expire(seqs: &mut Vec<Seq>, shared: &Shared) {
+    let m = &shared.metrics;
+    let now = Instant::now();
+    let mut i = 0;
+    while i < seqs.len() {
+        if seqs[i].job.deadline.is_some_and(|d| now >= d) {
+            let mut s = seqs.remove(i);
+            flush_final(&mut s, &shared.tokenizer, false);
+            m.requests_timed_out.fetch_add(1, Ordering::Relaxed);
+            m.requests_finished.fetch_add(1, Ordering::Relaxed);
+            let done = Event::Done {
+                reason: FinishReason::Length,
+                prompt_tokens: s.job.prompt_ids.len(),
+                completion_tokens: s.generated.len(),
+            };
+            leave(s, done);
+        } else {
+            i += 1;
         }
-        let result = model.forward_sequences(&mut steps);
-        drop(steps);
-        if let Err(e) = result {
+    }
+}
+
+/// One step: every sequence's tokens through one batched forward, then the sampling;
+/// finished sequences leave. Returns the tokens generated, `None` when the forward failed
+/// (the sequences of the step then left with the error).
+fn step(model: &Model, shared: &Shared, seqs: &mut Vec<Seq>) -> Option<usize> {
+    let m = &shared.metrics;
+    let ran = match forward(model, shared, seqs) {
+        Ok(ran) => ran,
+        Err((ran, e)) => {
             // A model-level failure concerns every sequence of the step.
-            for &(i, _) in &ran {
+            let failed: Vec<usize> = ran.iter().map(|&(i, _)| i).collect();
+            for &i in &failed {
                 let _ = seqs[i].job.events.send(Event::Error(e.to_string()));
             }
-            let failed: Vec<usize> = ran.iter().map(|&(i, _)| i).collect();
             let mut idx = 0;
             seqs.retain(|_| {
                 idx += 1;
                 !failed.contains(&(idx - 1))
             });
-            continue;
+            return None;
         }
-
-        // Which sequences have logits to sample from (their prompt is all read).
-        let mut sample_now = vec![false; seqs.len()];
-        for &(i, n) in &ran {
-            let s = &mut seqs[i];
-            let prompt_len = s.job.prompt_ids.len();
+    };
+    // Which sequences have logits to sample from (their prompt is all read).
+    let mut sample_now = vec![false; seqs.len()];
+    for &(i, n) in &ran {
+        let s = &mut seqs[i];
+        let prompt_len = s.job.prompt_ids.len();
+        if s.prefilled < prompt_len {
+            s.prefilled += n;
+            m.prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
             if s.prefilled < prompt_len {
-                s.prefilled += n;
-                m.prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
-                if s.prefilled < prompt_len {
-                    continue;
-                }
-                s.pos = prompt_len;
-            } else {
-                s.pos += 1;
+                continue;
             }
-            sample_now[i] = true;
+            s.pos = prompt_len;
+        } else {
+            s.pos += 1;
         }
-        // Each sequence checks and samples its own logits (a pass or more over the
-        // vocabulary each): in parallel, they share nothing.
-        let picks: Vec<Option<Result<u32, usize>>> = seqs
-            .par_iter_mut()
-            .zip(&sample_now)
-            .map(|(s, &now)| {
-                now.then(|| {
-                    if s.session.logits.iter().any(|x| !x.is_finite()) {
-                        Err(s.pos - 1)
-                    } else {
-                        Ok(s.sampler.sample(&s.session.logits))
-                    }
-                })
-            })
-            .collect();
-        let mut produced = 0usize;
-        let mut finished: Vec<(usize, Event)> = Vec::new();
-        for (i, pick) in picks.into_iter().enumerate() {
-            match pick {
-                None => {}
-                Some(Err(pos)) => {
-                    let e = Event::Error(format!(
-                        "the model produced non-finite logits at position {pos}"
-                    ));
-                    finished.push((i, e));
-                }
-                Some(Ok(t)) => {
-                    produced += 1;
-                    if let Some(done) = accept(&mut seqs[i], t, tok) {
-                        m.requests_finished.fetch_add(1, Ordering::Relaxed);
-                        finished.push((i, done));
-                    }
-                }
-            }
-        }
-        m.tokens_generated
-            .fetch_add(produced as u64, Ordering::Relaxed);
-        m.steps.fetch_add(1, Ordering::Relaxed);
-        // Leave the batch, give the admission back, then tell the client: a client that
-        // sends its next request on seeing the end finds the slot free.
-        for (i, last) in finished.into_iter().rev() {
-            leave(seqs.remove(i), last);
-        }
+        sample_now[i] = true;
+    }
+    let produced = sample(seqs, &sample_now, shared);
+    m.tokens_generated
+        .fetch_add(produced as u64, Ordering::Relaxed);
+    m.steps.fetch_add(1, Ordering::Relaxed);
+    Some(produced)
+}
 
-        // Gauges.
+/// Which tokens each sequence runs this step (decoding sequences their last sampled token;
+/// those still reading their prompt share the prefill budget, oldest first), run through
+/// one [`Model::forward_sequences`]. Returns (sequence index, tokens run) per sequence
+/// that ran, with the error if the forward failed.
+#[allow(clippy::type_complexity)]
+fn forward(
+    model: &Model,
+    shared: &Shared,
+    seqs: &mut [Seq],
+) -> Result<Vec<(usize, usize)>, (Vec<(usize, usize)>, crate::Error)> {
+    let mut budget = shared.cfg.prefill_tokens_per_step.max(1);
+    let mut ran: Vec<(usize, usize)> = Vec::new();
+    let mut steps: Vec<SeqStep<'_>> = Vec::new();
+    for (i, s) in seqs.iter_mut().enumerate() {
+        let Seq {
+            job,
+            session,
+            prefilled,
+            pos,
+            next,
+            ..
+        } = s;
+        let prompt_left = job.prompt_ids.len() - *prefilled;
+        if prompt_left > 0 {
+            if budget == 0 {
+                continue;
+            }
+            let take = prompt_left.min(budget);
+            budget -= take;
+            steps.push(SeqStep {
+                session,
+                tokens: &job.prompt_ids[*prefilled..*prefilled + take],
+                start: *prefilled,
+            });
+            ran.push((i, take));
+        } else {
+            steps.push(SeqStep {
+                session,
+                tokens: std::slice::from_ref(next),
+                start: *pos,
+            });
+            ran.push((i, 1));
+        }
+    }
+    match model.forward_sequences(&mut steps) {
+        Ok(()) => Ok(ran),
+        Err(e) => Err((ran, e)),
+    }
+}
+
+/// Every sequence in `now` checks and samples its logits (a pass or more over the
+/// vocabulary each: in parallel, they share nothing) and takes the token; finished
+/// sequences leave, and a large cache's memory is given back. Returns the tokens sampled.
+fn sample(seqs: &mut Vec<Seq>, now: &[bool], shared: &Shared) -> usize {
+    let m = &shared.metrics;
+    let tok = &shared.tokenizer;
+    let picks: Vec<Option<Result<u32, usize>>> = seqs
+        .par_iter_mut()
+        .zip(now)
+        .map(|(s, &now)| {
+            now.then(|| {
+                if s.session.logits.iter().any(|x| !x.is_finite()) {
+                    Err(s.pos - 1)
+                } else {
+                    Ok(s.sampler.sample(&s.session.logits))
+                }
+            })
+        })
+        .collect();
+    let mut produced = 0usize;
+    let mut finished: Vec<(usize, Event)> = Vec::new();
+    for (i, pick) in picks.into_iter().enumerate() {
+        match pick {
+            None => {}
+            Some(Err(pos)) => {
+                let e = Event::Error(format!(
+                    "the model produced non-finite logits at position {pos}"
+                ));
+                finished.push((i, e));
+            }
+            Some(Ok(t)) => {
+                produced += 1;
+                if let Some(done) = accept(&mut seqs[i], t, tok) {
+                    m.requests_finished.fetch_add(1, Ordering::Relaxed);
+                    finished.push((i, done));
+                }
+            }
+        }
+    }
+    // Leave the batch, give the admission back, then tell the client: a client that
+    // sends its next request on seeing the end finds the slot free.
+    let mut large = false;
+    for (i, last) in finished.into_iter().rev() {
+        let s = seqs.remove(i);
+        large |= s.session.cache.bytes() >= TRIM_AFTER_CACHE_BYTES;
+        leave(s, last);
+    }
+    if large {
+        crate::memory::release_free_memory();
+    }
+    produced
+}
+
+/// The scheduler's gauges in [`super::metrics::Metrics`].
+#[derive(Default)]
+struct Gauges {
+    /// (end of step, tokens generated in it), last ~2 s, for the tok/s gauge.
+    recent: VecDeque<(Instant, usize)>,
+}
+
+impl Gauges {
+    /// Nothing runs.
+    fn idle(&mut self, m: &super::metrics::Metrics) {
+        m.set_decode_tok_s(0.0);
+        m.active.store(0, Ordering::Relaxed);
+        m.prefilling.store(0, Ordering::Relaxed);
+        m.kv_bytes_in_use.store(0, Ordering::Relaxed);
+        self.recent.clear();
+    }
+
+    /// After a step that generated `produced` tokens.
+    fn after_step(&mut self, m: &super::metrics::Metrics, seqs: &[Seq], produced: usize) {
         let now = Instant::now();
+        let recent = &mut self.recent;
         recent.push_back((now, produced));
         while recent
             .front()
