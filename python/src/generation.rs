@@ -28,6 +28,8 @@ type Item = (Option<u32>, String, Option<&'static str>);
 pub(crate) struct State {
     run: EngineRun<Arc<tinygpt_cpu::model::Model>>,
     gen: tinygpt_cpu::generate::Generation,
+    /// The prompt has gone through the cache.
+    prefilled: bool,
     stop: Vec<String>,
     /// Every generated id (the final text is their decoding).
     ids: Vec<u32>,
@@ -46,6 +48,7 @@ impl State {
         State {
             run,
             gen,
+            prefilled: false,
             stop,
             ids: Vec::new(),
             text: String::new(),
@@ -54,7 +57,7 @@ impl State {
         }
     }
 
-    /// Computes the next token and its text (on the model's pool, detached).
+    /// Computes the next token and its text (detached, by [`Shared::step`]).
     fn advance(&mut self, tok: &Tokenizer) -> tinygpt_cpu::Result<Item> {
         let Some(step) = self.gen.step(&mut self.run, tok)? else {
             return Ok((None, self.finish_with(tok, "length", false), self.finish));
@@ -165,7 +168,17 @@ impl Generation {
         let st: &mut State = &mut guard;
         let shared = &*self.shared;
         let tok = &shared.files.tokenizer;
-        let r = py.detach(|| catch(|| shared.compute(|| st.advance(tok))));
+        let r = py.detach(|| {
+            catch(|| {
+                // The prompt in the pool (batched products fork and join there), then
+                // the token as a decode step.
+                if !st.prefilled {
+                    shared.compute(|| st.gen.prefill(&mut st.run))?;
+                    st.prefilled = true;
+                }
+                shared.step(|| st.advance(tok))
+            })
+        });
         let item = match r {
             Ok(Ok(item)) => item,
             Ok(Err(e)) => {

@@ -9,10 +9,12 @@
 //! and `perplexity` call, so a bad value raises the CLI's one-line message.
 //!
 //! Threads and signals: the engine computes with the interpreter released
-//! (`Python::detach`), one token per release, on the model's rayon pool; between two tokens
-//! the interpreter is re-attached and pending signals run (`Python::check_signals`), so
-//! Ctrl-C raises `KeyboardInterrupt` within one step. A model computes one token at a time:
-//! two threads that share it take turns token by token ([`model::Shared::busy`]).
+//! (`Python::detach`), one token per release: a decode step on the calling thread or the
+//! model's rayon pool ([`model::Shared::step`]), a prefill on the pool
+//! ([`model::Shared::compute`]). Between two tokens the interpreter is re-attached and
+//! pending signals run (`Python::check_signals`), so Ctrl-C raises `KeyboardInterrupt`
+//! within one step. Steps take turns: threads that share a model (or models) interleave
+//! token by token.
 //!
 //! Errors: library errors become `FileNotFoundError` (a missing file), `OSError` (other I/O),
 //! `ValueError` (bad options, bad files, a prompt that does not fit) or `RuntimeError`

@@ -59,19 +59,43 @@ pub(crate) struct Shared {
     flags: Vec<String>,
     pub kv: KvConfig,
     pool: rayon::ThreadPool,
-    /// Held while a token is computed: the pool runs one step at a time (two decode
-    /// teams broadcast on one pool would wait for each other's members).
+    /// Whether decode steps run on the calling thread ([`Shared::step`]): when rayon
+    /// gives a thread outside any pool as many threads as the model's pool has.
+    here: bool,
+    /// Held while the pool computes: it runs one step at a time (two decode teams
+    /// broadcast on one pool would wait for each other's members).
     busy: Mutex<()>,
     /// The last run's cache: stored rows, current length, bytes.
     last: Mutex<[usize; 3]>,
 }
 
+/// Held while a decode step runs on a calling thread ([`Shared::step`]): one at a time in
+/// the process, as two barrier-team steps broadcast on rayon's global pool at once would
+/// wait for each other's members.
+static HERE: Mutex<()> = Mutex::new(());
+
 impl Shared {
-    /// Runs `f` on the model's pool, after any step another thread is running. Called
-    /// detached from the interpreter.
+    /// Runs `f` on the model's pool, after any step another thread is running there (a
+    /// prefill: its parallel regions fork and join inside the pool). Called detached
+    /// from the interpreter.
     pub fn compute<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
         let _turn = self.busy.lock().unwrap_or_else(|e| e.into_inner());
         self.pool.install(f)
+    }
+
+    /// Runs one decode step `f` (a forward pass of one token), detached from the
+    /// interpreter: on the calling thread when that gives the kernels the model's thread
+    /// count, else on the model's pool. On the calling thread a step runs as `sample`'s
+    /// do on their pool thread: alone, or as a relay team whose first member is the
+    /// calling thread; a pool would add two thread wake-ups per token (measured at about
+    /// 1 ms each on a machine busy with other work, 10% of a SmolLM2 token).
+    pub fn step<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        if self.here {
+            let _turn = HERE.lock().unwrap_or_else(|e| e.into_inner());
+            f()
+        } else {
+            self.compute(f)
+        }
     }
 
     /// Notes what `run`'s cache holds after `current_length` tokens (for `Model.kv`).
@@ -149,6 +173,7 @@ impl Model {
             })?
             .map_err(py_err)
         })?;
+        let here = pool.current_num_threads() == rayon::current_num_threads();
         Ok(Model {
             shared: Arc::new(Shared {
                 model: Arc::new(model),
@@ -156,6 +181,7 @@ impl Model {
                 flags,
                 kv,
                 pool,
+                here,
                 busy: Mutex::new(()),
                 last: Mutex::new([0; 3]),
             }),
@@ -359,7 +385,7 @@ impl Model {
             let (run, out) = (&mut run, &mut out);
             py.detach(|| {
                 catch(|| {
-                    s.compute(|| {
+                    s.step(|| {
                         let logits = run.forward(t, pos)?;
                         check_finite(logits, pos)?;
                         out.extend_from_slice(logits);
@@ -431,7 +457,7 @@ impl Engine for Polled<'_, '_> {
         let (run, shared) = (&mut self.run, self.shared);
         let r = self
             .py
-            .detach(|| catch(|| shared.compute(|| run.forward(token, pos).map(|_| ()))));
+            .detach(|| catch(|| shared.step(|| run.forward(token, pos).map(|_| ()))));
         match r {
             Ok(r) => r?,
             Err(e) => return Err(stopped(e, &mut self.pending)),
