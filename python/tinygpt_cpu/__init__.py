@@ -166,7 +166,9 @@ class Model:
             raise ValueError("stop: each stop string must be a non-empty string")
         if max_tokens is not None and max_tokens <= 0:
             max_tokens = None
-        if not isinstance(prompt, str):
+        if isinstance(prompt, bytes):
+            prompt = prompt.decode("utf-8")
+        elif not isinstance(prompt, str):
             prompt = [int(t) for t in prompt]
         return self._model.generate(prompt, flags, max_tokens, stops, chat)
 

@@ -4,15 +4,17 @@ Options are passed as the CLI flags they stand for ("--kv-quantize=int4", ...) a
 by the CLI's own definitions; tinygpt_cpu.Model builds them from its keyword arguments.
 """
 
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union, final
 
 import numpy as np
 import numpy.typing as npt
 
+__all__ = ["Generation", "Model", "__version__"]
 __version__: str
 
+@final
 class Model:
-    def __init__(self, path: Optional[str], flags: List[str]) -> None: ...
+    def __new__(cls, path: Optional[str], flags: List[str]) -> "Model": ...
     @property
     def path(self) -> str: ...
     @property
@@ -39,6 +41,7 @@ class Model:
     def eval_logits(self, ids: List[int]) -> npt.NDArray[np.float32]: ...
     def perplexity(self, text: str, flags: List[str]) -> Dict[str, Any]: ...
 
+@final
 class Generation:
     """Yields (token_id, text, finish_reason) per generated token; finish_reason is set on
     the last item only ("stop" or "length")."""
