@@ -74,6 +74,13 @@ pub fn render_messages(
     env.render_str(template, ctx).map_err(err)
 }
 
+/// The `bos_token` and `eos_token` strings a template may refer to: the tokenizer's BOS
+/// token and its first end-of-sequence token, each empty when it has none.
+pub fn special_tokens(tok: &crate::tokenizer::Tokenizer) -> (String, String) {
+    let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();
+    (name(tok.bos_id), name(tok.eos_ids.first().copied()))
+}
+
 /// A minimal `strftime` over today's UTC date: `%Y %m %d %B %b %A` and `%%`; other
 /// directives are left as they are. Templates use it to print the current date.
 fn strftime_utc(fmt: &str) -> String {

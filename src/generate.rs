@@ -1,10 +1,14 @@
-//! The prefill/decode loop shared by both engines, with timing and cache statistics.
+//! The prefill/decode loop shared by both engines, with timing and cache statistics:
+//! [`Generation`] steps it one token at a time for a caller that pulls (the Python
+//! package's streaming iterator), and [`generate_with`] runs it to the end with a callback
+//! (`sample`).
 
 use crate::error::{Error, Result};
 use crate::kv_cache::KvConfig;
 use crate::model::{Model, Session};
 use crate::sampler::{Sampler, SamplerConfig};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
+use std::ops::Deref;
 use std::time::Instant;
 
 /// Something that turns (token, position) into logits while keeping a KV cache.
@@ -38,15 +42,17 @@ pub trait Engine {
     }
 }
 
-/// The optimised engine with one session.
-pub struct EngineRun<'a> {
-    pub model: &'a Model,
+/// The optimised engine with one session. `M` is how the run holds the model: borrowed
+/// (`&Model`, as the CLI does) or shared (`Arc<Model>`, for a run that must own what it
+/// uses, such as a Python iterator).
+pub struct EngineRun<M: Deref<Target = Model>> {
+    pub model: M,
     pub session: Session,
     kv: KvConfig,
 }
 
-impl<'a> EngineRun<'a> {
-    pub fn new(model: &'a Model, kv: &KvConfig) -> Self {
+impl<M: Deref<Target = Model>> EngineRun<M> {
+    pub fn new(model: M, kv: &KvConfig) -> Self {
         EngineRun {
             session: model.session(kv),
             model,
@@ -55,7 +61,7 @@ impl<'a> EngineRun<'a> {
     }
 }
 
-impl Engine for EngineRun<'_> {
+impl<M: Deref<Target = Model>> Engine for EngineRun<M> {
     fn forward(&mut self, token: u32, pos: usize) -> Result<&[f32]> {
         self.model.forward(&mut self.session, token, pos)?;
         Ok(&self.session.logits)
@@ -433,7 +439,8 @@ pub fn generate(
 /// choice (the prompt's length against the context is the caller's to check, with
 /// [`GenerateOptions::check_prompt`]): `keep` holds `generated_ids` and `text` in the result; without it nothing grows
 /// with the number of generated tokens (both stay empty; `generated_tokens` counts). Stops
-/// early, with `interrupted` set, once [`crate::interrupt::requested`].
+/// early, with `interrupted` set, once [`crate::interrupt::requested`]. A loop over
+/// [`Generation::step`].
 pub fn generate_with(
     engine: &mut dyn Engine,
     tok: &Tokenizer,
@@ -442,56 +449,29 @@ pub fn generate_with(
     keep: bool,
     on_text: &mut dyn FnMut(&str) -> Result<()>,
 ) -> Result<GenerateResult> {
-    if prompt_ids.is_empty() {
-        return Err(Error::Generate(
-            "the prompt encodes to zero tokens and the tokenizer adds no BOS: give a non-empty --prompt".into(),
-        ));
-    }
-    let mut sampler = Sampler::new(opts.sampler.clone());
-
-    let t0 = Instant::now();
-    let mut pos = prompt_ids.len();
-    let logits = engine.prefill(prompt_ids, 0)?;
-    check_finite(logits, pos - 1)?;
-    let mut next = sampler.sample(logits);
-    let prefill_secs = t0.elapsed().as_secs_f64();
-
+    let mut gen = Generation::new(prompt_ids, opts)?;
+    gen.prefill(engine)?;
     let mut generated = Vec::new();
-    let mut n_generated = 0usize;
-    let mut stream = StreamDecoder::new();
-    let mut stopped_at_eos = false;
     let mut interrupted = false;
     let t1 = Instant::now();
-    let mut decode_steps = 0usize;
-    while n_generated < opts.max_tokens {
+    loop {
         if crate::interrupt::requested() {
-            interrupted = true;
+            interrupted = !gen.finished();
             break;
         }
-        n_generated += 1;
+        let Some(step) = gen.step(engine, tok)? else {
+            break;
+        };
         if keep {
-            generated.push(next);
+            generated.push(step.id);
         }
-        if tok.is_eos(next) && !opts.ignore_eos {
-            stopped_at_eos = true;
-            break;
+        if !step.text.is_empty() {
+            on_text(&step.text)?;
         }
-        let delta = stream.push(tok, next)?;
-        if !delta.is_empty() {
-            on_text(&delta)?;
-        }
-        if n_generated == opts.max_tokens {
-            break;
-        }
-        let logits = engine.forward(next, pos)?;
-        check_finite(logits, pos)?;
-        pos += 1;
-        decode_steps += 1;
-        next = sampler.sample(logits);
     }
     let decode_secs = t1.elapsed().as_secs_f64();
     let text = if keep {
-        let n = generated.len() - usize::from(stopped_at_eos);
+        let n = generated.len() - usize::from(gen.stopped_at_eos());
         tok.decode(&generated[..n])?
     } else {
         String::new()
@@ -499,15 +479,193 @@ pub fn generate_with(
     Ok(GenerateResult {
         prompt_ids: prompt_ids.to_vec(),
         generated_ids: generated,
-        generated_tokens: n_generated,
+        generated_tokens: gen.generated(),
         text,
-        prefill_secs,
+        prefill_secs: gen.prefill_secs(),
         decode_secs,
-        decode_steps,
+        decode_steps: gen.decode_steps(),
         stored_tokens: engine.stored_tokens(),
-        current_length: pos,
+        current_length: gen.current_length(),
         kv_bytes: engine.kv_bytes(),
-        stopped_at_eos,
+        stopped_at_eos: gen.stopped_at_eos(),
         interrupted,
     })
+}
+
+/// One token of a [`Generation`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    /// The token generated.
+    pub id: u32,
+    /// The text it completes, as `sample` streams it ([`StreamDecoder`]): possibly empty
+    /// (part of a UTF-8 character, a special token, the end-of-sequence token).
+    pub text: String,
+    /// `id` ended the generation as the model's end-of-sequence token (`ignore_eos` off);
+    /// its `text` is empty.
+    pub eos: bool,
+}
+
+/// A generation its caller advances one token at a time: the pull form of
+/// [`generate_with`], which loops over it. The first [`step`](Self::step) prefills the
+/// prompt (unless [`prefill`](Self::prefill) did) and returns the first token; each later
+/// step feeds the previous token through the cache and samples the next, so a caller that
+/// stops pulling has computed nothing it was not given. The engine and tokenizer are the
+/// caller's, passed to each call: the same ones every time.
+pub struct Generation {
+    sampler: Sampler,
+    stream: StreamDecoder,
+    /// The prompt, until it is prefilled.
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    ignore_eos: bool,
+    /// Tokens in the cache (the prompt's length once prefilled, then one more per step).
+    pos: usize,
+    /// The token sampled but not returned yet (after the prefill, or after a step's
+    /// forward pass).
+    next: Option<u32>,
+    /// The last token returned, fed through the cache at the next step.
+    last: Option<u32>,
+    generated: usize,
+    finished: bool,
+    stopped_at_eos: bool,
+    prefill_secs: f64,
+    decode_secs: f64,
+    decode_steps: usize,
+}
+
+impl Generation {
+    /// A generation of up to `opts`' `max_tokens` tokens after `prompt_ids`. Refuses an
+    /// empty prompt; the prompt's length against the context is the caller's to check
+    /// ([`GenerateOptions::check_prompt`]).
+    pub fn new(prompt_ids: &[u32], opts: &GenerateOptions) -> Result<Generation> {
+        if prompt_ids.is_empty() {
+            return Err(Error::Generate(
+                "the prompt encodes to zero tokens and the tokenizer adds no BOS: give a non-empty --prompt".into(),
+            ));
+        }
+        Ok(Generation {
+            sampler: Sampler::new(opts.sampler.clone()),
+            stream: StreamDecoder::new(),
+            prompt: prompt_ids.to_vec(),
+            max_tokens: opts.max_tokens,
+            ignore_eos: opts.ignore_eos,
+            pos: 0,
+            next: None,
+            last: None,
+            generated: 0,
+            finished: false,
+            stopped_at_eos: false,
+            prefill_secs: 0.0,
+            decode_secs: 0.0,
+            decode_steps: 0,
+        })
+    }
+
+    /// Runs the prompt through `engine` (a fresh cache) and samples the first token, unless
+    /// that was done already. An error ends the generation.
+    pub fn prefill(&mut self, engine: &mut dyn Engine) -> Result<()> {
+        if self.finished || self.next.is_some() || self.last.is_some() {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let r = engine.prefill(&self.prompt, 0).and_then(|logits| {
+            check_finite(logits, self.prompt.len() - 1)?;
+            Ok(self.sampler.sample(logits))
+        });
+        self.prefill_secs = t0.elapsed().as_secs_f64();
+        match r {
+            Ok(t) => {
+                self.pos = self.prompt.len();
+                self.prompt = Vec::new();
+                self.next = Some(t);
+                Ok(())
+            }
+            Err(e) => {
+                self.finished = true;
+                Err(e)
+            }
+        }
+    }
+
+    /// The next token, or `None` once the generation has ended (end-of-sequence, or
+    /// `max_tokens` tokens). An error ends the generation.
+    pub fn step(&mut self, engine: &mut dyn Engine, tok: &Tokenizer) -> Result<Option<Step>> {
+        self.prefill(engine)?;
+        let r = self.advance(engine, tok);
+        if r.is_err() {
+            self.finished = true;
+        }
+        r
+    }
+
+    fn advance(&mut self, engine: &mut dyn Engine, tok: &Tokenizer) -> Result<Option<Step>> {
+        if self.finished || self.generated >= self.max_tokens {
+            self.finished = true;
+            return Ok(None);
+        }
+        let id = match (self.next.take(), self.last) {
+            (Some(t), _) => t,
+            (None, Some(prev)) => {
+                let t = Instant::now();
+                let logits = engine.forward(prev, self.pos)?;
+                check_finite(logits, self.pos)?;
+                self.pos += 1;
+                self.decode_steps += 1;
+                let next = self.sampler.sample(logits);
+                self.decode_secs += t.elapsed().as_secs_f64();
+                next
+            }
+            (None, None) => return Err(Error::Generate("generation was not prefilled".into())),
+        };
+        self.generated += 1;
+        self.last = Some(id);
+        if tok.is_eos(id) && !self.ignore_eos {
+            self.finished = true;
+            self.stopped_at_eos = true;
+            return Ok(Some(Step {
+                id,
+                text: String::new(),
+                eos: true,
+            }));
+        }
+        let text = self.stream.push(tok, id)?;
+        if self.generated == self.max_tokens {
+            self.finished = true;
+        }
+        Ok(Some(Step {
+            id,
+            text,
+            eos: false,
+        }))
+    }
+
+    /// Whether the generation has ended ([`step`](Self::step) returns `None` from now on).
+    pub fn finished(&self) -> bool {
+        self.finished
+    }
+    /// Tokens returned so far (the end-of-sequence token included).
+    pub fn generated(&self) -> usize {
+        self.generated
+    }
+    /// Whether the generation ended on the end-of-sequence token.
+    pub fn stopped_at_eos(&self) -> bool {
+        self.stopped_at_eos
+    }
+    /// Tokens that went through the cache: the prompt and every returned token but the
+    /// last (which is only fed at the next step).
+    pub fn current_length(&self) -> usize {
+        self.pos
+    }
+    /// Seconds the prefill and the first sample took.
+    pub fn prefill_secs(&self) -> f64 {
+        self.prefill_secs
+    }
+    /// Seconds the decode steps (forward pass and sample) took, summed.
+    pub fn decode_secs(&self) -> f64 {
+        self.decode_secs
+    }
+    /// Tokens fed through the cache after the prompt.
+    pub fn decode_steps(&self) -> usize {
+        self.decode_steps
+    }
 }

@@ -244,6 +244,13 @@ impl EngineArgs {
         f: impl FnOnce() -> anyhow::Result<T> + Send,
     ) -> anyhow::Result<T> {
         self.engine.available()?;
+        self.thread_pool()?.install(f)
+    }
+
+    /// The rayon pool of `--threads` threads (default: all cores), checked, with the
+    /// adaptive choice between the team and one thread turned on for the process when
+    /// `--threads` is not given ([`crate::threads::set_adaptive`]).
+    pub fn thread_pool(&self) -> Result<rayon::ThreadPool> {
         let mut b = rayon::ThreadPoolBuilder::new();
         // Without --threads, decode steps pick the team or one thread by measured speed.
         crate::threads::set_adaptive(self.threads.is_none());
@@ -252,15 +259,12 @@ impl EngineArgs {
                 return Err(Error::flag(
                     "--threads",
                     format!("must be between 1 and 1024, got {n}"),
-                )
-                .into());
+                ));
             }
             b = b.num_threads(n);
         }
-        let pool = b
-            .build()
-            .map_err(|e| Error::flag("--threads", e.to_string()))?;
-        pool.install(f)
+        b.build()
+            .map_err(|e| Error::flag("--threads", e.to_string()))
     }
 }
 

@@ -86,7 +86,7 @@ fn run_in_pool(a: PerplexityArgs) -> anyhow::Result<()> {
 }
 
 /// The checks that need neither the text nor the model.
-fn check_flags(a: &PerplexityArgs) -> crate::Result<()> {
+pub fn check_flags(a: &PerplexityArgs) -> crate::Result<()> {
     if a.chunk == 0 {
         return Err(Error::flag("--chunk", "must be > 0"));
     }
@@ -104,7 +104,7 @@ fn check_flags(a: &PerplexityArgs) -> crate::Result<()> {
 }
 
 /// The text's tokens (at most `--max-tokens`), enough of them for what was asked.
-fn tokens_of(a: &PerplexityArgs, files: &ModelFiles, text: &str) -> crate::Result<Vec<u32>> {
+pub fn tokens_of(a: &PerplexityArgs, files: &ModelFiles, text: &str) -> crate::Result<Vec<u32>> {
     let mut tokens = files.tokenizer.encode(text)?;
     if let Some(n) = a.max_tokens {
         tokens.truncate(n);
@@ -134,7 +134,7 @@ fn tokens_of(a: &PerplexityArgs, files: &ModelFiles, text: &str) -> crate::Resul
 
 /// Refuses a mode the model cannot run over `n_tokens` tokens: an invalid cache, a run
 /// past the context length, or a cache that would not fit in memory.
-fn check_mode(
+pub fn check_mode(
     a: &PerplexityArgs,
     files: &ModelFiles,
     kv: &KvConfig,
@@ -216,12 +216,7 @@ type ModeResult = (String, PplResult, Option<SinkReport>);
 fn print_results(a: &PerplexityArgs, results: &[ModeResult]) -> anyhow::Result<()> {
     if a.json {
         let first = &results[0];
-        let mut v = serde_json::json!({
-            "tokens": first.1.tokens,
-            "ppl": first.1.ppl,
-            "nll_mean": first.1.nll_mean,
-            "chunks": first.1.chunks,
-        });
+        let mut v = result_json(&first.1);
         if a.compare_modes.is_some() {
             v["modes"] = serde_json::Value::Array(
                 results
@@ -269,6 +264,16 @@ fn print_results(a: &PerplexityArgs, results: &[ModeResult]) -> anyhow::Result<(
         }
     }
     Ok(())
+}
+
+/// The `--json` object of one run (docs/design.md §4): `tokens`, `ppl`, `nll_mean`, `chunks`.
+pub fn result_json(r: &PplResult) -> serde_json::Value {
+    serde_json::json!({
+        "tokens": r.tokens,
+        "ppl": r.ppl,
+        "nll_mean": r.nll_mean,
+        "chunks": r.chunks,
+    })
 }
 
 /// A short name for one cache configuration.

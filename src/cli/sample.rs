@@ -2,9 +2,10 @@
 
 use super::common::{human_bytes, open_model, CacheArgs, EngineArgs, EngineKind, Loaded};
 use crate::error::Error;
-use crate::generate::{generate_with, GenerateResult};
+use crate::generate::{generate_with, GenerateOptions, GenerateResult};
 use crate::kv_cache::KvConfig;
 use crate::sampler::SamplerConfig;
+use crate::weights::ModelFiles;
 use crate::{errln, outln};
 use clap::Args;
 use std::path::PathBuf;
@@ -61,71 +62,10 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
     let t_load = Instant::now();
     let files = open_model(&a.model)?;
     crate::kv_cache::validate(&kv, &files.config)?;
-    let seed = a.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0)
-    });
-    let sampler = SamplerConfig {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        seed,
-    };
-    let opts = a
-        .cache
-        .generate_options(&kv, &files.config, a.tokens, sampler, a.ignore_eos)?;
-    let prompt_text = if a.chat {
-        let template = files.chat_template.as_deref().ok_or_else(|| {
-            Error::flag(
-                "--chat",
-                format!("{} has no chat template", files.path.display()),
-            )
-        })?;
-        let tok = &files.tokenizer;
-        let bos = tok
-            .bos_id
-            .and_then(|i| tok.id_to_token(i))
-            .unwrap_or_default();
-        let eos = tok
-            .eos_ids
-            .first()
-            .and_then(|&i| tok.id_to_token(i))
-            .unwrap_or_default();
-        crate::chat::render_chat(template, &a.prompt, &bos, &eos)?
-    } else {
-        a.prompt.clone()
-    };
-    // A prompt that cannot fit the context whatever it encodes to is refused unread.
-    opts.check_prompt_bytes(
-        prompt_text.len(),
-        &files.tokenizer,
-        None,
-        crate::generate::Surface::Cli,
-    )?;
-    let prompt_ids = if a.chat {
-        // The template already spells out BOS and control tokens.
-        files.tokenizer.encode_with(&prompt_text, false)?
-    } else {
-        files.tokenizer.encode(&prompt_text)?
-    };
-    opts.check_prompt(prompt_ids.len())?;
-    let total = prompt_ids.len().saturating_add(a.tokens);
-    let rows = kv
-        .window
-        .map_or(total, |w| total.min(kv.sink.saturating_add(w)));
-    let kv_bytes = rows as u128
-        * crate::memory::kv_bytes_per_token(&files.config, crate::memory::widest_precision(&kv))
-        * crate::memory::GROWTH_SLACK;
-    crate::memory::check_fits(kv_bytes).map_err(|m| {
-        let flag = if kv.window.is_some() {
-            "--streaming-llm-window"
-        } else {
-            "--tokens"
-        };
-        Error::flag(flag, format!("a KV cache of {rows} tokens {m}"))
-    })?;
+    let (opts, seed) = options(&a, &files, &kv)?;
+    let prompt_text = prompt_text(&a, &files)?;
+    let prompt_ids = prompt_ids(&a, &files, &opts, &prompt_text)?;
+    check_kv_fits(&a, &files, &kv, prompt_ids.len())?;
     let wdtype = a.engine.weights_dtype(files.format);
     crate::memory::check_weights_fit(&files, wdtype, a.engine.engine == EngineKind::Reference)?;
 
@@ -174,6 +114,98 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The generation settings `a` asks for on `files` through `kv` (the sampler validated),
+/// and the seed: `--seed`, else one from the clock.
+pub fn options(
+    a: &SampleArgs,
+    files: &ModelFiles,
+    kv: &KvConfig,
+) -> crate::Result<(GenerateOptions, u64)> {
+    let seed = a.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
+    });
+    let sampler = SamplerConfig {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed,
+    };
+    let opts = a
+        .cache
+        .generate_options(kv, &files.config, a.tokens, sampler, a.ignore_eos)?;
+    Ok((opts, seed))
+}
+
+/// The text `sample` feeds the model: `--prompt`, wrapped in the model's chat template
+/// with `--chat`.
+pub fn prompt_text(a: &SampleArgs, files: &ModelFiles) -> crate::Result<String> {
+    if !a.chat {
+        return Ok(a.prompt.clone());
+    }
+    let template = files.chat_template.as_deref().ok_or_else(|| {
+        Error::flag(
+            "--chat",
+            format!("{} has no chat template", files.path.display()),
+        )
+    })?;
+    let (bos, eos) = crate::chat::special_tokens(&files.tokenizer);
+    crate::chat::render_chat(template, &a.prompt, &bos, &eos)
+}
+
+/// The ids of `text` (what [`prompt_text`] gave, or a chat its caller rendered when
+/// `a.chat`), checked against the context: a text that cannot fit is refused unread.
+pub fn prompt_ids(
+    a: &SampleArgs,
+    files: &ModelFiles,
+    opts: &GenerateOptions,
+    text: &str,
+) -> crate::Result<Vec<u32>> {
+    // A prompt that cannot fit the context whatever it encodes to is refused unread.
+    opts.check_prompt_bytes(
+        text.len(),
+        &files.tokenizer,
+        None,
+        crate::generate::Surface::Cli,
+    )?;
+    let ids = if a.chat {
+        // The template already spells out BOS and control tokens.
+        files.tokenizer.encode_with(text, false)?
+    } else {
+        files.tokenizer.encode(text)?
+    };
+    opts.check_prompt(ids.len())?;
+    Ok(ids)
+}
+
+/// Refuses a run of `a.tokens` tokens after a `prompt_len`-token prompt whose KV cache
+/// would not fit in memory (naming `--streaming-llm-window`, or `--tokens` for a dense
+/// cache).
+pub fn check_kv_fits(
+    a: &SampleArgs,
+    files: &ModelFiles,
+    kv: &KvConfig,
+    prompt_len: usize,
+) -> crate::Result<()> {
+    let total = prompt_len.saturating_add(a.tokens);
+    let rows = kv
+        .window
+        .map_or(total, |w| total.min(kv.sink.saturating_add(w)));
+    let kv_bytes = rows as u128
+        * crate::memory::kv_bytes_per_token(&files.config, crate::memory::widest_precision(kv))
+        * crate::memory::GROWTH_SLACK;
+    crate::memory::check_fits(kv_bytes).map_err(|m| {
+        let flag = if kv.window.is_some() {
+            "--streaming-llm-window"
+        } else {
+            "--tokens"
+        };
+        Error::flag(flag, format!("a KV cache of {rows} tokens {m}"))
+    })
+}
+
 /// The `--json` object of docs/design.md §4.
 pub fn json_report(
     res: &GenerateResult,
@@ -185,27 +217,47 @@ pub fn json_report(
         "prompt_ids": res.prompt_ids,
         "generated_ids": res.generated_ids,
         "text": res.text,
-        "kv": {
-            "quantize": kv.precision.name(),
-            "group_size": kv.group_size,
-            "sink": kv.sink,
-            "window": kv.window,
-            "positions": kv.positions.name(),
-            "quantize_k": kv.key_precision().name(),
-            "quantize_v": kv.value_precision().name(),
-            "residual": kv.residual,
-            "key_rope": kv.key_rope.name(),
-            // what `auto` resolved to
-            "rotation": if kv.rotates(head_dim) { "hadamard" } else { "none" },
-            "stored_tokens": res.stored_tokens,
-            "current_length": res.current_length,
-            "bytes": res.kv_bytes,
-            "layers_with_kv": layers_with_kv,
-        },
+        "kv": kv_json(
+            kv,
+            head_dim,
+            layers_with_kv,
+            res.stored_tokens,
+            res.current_length,
+            res.kv_bytes
+        ),
         "timing": {
             "prefill_tok_s": res.prefill_tok_s(),
             "decode_tok_s": res.decode_tok_s(),
         }
+    })
+}
+
+/// The `kv` object of the `--json` report: the cache's settings (`rotation` as `auto`
+/// resolved for `head_dim`) and what it holds after a run.
+pub fn kv_json(
+    kv: &KvConfig,
+    head_dim: usize,
+    layers_with_kv: usize,
+    stored_tokens: usize,
+    current_length: usize,
+    bytes: usize,
+) -> serde_json::Value {
+    serde_json::json!({
+        "quantize": kv.precision.name(),
+        "group_size": kv.group_size,
+        "sink": kv.sink,
+        "window": kv.window,
+        "positions": kv.positions.name(),
+        "quantize_k": kv.key_precision().name(),
+        "quantize_v": kv.value_precision().name(),
+        "residual": kv.residual,
+        "key_rope": kv.key_rope.name(),
+        // what `auto` resolved to
+        "rotation": if kv.rotates(head_dim) { "hadamard" } else { "none" },
+        "stored_tokens": stored_tokens,
+        "current_length": current_length,
+        "bytes": bytes,
+        "layers_with_kv": layers_with_kv,
     })
 }
 
