@@ -6,6 +6,7 @@
 #   scripts/test-aarch64.sh                      # kernel tests (lib, kernels, qdot_dispatch,
 #                                                # kquant_dispatch, float_dispatch, kv_cache)
 #   scripts/test-aarch64.sh --test golden_tiny   # any `cargo test` selection instead
+#   scripts/test-aarch64.sh --tools-only         # install the cross tools, then exit (CI)
 #
 # Tests that start the CLI binary start it through the same qemu runner
 # (tests/common/mod.rs `cli()` reads CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER).
@@ -37,6 +38,10 @@ if ! install_tools; then
     fi
     echo "error: could not install the $TARGET rustup target, aarch64-linux-gnu-gcc or qemu-user" >&2
     exit 1
+fi
+
+if [ "${1:-}" = --tools-only ]; then
+    exit 0
 fi
 
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc

@@ -101,8 +101,12 @@ pub fn dot8(w: &[f32], x: &[f32]) -> f32 {
     assert_eq!(w.len(), x.len(), "dot8 lengths");
     let n8 = w.len() - w.len() % 8;
     let mut lanes = [0.0f32; 8];
-    for i in 0..n8 {
-        lanes[i % 8] = madd(w[i], x[i], lanes[i % 8]);
+    // Element `i` goes to lane `i % 8`, chunk after chunk (written per chunk so that the
+    // compiler keeps the lanes in registers; the order is the same).
+    for (wc, xc) in w[..n8].chunks_exact(8).zip(x[..n8].chunks_exact(8)) {
+        for l in 0..8 {
+            lanes[l] = madd(wc[l], xc[l], lanes[l]);
+        }
     }
     tree8(lanes) + tail(w, x, n8)
 }
@@ -187,8 +191,11 @@ pub fn dot_score_block(q: &[f32], k: &[f32]) -> f32 {
     let n = q.len();
     let n8 = n - n % 8;
     let mut lanes = [0.0f32; 8];
-    for i in 0..n8 {
-        lanes[i % 8] = madd(k[i], q[i], lanes[i % 8]);
+    // element `i` into lane `i % 8`, chunk after chunk (as in [`dot8`])
+    for (kc, qc) in k[..n8].chunks_exact(8).zip(q[..n8].chunks_exact(8)) {
+        for l in 0..8 {
+            lanes[l] = madd(kc[l], qc[l], lanes[l]);
+        }
     }
     let mut t = 0.0f32;
     for j in n8..n {
