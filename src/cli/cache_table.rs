@@ -80,7 +80,53 @@ pub fn measure(cfg: &crate::config::Config, kv: &KvConfig, t: usize) -> usize {
     cache.bytes()
 }
 
+/// One row of the table: mode, the bytes the same eviction holds at fp32 and at bf16 (for
+/// the ratio columns), tokens, bytes.
+type Row = (String, usize, usize, usize, usize);
+
+/// `cache-table`: checks the flags, opens the model, measures every mode at every length,
+/// then draws `--plot` and prints the JSON object or the table.
 pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
+    let (lengths, names) = parse_lists(&a)?;
+    if let Some(p) = &a.plot {
+        super::plot::check_output(p)?;
+    }
+    let files = open_model(&a.model)?;
+    let cfg = &files.config;
+    // The largest cache measured is the dense fp32 one at the longest length.
+    let longest = lengths.iter().copied().max().unwrap_or(0);
+    let bytes = longest as u128
+        * crate::memory::kv_bytes_per_token(cfg, Precision::Fp32)
+        * crate::memory::GROWTH_SLACK;
+    crate::memory::check_fits(bytes).map_err(|m| {
+        Error::flag(
+            "--lengths",
+            format!("a dense fp32 cache of {longest} tokens of this model {m}"),
+        )
+    })?;
+    let (rows, series) = measure_modes(&a, cfg, &lengths, &names)?;
+    if let Some(path) = &a.plot {
+        line_chart(
+            path,
+            "KV cache bytes vs tokens",
+            "tokens",
+            "KiB held by the cache",
+            &series,
+        )?;
+    }
+    if a.json {
+        let v: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|(m, _, _, t, b)| serde_json::json!({"mode": m, "tokens": t, "bytes": b}))
+            .collect();
+        outln!("{}", serde_json::json!({ "rows": v }))?;
+        return Ok(());
+    }
+    print_table(&a, &files.path, cfg, &rows)
+}
+
+/// `--lengths` and `--modes` as lists, after checking them and the other numeric flags.
+fn parse_lists(a: &CacheTableArgs) -> anyhow::Result<(Vec<usize>, Vec<&str>)> {
     let lengths: Vec<usize> = a
         .lengths
         .split(',')
@@ -118,26 +164,21 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
     if names.is_empty() {
         return Err(Error::flag("--modes", "no modes given").into());
     }
-    if let Some(p) = &a.plot {
-        super::plot::check_output(p)?;
-    }
-    let files = open_model(&a.model)?;
-    let cfg = &files.config;
-    // The largest cache measured is the dense fp32 one at the longest length.
-    let longest = lengths.iter().copied().max().unwrap_or(0);
-    let bytes = longest as u128
-        * crate::memory::kv_bytes_per_token(cfg, Precision::Fp32)
-        * crate::memory::GROWTH_SLACK;
-    crate::memory::check_fits(bytes).map_err(|m| {
-        Error::flag(
-            "--lengths",
-            format!("a dense fp32 cache of {longest} tokens of this model {m}"),
-        )
-    })?;
+    Ok((lengths, names))
+}
+
+/// Measures every mode, dense then with StreamingLLM's sink and window, at every length:
+/// the table's rows and the plot's series.
+fn measure_modes(
+    a: &CacheTableArgs,
+    cfg: &crate::config::Config,
+    lengths: &[usize],
+    names: &[&str],
+) -> anyhow::Result<(Vec<Row>, Vec<Series>)> {
     let mut rows = Vec::new();
     let mut series = Vec::new();
     for streaming in [false, true] {
-        for name in &names {
+        for name in names {
             let mut kv = KvConfig {
                 group_size: a.group_size,
                 sink: if streaming { a.sink } else { 0 },
@@ -156,7 +197,7 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
                 kv.quant_name()
             };
             let mut pts = Vec::new();
-            for &t in &lengths {
+            for &t in lengths {
                 let bytes = measure(cfg, &kv, t);
                 pts.push((t as f64, bytes as f64 / 1024.0));
                 // the same eviction at fp32 and bf16, for the ratio columns
@@ -186,23 +227,16 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
             });
         }
     }
-    if let Some(path) = &a.plot {
-        line_chart(
-            path,
-            "KV cache bytes vs tokens",
-            "tokens",
-            "KiB held by the cache",
-            &series,
-        )?;
-    }
-    if a.json {
-        let v: Vec<serde_json::Value> = rows
-            .iter()
-            .map(|(m, _, _, t, b)| serde_json::json!({"mode": m, "tokens": t, "bytes": b}))
-            .collect();
-        outln!("{}", serde_json::json!({ "rows": v }))?;
-        return Ok(());
-    }
+    Ok((rows, series))
+}
+
+/// The text table: a header naming the model and its cache shape, then one line per row.
+fn print_table(
+    a: &CacheTableArgs,
+    path: &std::path::Path,
+    cfg: &crate::config::Config,
+    rows: &[Row],
+) -> anyhow::Result<()> {
     let sliding = (0..cfg.layers_with_kv())
         .filter(|&l| cfg.attention_type(l) != crate::config::AttentionType::Full)
         .count();
@@ -218,7 +252,7 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
     };
     outln!(
         "KV cache of {} ({layers} x {} KV heads x head_dim {}), group {}; bytes measured from filled caches",
-        files.path.display(),
+        path.display(),
         cfg.n_kv_heads,
         cfg.head_dim,
         a.group_size
@@ -232,7 +266,7 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
         "vs fp32",
         "vs bf16"
     )?;
-    for (m, fp32, bf16, t, b) in &rows {
+    for (m, fp32, bf16, t, b) in rows {
         outln!(
             "{:<28} {:>8} {:>14} {:>12} {:>9.3} {:>9.3}",
             m,

@@ -27,7 +27,10 @@
 //!   when `tokenizer.ggml.add_eos_token` is true (both default to false for gpt2 files; SmolLM2's
 //!   file says false, so `encode(text, true)` adds nothing).
 //!
-//! SentencePiece (`llama`), `t5` and other kinds are refused with an error naming the kind.
+//! - `tokenizer.ggml.model = "llama"` → SentencePiece, rebuilt as transformers does (a BPE
+//!   with byte fallback; the `spm` module below says how).
+//!
+//! `t5` and other kinds are refused with an error naming the kind.
 
 use super::reader::GgufValue;
 use crate::error::{Error, Result};
@@ -524,6 +527,70 @@ mod spm {
         let tokens = strings(meta, "tokenizer.ggml.tokens", path)?
             .ok_or_else(|| err("missing metadata 'tokenizer.ggml.tokens'".into()))?;
         let n = tokens.len();
+        let (scores, types) = scores_and_types(meta, n, path)?;
+        let unk = opt_id(meta, "tokenizer.ggml.unknown_token_id", n, path)?;
+        let bos = opt_id(meta, "tokenizer.ggml.bos_token_id", n, path)?;
+        let eos = opt_id(meta, "tokenizer.ggml.eos_token_id", n, path)?;
+        let add_bos = opt_bool(meta, "tokenizer.ggml.add_bos_token", path)?.unwrap_or(true);
+        let add_eos = opt_bool(meta, "tokenizer.ggml.add_eos_token", path)?.unwrap_or(false);
+        let add_prefix = opt_bool(meta, "tokenizer.ggml.add_space_prefix", path)?.unwrap_or(true);
+
+        let (vocab, merges_json) = vocab_and_merges(tokens, &scores);
+        let added = added_tokens(tokens, &types);
+        let normalizer = match add_prefix {
+            true => json!({"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+            ]}),
+            false => json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}),
+        };
+        let mut decoders = vec![
+            json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
+            json!({"type": "ByteFallback"}),
+            json!({"type": "Fuse"}),
+        ];
+        if add_prefix {
+            decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+        }
+        let (single, specials) = template(tokens, (add_bos, bos), (add_eos, eos), path)?;
+        let tokenizer = json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": normalizer,
+            "pre_tokenizer": null,
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": single,
+                "pair": single,
+                "special_tokens": specials,
+            },
+            "decoder": {"type": "Sequence", "decoders": decoders},
+            "model": {
+                "type": "BPE",
+                "dropout": null,
+                "unk_token": unk.map(|u| tokens[u].clone()),
+                "continuing_subword_prefix": null,
+                "end_of_word_suffix": null,
+                "fuse_unk": true,
+                "byte_fallback": true,
+                "ignore_merges": false,
+                "vocab": vocab,
+                "merges": merges_json,
+            },
+        });
+        Ok(tokenizer.to_string())
+    }
+
+    /// `tokenizer.ggml.scores` (required) and `tokenizer.ggml.token_type` (all 1, normal,
+    /// when absent), one per token.
+    fn scores_and_types(
+        meta: &BTreeMap<String, GgufValue>,
+        n: usize,
+        path: &Path,
+    ) -> Result<(Vec<f32>, Vec<i64>)> {
+        let err = |msg: String| Error::tokenizer(path, msg);
         let scores = match meta.get("tokenizer.ggml.scores") {
             Some(GgufValue::Array(a)) => a.to_f32s().ok_or_else(|| {
                 err(format!(
@@ -555,13 +622,14 @@ mod spm {
                 types.len()
             )));
         }
-        let unk = opt_id(meta, "tokenizer.ggml.unknown_token_id", n, path)?;
-        let bos = opt_id(meta, "tokenizer.ggml.bos_token_id", n, path)?;
-        let eos = opt_id(meta, "tokenizer.ggml.eos_token_id", n, path)?;
-        let add_bos = opt_bool(meta, "tokenizer.ggml.add_bos_token", path)?.unwrap_or(true);
-        let add_eos = opt_bool(meta, "tokenizer.ggml.add_eos_token", path)?.unwrap_or(false);
-        let add_prefix = opt_bool(meta, "tokenizer.ggml.add_space_prefix", path)?.unwrap_or(true);
+        Ok((scores, types))
+    }
 
+    /// The vocabulary (token → id) and the merges: every split of a token into two tokens,
+    /// ordered by the merged token's score, highest first (within one token by the parts'
+    /// scores).
+    fn vocab_and_merges(tokens: &[String], scores: &[f32]) -> (Map<String, Value>, Vec<Value>) {
+        let n = tokens.len();
         // id of each token (a later duplicate wins, as in a dict comprehension)
         let mut ids: HashMap<&str, u32> = HashMap::with_capacity(n);
         let mut vocab = Map::new();
@@ -592,9 +660,13 @@ mod spm {
         }
         merges.sort_by(|a, b| b.2.total_cmp(&a.2));
         let merges_json: Vec<Value> = merges.iter().map(|(l, r, _)| json!([l, r])).collect();
+        (vocab, merges_json)
+    }
 
+    /// Control tokens as special added tokens, user-defined ones as plain added tokens.
+    fn added_tokens(tokens: &[String], types: &[i64]) -> Vec<Value> {
         let mut added = Vec::new();
-        for (i, (t, &ty)) in tokens.iter().zip(&types).enumerate() {
+        for (i, (t, &ty)) in tokens.iter().zip(types).enumerate() {
             let special = match ty {
                 TOKEN_TYPE_CONTROL => true,
                 TOKEN_TYPE_USER_DEFINED => false,
@@ -608,21 +680,19 @@ mod spm {
                 "normalized": false, "special": special,
             }));
         }
-        let normalizer = match add_prefix {
-            true => json!({"type": "Sequence", "normalizers": [
-                {"type": "Prepend", "prepend": "▁"},
-                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
-            ]}),
-            false => json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}),
-        };
-        let mut decoders = vec![
-            json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
-            json!({"type": "ByteFallback"}),
-            json!({"type": "Fuse"}),
-        ];
-        if add_prefix {
-            decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
-        }
+        added
+    }
+
+    /// The post-processor's `single` template (BOS, the sequence, EOS, each special token
+    /// only when its `add_*_token` is on) and its `special_tokens`; an `add_*_token` without
+    /// the token's id is an error.
+    fn template(
+        tokens: &[String],
+        (add_bos, bos): (bool, Option<usize>),
+        (add_eos, eos): (bool, Option<usize>),
+        path: &Path,
+    ) -> Result<(Vec<Value>, Map<String, Value>)> {
+        let err = |msg: String| Error::tokenizer(path, msg);
         let mut single = Vec::new();
         let mut specials = Map::new();
         for (on, id, what) in [
@@ -646,33 +716,6 @@ mod spm {
             single.push(json!({"SpecialToken": {"id": t, "type_id": 0}}));
             specials.insert(t.clone(), json!({"id": t, "ids": [id], "tokens": [t]}));
         }
-        let tokenizer = json!({
-            "version": "1.0",
-            "truncation": null,
-            "padding": null,
-            "added_tokens": added,
-            "normalizer": normalizer,
-            "pre_tokenizer": null,
-            "post_processor": {
-                "type": "TemplateProcessing",
-                "single": single,
-                "pair": single,
-                "special_tokens": specials,
-            },
-            "decoder": {"type": "Sequence", "decoders": decoders},
-            "model": {
-                "type": "BPE",
-                "dropout": null,
-                "unk_token": unk.map(|u| tokens[u].clone()),
-                "continuing_subword_prefix": null,
-                "end_of_word_suffix": null,
-                "fuse_unk": true,
-                "byte_fallback": true,
-                "ignore_merges": false,
-                "vocab": vocab,
-                "merges": merges_json,
-            },
-        });
-        Ok(tokenizer.to_string())
+        Ok((single, specials))
     }
 }
