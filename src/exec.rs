@@ -214,6 +214,31 @@ impl ExecOptions {
     }
 }
 
+impl std::fmt::Display for ExecOptions {
+    /// One line of what runs (the variants resolved): `kernel avx2 | kv-kernel avx512 |
+    /// team on | attn-split auto | adaptive off | threads all`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let on = |b: bool| if b { "on" } else { "off" };
+        let split = match self.attn_split {
+            AttnSplit::Auto => "auto",
+            AttnSplit::Always => "always",
+            AttnSplit::Never => "never",
+        };
+        write!(
+            f,
+            "kernel {} | kv-kernel {} | team {} | attn-split {split} | adaptive {} | threads ",
+            self.kernel.resolve().name(),
+            self.kv_kernel.resolve().name(),
+            on(self.team),
+            on(self.adaptive),
+        )?;
+        match self.threads {
+            Some(n) => write!(f, "{n}"),
+            None => write!(f, "all"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
