@@ -232,6 +232,7 @@ pub struct ExecArgs {
     /// Run one sequence's decode step as a team of the threads (`off`: one fork/join per
     /// product; same results).
     #[arg(long, value_name = "on|off", env = "TINYGPT_TEAM", default_value = "on",
+          action = clap::ArgAction::Set,
           value_parser = |s: &str| parse_switch("--team", s).map_err(flag_msg))]
     pub team: bool,
     /// Split attention within KV heads in a decode team: auto (when it pays), always,
@@ -279,6 +280,7 @@ pub struct EngineArgs {
     /// Without `--threads`, choose between the team and one thread by measured step
     /// times, and run batches on one thread when the machine is crowded (same results).
     #[arg(long, value_name = "on|off", env = "TINYGPT_ADAPTIVE", default_value = "on",
+          action = clap::ArgAction::Set,
           value_parser = |s: &str| parse_switch("--adaptive", s).map_err(flag_msg))]
     pub adaptive: bool,
     #[command(flatten)]
