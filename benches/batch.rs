@@ -37,14 +37,14 @@ fn matrix(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Matrix {
             shape: vec![rows, cols],
             data: TensorBytes::owned(&bytes),
         },
-        wkernels::default_kernel(),
+        bench_kernel(),
     )
 }
 
 fn bench_batched(c: &mut Criterion) {
     let one = pool(1);
     let mut rng = ChaCha8Rng::seed_from_u64(14);
-    println!("kernel variant: {}", wkernels::default_kernel().name());
+    println!("kernel variant: {}", bench_kernel().name());
     for (rows, cols) in [(1536usize, 576usize), (576, 1536)] {
         let w = uniform(&mut rng, rows * cols, 0.1);
         let xs = uniform(&mut rng, 256 * cols, 1.0);
@@ -96,3 +96,13 @@ criterion_group! {
     targets = bench_batched
 }
 criterion_main!(benches);
+
+/// The weight kernel variant this bench runs: the one `TINYGPT_KERNEL` names if this CPU
+/// has it (this bench's own knob; the engine takes `--kernel`), else the fastest.
+fn bench_kernel() -> wkernels::Kernel {
+    std::env::var("TINYGPT_KERNEL")
+        .ok()
+        .and_then(|s| wkernels::Kernel::from_name(s.trim()))
+        .filter(|k| k.is_supported())
+        .unwrap_or_else(wkernels::Kernel::best)
+}

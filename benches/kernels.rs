@@ -105,7 +105,7 @@ fn matrix(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Matrix {
             shape: vec![rows, cols],
             data: TensorBytes::owned(&bytes),
         },
-        wkernels::default_kernel(),
+        bench_kernel(),
     )
 }
 
@@ -113,7 +113,7 @@ fn bench_matvec(c: &mut Criterion) {
     // The Q8_0/Q4_1 rows run this variant (`TINYGPT_KERNEL` forces one).
     println!(
         "matvec: quantised-weight kernel variant {}",
-        wkernels::default_kernel().name()
+        bench_kernel().name()
     );
     let n = all_cores();
     let pools = [(1usize, pool(1)), (n, pool(n))];
@@ -586,7 +586,13 @@ fn bench_attention_gqa(c: &mut Criterion) {
     // The two kernels alone, one KV head, single-query (per head) vs multi-query.
     use tinygpt_cpu::kivi::{self, Bits};
     let (hd, nq, n, group) = (64usize, 3usize, ATTN_ROWS, 32usize);
-    let kernel = tinygpt_cpu::kivi::kv_kernel();
+    // This bench's own knob (the engine takes `--kv-kernel`): TINYGPT_KV_KERNEL names a
+    // variant this CPU has, else the fastest.
+    let kernel = std::env::var("TINYGPT_KV_KERNEL")
+        .ok()
+        .and_then(|s| kivi::KvKernel::from_name(s.trim()))
+        .filter(|k| k.is_supported())
+        .unwrap_or_else(|| kivi::KvKernel::best(false));
     eprintln!("kivi_gqa_16k: KV kernel {}", kernel.name());
     let mut g = c.benchmark_group("kivi_gqa_16k");
     for (bits, name) in [(Bits::Int4, "int4"), (Bits::Int2, "int2")] {
@@ -744,3 +750,13 @@ criterion_group! {
     targets = bench_read_bandwidth, bench_qdot, bench_float_variants, bench_matvec, bench_append, bench_attention, bench_attention_gqa
 }
 criterion_main!(benches);
+
+/// The weight kernel variant this bench runs: the one `TINYGPT_KERNEL` names if this CPU
+/// has it (this bench's own knob; the engine takes `--kernel`), else the fastest.
+fn bench_kernel() -> wkernels::Kernel {
+    std::env::var("TINYGPT_KERNEL")
+        .ok()
+        .and_then(|s| wkernels::Kernel::from_name(s.trim()))
+        .filter(|k| k.is_supported())
+        .unwrap_or_else(wkernels::Kernel::best)
+}

@@ -24,6 +24,7 @@ pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod eval;
+pub mod exec;
 pub mod generate;
 pub mod gguf;
 pub mod interrupt;

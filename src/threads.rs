@@ -1,24 +1,18 @@
 //! How many threads a step runs on: the current rayon pool's, or the calling thread alone
-//! ([`solo`]); whether one sequence's decode step may run as a team ([`team_enabled`];
-//! the team itself is [`crate::relay`]); and, without `--threads`, the adaptive choice
-//! between the team and one thread for each step ([`Pace`]) and for batches ([`batch`]),
-//! by measured step times and by how crowded the machine is ([`crowded`]).
+//! ([`solo`]); and the adaptive choice between the team ([`crate::relay`]) and one thread
+//! for each step ([`Pace`]) and for batches ([`batch`]), by measured step times and by how
+//! crowded the machine is ([`crowded`]). Whether a session uses the team or the adaptive
+//! choice at all is its options' ([`crate::exec::ExecOptions`]: `--team`, `--adaptive`),
+//! passed in; nothing here reads the environment. [`crowded`] reads `/proc/loadavg` and
+//! `/proc/self/task/*/stat`: a measurement of the machine, not configuration.
 //!
 //! Both modes give the same values bit for bit (every product and attention head is
 //! computed by the same serial kernels whoever runs it), so every choice made here is a
 //! choice of speed only.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
-
-/// Whether one sequence's decode step may run as a team: yes unless the environment sets
-/// `TINYGPT_TEAM=off` (then every product is its own rayon fork/join, as before teams;
-/// kept for A/B runs). Any other value is ignored.
-pub fn team_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("TINYGPT_TEAM").map_or(true, |v| v != "off"))
-}
 
 thread_local! {
     /// Set while [`solo`] runs: the calling thread computes alone.
@@ -45,21 +39,6 @@ pub fn solo<R>(f: impl FnOnce() -> R) -> R {
     }
     let _restore = Restore(SOLO.with(|s| s.replace(true)));
     f()
-}
-
-/// Whether decode steps choose between the team and one thread by their measured step
-/// times ([`Pace`]). Off unless [`set_adaptive`] turned it on (the CLI does when
-/// `--threads` is not given); `TINYGPT_ADAPTIVE=off` keeps it off.
-pub fn adaptive() -> bool {
-    ADAPTIVE.load(Ordering::Relaxed)
-}
-
-static ADAPTIVE: AtomicBool = AtomicBool::new(false);
-
-/// Turns the adaptive thread choice on or off for the process (see [`adaptive`]).
-pub fn set_adaptive(on: bool) {
-    let env_off = std::env::var("TINYGPT_ADAPTIVE").is_ok_and(|v| v == "off");
-    ADAPTIVE.store(on && !env_off, Ordering::Relaxed);
 }
 
 static CROWD_CHECK: AtomicUsize = AtomicUsize::new(CrowdCheck::Read as usize);
@@ -324,13 +303,14 @@ fn own_running() -> usize {
 }
 
 /// Runs `f` (a batch: a prefill chunk, or a step of several sequences) on the calling
-/// thread alone ([`solo`]) when the adaptive choice is on ([`adaptive`]), the pool has
+/// thread alone ([`solo`]) when the adaptive choice is on (`adaptive`: the session's
+/// [`crate::exec::ExecOptions::adaptive`]), the pool has
 /// more than one thread and the machine is [`crowded`] just now: a product split between
 /// two threads waits for the one whose core another process holds, and one thread is
 /// faster. Otherwise `f` runs on the whole pool. Same values either way.
-pub fn batch<R>(f: impl FnOnce() -> R) -> R {
+pub fn batch<R>(adaptive: bool, f: impl FnOnce() -> R) -> R {
     let n = current();
-    if n > 1 && adaptive() && crowded(n) {
+    if n > 1 && adaptive && crowded(n) {
         ALONE_BATCHES.fetch_add(1, Ordering::Relaxed);
         solo(f)
     } else {
@@ -356,6 +336,7 @@ impl Pace {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicBool;
 
     /// Feeds `pace` steps whose time is `team` / `solo` microseconds by mode, the machine
     /// `crowded` or not; returns the modes chosen.

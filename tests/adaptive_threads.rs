@@ -1,9 +1,10 @@
 //! The adaptive thread choice (`tinygpt_cpu::threads::Pace`): decode steps that switch
 //! between the team and one thread give the same logits bit for bit as one thread all
-//! along, and both modes really run. Its own test binary: `set_adaptive` is process-wide.
+//! along, and both modes really run. Its own test binary: the crowd check is process-wide.
 
 mod common;
 use common::*;
+use tinygpt_cpu::exec::ExecOptions;
 use tinygpt_cpu::kv_cache::KvConfig;
 use tinygpt_cpu::model::{Model, WeightsDType};
 use tinygpt_cpu::threads;
@@ -33,12 +34,15 @@ fn logits(
 
 #[test]
 fn switching_between_team_and_one_thread_changes_no_bit() {
-    threads::set_adaptive(true);
     // Both modes must run here even if the machine is busy with other tests.
     threads::set_crowd_check(threads::CrowdCheck::Never);
     for dir in [None, Some(fixtures().join("yoco"))] {
         let files = ModelFiles::open(dir.as_deref()).expect("model");
-        let model = Model::load(&files, WeightsDType::Native).expect("load");
+        let opts = ExecOptions {
+            adaptive: true,
+            ..ExecOptions::default()
+        };
+        let model = Model::load_opts(&files, WeightsDType::Native, &opts).expect("load");
         let feed: Vec<u32> = (0..STEPS as u32)
             .map(|i| (i * 7 + 1) % model.cfg.vocab_size as u32)
             .collect();

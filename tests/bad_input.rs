@@ -150,3 +150,82 @@ fn bad_flag_values() {
         &["--streaming-llm-window"],
     );
 }
+
+/// [`fails_with`] with `vars` set in the binary's environment.
+fn fails_with_env(vars: &[(&str, &str)], args: &[&str], needles: &[&str]) {
+    let out = common::cli()
+        .envs(vars.iter().copied())
+        .args(args)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{vars:?} {args:?} succeeded");
+    assert!(matches!(out.status.code(), Some(1) | Some(2)), "{err}");
+    assert!(
+        !err.contains("panicked"),
+        "{vars:?} {args:?} panicked: {err}"
+    );
+    for n in needles {
+        assert!(
+            err.contains(n),
+            "{vars:?} {args:?}: error {err:?} does not mention {n:?}"
+        );
+    }
+    assert!(
+        err.trim_end().lines().count() <= 8,
+        "error is not short: {err}"
+    );
+}
+
+/// Each execution flag's bad value, given as the flag or through its `TINYGPT_*`
+/// variable, is a short error naming the flag (and the value), for `sample`,
+/// `perplexity` and `serve` alike.
+#[test]
+fn bad_exec_flag_values_name_the_flag() {
+    let cases: [(&str, &str, &str); 5] = [
+        ("--kernel", "TINYGPT_KERNEL", "avx9000"),
+        ("--kv-kernel", "TINYGPT_KV_KERNEL", "slow"),
+        ("--team", "TINYGPT_TEAM", "maybe"),
+        ("--attn-split", "TINYGPT_ATTN_SPLIT", "sometimes"),
+        ("--adaptive", "TINYGPT_ADAPTIVE", "perhaps"),
+    ];
+    for (flag, var, bad) in cases {
+        fails_with(&["sample", "--prompt", "x", flag, bad], &[flag, bad]);
+        fails_with_env(&[(var, bad)], &["sample", "--prompt", "x"], &[flag, bad]);
+        fails_with(&["perplexity", "--text", "x", flag, bad], &[flag, bad]);
+        if flag != "--adaptive" {
+            fails_with(&["serve", "--port", "0", flag, bad], &[flag, bad]);
+        }
+    }
+    // A weight kernel variant this CPU lacks is refused too (not silently replaced).
+    let lacking = ["avx2", "avx512vnni", "neon-dotprod"]
+        .into_iter()
+        .find(|k| {
+            let k = tinygpt_cpu::wkernels::Kernel::from_name(k).unwrap();
+            !k.is_supported()
+        });
+    if let Some(k) = lacking {
+        fails_with(
+            &["sample", "--prompt", "x", "--kernel", k],
+            &["--kernel", k],
+        );
+        fails_with_env(
+            &[("TINYGPT_KERNEL", k)],
+            &["sample", "--prompt", "x"],
+            &["--kernel", k],
+        );
+    }
+    let lacking = ["avx2", "avx512", "avx512-exact", "neon"]
+        .into_iter()
+        .find(|k| {
+            !tinygpt_cpu::kivi::KvKernel::from_name(k)
+                .unwrap()
+                .is_supported()
+        });
+    if let Some(k) = lacking {
+        fails_with(
+            &["sample", "--prompt", "x", "--kv-kernel", k],
+            &["--kv-kernel", k],
+        );
+    }
+}

@@ -234,3 +234,109 @@ fn past_context_is_refused_with_the_flags_named() {
         "{err}"
     );
 }
+
+/// The execution flags' `TINYGPT_*` variables are the CLI's defaults: the `[exec]` line of
+/// `sample` reports what they chose; a flag given on the command line wins over its
+/// variable; `--threads` turns the adaptive choice off.
+#[test]
+fn exec_variables_are_flag_defaults() {
+    let args = [
+        "sample",
+        "--prompt",
+        "Once upon",
+        "--tokens",
+        "2",
+        "--temperature",
+        "0",
+    ];
+    let exec_line = |vars: &[(&str, &str)], extra: &[&str]| -> String {
+        let out = bin()
+            .env_remove("TINYGPT_KERNEL")
+            .env_remove("TINYGPT_KV_KERNEL")
+            .env_remove("TINYGPT_TEAM")
+            .env_remove("TINYGPT_ATTN_SPLIT")
+            .env_remove("TINYGPT_ADAPTIVE")
+            .envs(vars.iter().copied())
+            .args(args)
+            .args(extra)
+            .output()
+            .expect("binary runs");
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{vars:?} {extra:?}: {err}");
+        err.lines()
+            .find(|l| l.starts_with("[exec] "))
+            .unwrap_or_else(|| panic!("no [exec] line in {err:?}"))
+            .to_string()
+    };
+    let best_kv = tinygpt_cpu::kivi::KvKernel::best(false).name();
+    let best = tinygpt_cpu::wkernels::Kernel::best().name();
+    let default = exec_line(&[], &[]);
+    assert_eq!(
+        default,
+        format!(
+            "[exec] kernel {best} | kv-kernel {best_kv} | team on | attn-split auto | adaptive on | threads all"
+        )
+    );
+    let set = exec_line(
+        &[
+            ("TINYGPT_KERNEL", "scalar"),
+            ("TINYGPT_KV_KERNEL", "portable"),
+            ("TINYGPT_TEAM", "off"),
+            ("TINYGPT_ATTN_SPLIT", "never"),
+            ("TINYGPT_ADAPTIVE", "off"),
+        ],
+        &[],
+    );
+    assert_eq!(
+        set,
+        "[exec] kernel scalar | kv-kernel portable | team off | attn-split never | adaptive off | threads all"
+    );
+    // The flag wins over its variable (which is then not even parsed).
+    let flag = exec_line(
+        &[("TINYGPT_KERNEL", "bogus"), ("TINYGPT_ATTN_SPLIT", "never")],
+        &[
+            "--kernel",
+            "portable",
+            "--attn-split",
+            "always",
+            "--threads",
+            "2",
+        ],
+    );
+    assert_eq!(
+        flag,
+        format!(
+            "[exec] kernel portable | kv-kernel {best_kv} | team on | attn-split always | adaptive off | threads 2"
+        )
+    );
+    // `exact` is the fastest variant that adds in the reference's order.
+    let exact = exec_line(&[], &["--kv-kernel", "exact"]);
+    let want = tinygpt_cpu::kivi::KvKernel::best(true).name();
+    assert!(exact.contains(&format!("| kv-kernel {want} |")), "{exact}");
+}
+
+/// `--help` of the engine's subcommands lists every execution flag with its variable.
+#[test]
+fn help_lists_the_exec_variables() {
+    for cmd in ["sample", "perplexity", "serve"] {
+        let out = run(&[cmd, "--help"]);
+        assert!(out.status.success());
+        let help = String::from_utf8_lossy(&out.stdout);
+        let mut want = vec![
+            ("--kernel", "TINYGPT_KERNEL"),
+            ("--kv-kernel", "TINYGPT_KV_KERNEL"),
+            ("--team", "TINYGPT_TEAM"),
+            ("--attn-split", "TINYGPT_ATTN_SPLIT"),
+        ];
+        if cmd != "serve" {
+            want.push(("--adaptive", "TINYGPT_ADAPTIVE"));
+        }
+        for (flag, var) in want {
+            assert!(help.contains(flag), "{cmd} --help lacks {flag}");
+            assert!(
+                help.contains(&format!("[env: {var}=")),
+                "{cmd} --help lacks {var}: {help}"
+            );
+        }
+    }
+}

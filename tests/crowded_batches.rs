@@ -1,8 +1,8 @@
 //! Batches (prefill chunks, steps of several sequences) on a crowded machine
 //! (`tinygpt_cpu::threads::batch`): with the adaptive choice on they run on one thread, and the
 //! values are those of one thread and of the whole pool, bit for bit; `--threads N` (the
-//! adaptive choice off) keeps the pool. Its own test binary: the crowd check and the
-//! adaptive choice are process-wide.
+//! adaptive choice off) keeps the pool. Its own test binary: the crowd check is
+//! process-wide.
 
 mod common;
 use common::*;
@@ -17,6 +17,7 @@ fn run(
     model: &Model,
     kv: &KvConfig,
     threads: usize,
+    adaptive: bool,
     prompt: &[u32],
     decode: &[u32],
 ) -> (Vec<Vec<f32>>, usize) {
@@ -27,6 +28,7 @@ fn run(
     let before = threads::alone_batches();
     let out = pool.install(|| {
         let mut s = model.session(kv);
+        s.adaptive = adaptive;
         let mut out = Vec::new();
         for (i, chunk) in prompt.chunks(16).enumerate() {
             model
@@ -59,10 +61,9 @@ fn a_crowded_machine_runs_batches_alone_with_the_same_bits() {
         let prompt: Vec<u32> = (0..40u32).map(|i| (i * 11 + 3) % vocab).collect();
         let decode: Vec<u32> = (0..6u32).map(|i| (i * 5 + 2) % vocab).collect();
         for kv in [KvConfig::default(), int4_window()] {
-            threads::set_adaptive(false);
             threads::set_crowd_check(CrowdCheck::Never);
-            let (one, _) = run(&model, &kv, 1, &prompt, &decode);
-            let (pool, alone) = run(&model, &kv, 2, &prompt, &decode);
+            let (one, _) = run(&model, &kv, 1, false, &prompt, &decode);
+            let (pool, alone) = run(&model, &kv, 2, false, &prompt, &decode);
             assert_eq!(alone, 0, "uncrowded: no batch runs alone");
             assert!(
                 same_bits(&one, &pool),
@@ -71,19 +72,18 @@ fn a_crowded_machine_runs_batches_alone_with_the_same_bits() {
 
             // Crowded, threads forced (adaptive off): the pool is kept.
             threads::set_crowd_check(CrowdCheck::Always);
-            let (forced, alone) = run(&model, &kv, 2, &prompt, &decode);
+            let (forced, alone) = run(&model, &kv, 2, false, &prompt, &decode);
             assert_eq!(alone, 0, "--threads forces the pool");
             assert!(same_bits(&one, &forced));
 
             // Crowded, adaptive: every prefill chunk runs alone, same bits.
-            threads::set_adaptive(true);
-            let (crowded, alone) = run(&model, &kv, 2, &prompt, &decode);
+            let (crowded, alone) = run(&model, &kv, 2, true, &prompt, &decode);
             assert_eq!(alone, prompt.len().div_ceil(16), "each prefill chunk alone");
             assert!(same_bits(&one, &crowded), "{dir:?} {kv:?}: alone differs");
 
             // Uncrowded, adaptive: the pool again.
             threads::set_crowd_check(CrowdCheck::Never);
-            let (calm, alone) = run(&model, &kv, 2, &prompt, &decode);
+            let (calm, alone) = run(&model, &kv, 2, true, &prompt, &decode);
             assert_eq!(alone, 0);
             assert!(same_bits(&one, &calm));
         }

@@ -5,16 +5,19 @@
 //! * `ENGINE_VS_REFERENCE`: attention outputs and softmax weights, relative to the
 //!   vector's largest magnitude (at least 1); dequantised K/V rows must be bit-identical.
 //!   The reference computes attention in the order of the engine's `portable` kernels
-//!   (`tinygpt_reference::order`, docs/design.md §2.1), so under `TINYGPT_KV_KERNEL=portable`
-//!   or `avx512-exact` outputs and weights must be bit-identical (checked below; the kernel
-//!   variant test also requires `avx512-exact` to give the portable kernels' bits). The `avx512`, `avx2` and
+//!   (`tinygpt_reference::order`, docs/design.md §2.1), so with the exact kernels
+//!   (`portable` or `avx512-exact`, `KvKernel::best(true)`; every case runs them beside the
+//!   fast ones) outputs and weights must be bit-identical (checked below; the kernel
+//!   variant test also requires `avx512-exact` to give the portable kernels' bits). The
+//!   fast kernels (`KvKernel::best(false)`, or the variant this test's own
+//!   `TINYGPT_KV_KERNEL` names) keep to the budget. The `avx512`, `avx2` and
 //!   `neon` KIVI kernels and the `avx512` softmax add their partial sums in other orders
 //!   (design §2.3), which the budget covers: measured up to 1.2e-5 on this table with
 //!   `avx512` (2026-12-04).
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use tinygpt_cpu::attention::{attend, AttnScratch, RopeTable};
+use tinygpt_cpu::attention::{attend, attend_stored, AttnScratch, RopeTable};
 use tinygpt_cpu::config::{Config, RopeScaling};
 use tinygpt_cpu::kv_cache::{
     validate, KeyRope, KvCache, KvConfig, LayerKv, PositionsMode, Precision,
@@ -147,6 +150,17 @@ fn exact_kernel(k: tinygpt_cpu::kivi::KvKernel) -> bool {
     k.is_exact()
 }
 
+/// The KIVI kernels the budget is checked on: the variant `TINYGPT_KV_KERNEL` names (this
+/// test's knob, for A/B runs of one variant) if this CPU has it, else the fastest.
+fn fast_kernel() -> tinygpt_cpu::kivi::KvKernel {
+    use tinygpt_cpu::kivi::KvKernel;
+    std::env::var("TINYGPT_KV_KERNEL")
+        .ok()
+        .and_then(|s| KvKernel::from_name(s.trim()))
+        .filter(|k| k.is_supported())
+        .unwrap_or_else(|| KvKernel::best(false))
+}
+
 fn to_bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
@@ -160,10 +174,15 @@ fn run_case(c: &Case) {
     let table = RopeTable::new(&cfg);
     let mut reference = LayerCache::new(&kv, cfg.n_kv_heads, cfg.head_dim);
     let mut engine = LayerKv::new(&kv, cfg.n_kv_heads, cfg.head_dim);
-    let mut scratch = AttnScratch::new(&cfg, &kv);
+    let fast = fast_kernel();
+    let mut scratch = AttnScratch::with_kernel(&cfg, &kv, fast);
+    // The exact kernels, on the same cache: the reference's bits.
+    let exact = tinygpt_cpu::kivi::KvKernel::best(true);
+    let mut exact_scratch = AttnScratch::with_kernel(&cfg, &kv, exact);
     let mut inputs = Inputs::new(c.seed, cfg.kv_dim());
     let (mut out_r, mut out_e) = (vec![0.0; cfg.q_dim()], vec![0.0; cfg.q_dim()]);
     let (mut p_r, mut p_e) = (Vec::new(), Vec::new());
+    let (mut out_x, mut p_x) = (vec![0.0; cfg.q_dim()], Vec::new());
     for pos in 0..c.steps {
         let (q, k, v) = inputs.token(cfg.q_dim(), cfg.kv_dim());
         tinygpt_reference::attention::attend(
@@ -205,7 +224,28 @@ fn run_case(c: &Case) {
             );
         }
         assert_eq!(engine.bytes(), reference.bytes(), "{c:?} pos={pos} bytes");
-        if exact_kernel(tinygpt_cpu::kivi::kv_kernel()) {
+        attend_stored(
+            &cfg,
+            &table,
+            &engine,
+            &q,
+            pos,
+            &mut out_x,
+            &mut exact_scratch,
+            Some(&mut p_x),
+        );
+        assert!(exact_kernel(exact), "{exact:?} is not exact");
+        assert_eq!(
+            to_bits(&out_x),
+            to_bits(&out_r),
+            "{c:?} pos={pos}: exact output"
+        );
+        assert_eq!(
+            to_bits(&p_x),
+            to_bits(&p_r),
+            "{c:?} pos={pos}: exact weights"
+        );
+        if exact_kernel(fast) {
             assert_eq!(to_bits(&out_e), to_bits(&out_r), "{c:?} pos={pos}: output");
             assert_eq!(to_bits(&p_e), to_bits(&p_r), "{c:?} pos={pos}: weights");
         }
@@ -1108,7 +1148,7 @@ fn kivi_kernels_every_variant_match_scalar_twins() {
     }
 }
 
-/// Every KIVI kernel variant round-trips through its `TINYGPT_KV_KERNEL` name, and run-time
+/// Every KIVI kernel variant round-trips through its `--kv-kernel` name, and run-time
 /// detection offers the variants of this architecture (so the variant test above cannot
 /// silently skip `neon` on aarch64, e.g. under qemu, or `avx2` on an AVX2 CPU).
 #[test]
@@ -1155,7 +1195,7 @@ fn softmax_variants_agree() {
                 })
                 .collect();
             let (mut a, mut b) = (x.clone(), x.clone());
-            softmax(&mut a);
+            softmax(&mut a, tinygpt_cpu::kivi::KvKernel::best(false));
             softmax_portable(&mut b);
             let tol = 2.0 * n as f32 * f32::EPSILON;
             for i in 0..n {

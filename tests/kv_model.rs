@@ -11,8 +11,14 @@ use tinygpt_cpu::weights::ModelFiles;
 
 /// Whether the engine's KIVI kernels add in the reference's order (`portable`,
 /// `avx512-exact`: docs/design.md §2.3): then ids and logits must be identical, bit for bit.
+/// The engine runs the kernels this test's `TINYGPT_KV_KERNEL` names, else the fast ones
+/// (`common::kv_kernel_opts`).
 fn exact_kernels() -> bool {
-    tinygpt_cpu::kivi::kv_kernel().is_exact()
+    kv_kernel_opts().kv_kernel.resolve().is_exact()
+}
+
+fn load(files: &ModelFiles) -> Model {
+    Model::load_opts(files, WeightsDType::Native, &kv_kernel_opts()).unwrap()
 }
 
 /// Engine vs reference logits with the same cache under kernels that add in other orders
@@ -169,7 +175,7 @@ fn prompts() -> Vec<(String, Vec<u32>)> {
 #[test]
 fn engine_and_reference_agree_for_every_cache_combination() {
     let files = files();
-    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    let model = load(&files);
     let reference = reference_model(&files, WeightsDType::Native).unwrap();
     let combos = combos();
     let prompts = prompts();
@@ -248,7 +254,7 @@ fn check_combination(
 #[test]
 fn streaming_cache_stops_growing() {
     let files = files();
-    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    let model = load(&files);
     for kv in combos().into_iter().filter(|k| k.window.is_some()) {
         let mut e = EngineRun::new(&model, &kv);
         let cap = SINK + WINDOW;
@@ -287,7 +293,7 @@ fn streaming_cache_stops_growing() {
 #[test]
 fn kivi_greedy_quality_against_fp32() {
     let files = files();
-    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    let model = load(&files);
     let g = golden("tiny.json");
     let n = 150;
     let mut int4_matches = Vec::new();

@@ -5,7 +5,8 @@
 //!
 //! Exactness (design §2.4, §6). The reference adds every reduction in the order of the
 //! engine's `portable` KIVI kernels, which `avx512-exact` follows bit for bit: under those
-//! (`TINYGPT_KV_KERNEL=portable` or `avx512-exact`) the two perplexities must be
+//! (this test's knob `TINYGPT_KV_KERNEL=portable`, `avx512-exact` or `exact`, passed to
+//! the engine as its `ExecOptions::kv_kernel`) the two perplexities must be
 //! **identical bits** (`exact_kernels`). The default `avx512` kernels (and `avx2`, `neon`)
 //! add their partial sums in other orders (design §2.3), so their K/V values differ in the
 //! last bits; under KIVI a value next to a code boundary then rounds the other way in one
@@ -29,15 +30,22 @@ mod common;
 use common::*;
 use std::path::Path;
 use tinygpt_cpu::eval::perplexity;
+use tinygpt_cpu::exec::ExecOptions;
 use tinygpt_cpu::generate::{Engine, EngineRun, ReferenceRun};
 use tinygpt_cpu::kv_cache::{KeyRope, KvConfig, KvRotation, PositionsMode, Precision};
 use tinygpt_cpu::model::{reference_model, Model, WeightsDType};
 use tinygpt_cpu::weights::ModelFiles;
 
+/// The engine's options (`common::kv_kernel_opts`: this test's `TINYGPT_KV_KERNEL`, else
+/// the fast kernels).
+fn opts() -> ExecOptions {
+    kv_kernel_opts()
+}
+
 /// Whether the engine's KIVI kernels add in the reference's order (then the perplexities
 /// must be identical bits).
 fn exact_kernels() -> bool {
-    tinygpt_cpu::kivi::kv_kernel().is_exact()
+    opts().kv_kernel.resolve().is_exact()
 }
 
 /// Relative perplexity difference allowed between the engine and the reference (0: the
@@ -176,7 +184,7 @@ fn label(kv: &KvConfig) -> String {
 
 fn run_table(path: &Path, n_tokens: usize, kvs: &[KvConfig]) {
     let files = ModelFiles::open(Some(path)).unwrap();
-    let engine = Model::load(&files, WeightsDType::F32).unwrap();
+    let engine = Model::load_opts(&files, WeightsDType::F32, &opts()).unwrap();
     let reference = reference_model(&files, WeightsDType::F32).unwrap();
     let toks = tokens(&files, n_tokens);
     // Every cache mode's pair of runs on two workers (the reference is the slow side),

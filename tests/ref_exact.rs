@@ -3,45 +3,44 @@
 //! (`tinygpt_reference::order`), so the two give identical logits, identical K/V rows and
 //! identical perplexity bits, not just agreement within a budget.
 //!
-//! The engine's KIVI attention kernels come in variants (`TINYGPT_KV_KERNEL`, design
-//! §2.3): the reference writes out the `portable` order, which `avx512-exact` follows bit
-//! for bit, so this test binary selects the fastest of those two the CPU supports before
-//! anything else runs (unless `TINYGPT_KV_KERNEL` names an exact one).
+//! The engine's KIVI attention kernels come in variants (`--kv-kernel`, design §2.3): the
+//! reference writes out the `portable` order, which `avx512-exact` follows bit for bit, so
+//! every engine model here is loaded with the fastest of those two the CPU supports
+//! (`ExecOptions::exact`; this test's own `TINYGPT_KV_KERNEL` may name another exact one).
 
 mod common;
 use common::*;
 use tinygpt_cpu::eval::perplexity;
+use tinygpt_cpu::exec::{ExecOptions, KvKernelChoice};
 use tinygpt_cpu::generate::{Engine, EngineRun, ReferenceRun};
-use tinygpt_cpu::kivi::{kv_kernel, KvKernel};
+use tinygpt_cpu::kivi::KvKernel;
 use tinygpt_cpu::kv_cache::{KeyRope, KvConfig, PositionsMode, Precision};
 use tinygpt_cpu::model::{reference_model, Model, WeightsDType};
 use tinygpt_cpu::weights::ModelFiles;
 use tinygpt_reference::order;
 
-/// Selects the fastest KIVI kernels that add in the reference's order
-/// (`KvKernel::is_exact`) for this process, unless `TINYGPT_KV_KERNEL` already names one;
-/// every test calls it first.
-fn kernels() {
+/// The options every engine model here is loaded with: the fastest KIVI kernels that add
+/// in the reference's order (`KvKernel::is_exact`), unless `TINYGPT_KV_KERNEL` names
+/// another exact one this CPU has. Asserts that they are exact.
+fn exact() -> ExecOptions {
+    let named = std::env::var("TINYGPT_KV_KERNEL")
+        .ok()
+        .and_then(|s| KvKernel::from_name(s.trim()))
+        .filter(|k| k.is_exact() && k.is_supported());
+    let opts = ExecOptions {
+        kv_kernel: named.map_or(KvKernelChoice::Exact, KvKernelChoice::Named),
+        ..ExecOptions::default()
+    };
+    let k = opts.kv_kernel.resolve();
+    assert!(k.is_exact(), "KIVI kernels `{}` are not exact", k.name());
     static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let named = std::env::var("TINYGPT_KV_KERNEL")
-            .ok()
-            .and_then(|s| KvKernel::from_name(s.trim()))
-            .filter(|k| k.is_exact() && k.is_supported());
-        if named.is_none() {
-            let best = KvKernel::supported()
-                .into_iter()
-                .rfind(|k| k.is_exact())
-                .expect("portable");
-            std::env::set_var("TINYGPT_KV_KERNEL", best.name());
-        }
-        eprintln!("KIVI kernels: {}", kv_kernel().name());
-    });
-    assert!(
-        kv_kernel().is_exact(),
-        "KIVI kernels `{}` chosen before the test set them",
-        kv_kernel().name()
-    );
+    ONCE.call_once(|| eprintln!("KIVI kernels: {}", k.name()));
+    opts
+}
+
+/// [`Model::load_opts`] with [`exact`].
+fn load(files: &ModelFiles, dtype: WeightsDType) -> Model {
+    Model::load_opts(files, dtype, &exact()).unwrap()
 }
 
 /// Deterministic pseudo-random f32s in `[-scale, scale)`.
@@ -67,7 +66,6 @@ fn bits(x: &[f32]) -> Vec<u32> {
 /// range softmax and SwiGLU use (and past it, where both give 0).
 #[test]
 fn exp_equals_the_vector_exp() {
-    kernels();
     let mut xs: Vec<f32> = (-1_000_000..=1_000_000).map(|i| i as f32 * 1e-4).collect();
     xs.extend(noise(100_000, 1, 90.0));
     xs.extend([f32::NEG_INFINITY, -87.3, -87.29, 87.29, 87.3, 0.0, -0.0]);
@@ -85,7 +83,6 @@ fn exp_equals_the_vector_exp() {
 /// reference's loops against the engine's, every length 1..=300.
 #[test]
 fn reductions_equal_the_engine_kernels() {
-    kernels();
     for n in 1..=300 {
         let (a, b) = (noise(n, n as u64, 3.0), noise(n, 7 * n as u64, 2.0));
         let want = tinygpt_cpu::wkernels::scalar::float_row(&a, &b);
@@ -99,7 +96,7 @@ fn reductions_equal_the_engine_kernels() {
         let mut e = a.iter().map(|x| x * 4.0).collect::<Vec<_>>();
         e[n / 2] = f32::NEG_INFINITY;
         let mut r = e.clone();
-        tinygpt_cpu::attention::softmax(&mut e);
+        tinygpt_cpu::attention::softmax(&mut e, exact().kv_kernel.resolve());
         tinygpt_reference::attention::softmax(&mut r);
         assert_eq!(bits(&e), bits(&r), "softmax n={n}");
     }
@@ -173,9 +170,8 @@ fn assert_identical(
 /// modes, pre-RoPE keys: on the bundled model (head_dim 32, GQA 2).
 #[test]
 fn bundled_model_float_caches_are_identical() {
-    kernels();
     let files = ModelFiles::open(Some(&fixtures().join("tiny"))).unwrap();
-    let engine = Model::load(&files, WeightsDType::F32).unwrap();
+    let engine = load(&files, WeightsDType::F32);
     let reference = reference_model(&files, WeightsDType::F32).unwrap();
     let toks = tokens(&files, 96);
     for precision in [Precision::Fp32, Precision::Fp16, Precision::Bf16] {
@@ -249,9 +245,8 @@ fn kivi_modes(window: usize) -> Vec<KvConfig> {
 /// 16/32/64 complete and a 40-row window evicts.
 #[test]
 fn bundled_model_kivi_caches_are_identical() {
-    kernels();
     let files = ModelFiles::open(Some(&fixtures().join("tiny"))).unwrap();
-    let engine = Model::load(&files, WeightsDType::F32).unwrap();
+    let engine = load(&files, WeightsDType::F32);
     let reference = reference_model(&files, WeightsDType::F32).unwrap();
     let toks = tokens(&files, 96);
     for kv in kivi_modes(40) {
@@ -320,7 +315,6 @@ fn assert_identical_threads(
 /// weights and YOCO sharing on a few modes. The CI cut of [`smollm2_full_matrix`].
 #[test]
 fn smollm2_cache_modes_are_identical() {
-    kernels();
     let Some(p) = smollm2_path() else { return };
     run_smollm2(&p, 128, &smollm2_modes(false), 8, false);
 }
@@ -333,7 +327,6 @@ fn smollm2_cache_modes_are_identical() {
 #[test]
 #[ignore = "slow (the scalar reference on SmolLM2, 38 runs); run by hand"]
 fn smollm2_full_matrix() {
-    kernels();
     let Some(p) = smollm2_path() else { return };
     run_smollm2(&p, 128, &smollm2_modes(true), 16, true);
 }
@@ -456,13 +449,7 @@ fn run_smollm2(path: &std::path::Path, n: usize, modes: &[KvConfig], greedy_n: u
         ("smollm2 native", &files, WeightsDType::Native),
         ("smollm2 yoco", &shared, WeightsDType::F32),
     ]
-    .map(|(what, f, dtype)| {
-        (
-            what,
-            Model::load(f, dtype).unwrap(),
-            reference_model(f, dtype).unwrap(),
-        )
-    });
+    .map(|(what, f, dtype)| (what, load(f, dtype), reference_model(f, dtype).unwrap()));
     let (native, yoco): (&[Precision], &[Precision]) = if full {
         let four = &[
             Precision::Fp32,
@@ -512,11 +499,10 @@ fn run_smollm2(path: &std::path::Path, n: usize, modes: &[KvConfig], greedy_n: u
 /// int8 and int4 (dense and StreamingLLM), 64 tokens.
 #[test]
 fn arch_fixtures_are_identical() {
-    kernels();
     for arch in ["qwen2", "qwen3", "qwen3-hd256-mqa", "gemma3"] {
         let path = fixtures().join(format!("archs/{arch}/{arch}.gguf"));
         let files = ModelFiles::open(Some(&path)).unwrap();
-        let engine = Model::load(&files, WeightsDType::F32).unwrap();
+        let engine = load(&files, WeightsDType::F32);
         let reference = reference_model(&files, WeightsDType::F32).unwrap();
         let toks = tokens(&files, 64);
         for precision in [

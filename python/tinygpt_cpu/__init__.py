@@ -44,7 +44,10 @@ class Model:
     ``--streaming-llm-sink`` / ``--streaming-llm-window``, ``positions`` is
     ``--streaming-llm-positions``, ``kv_group_size``, ``kv_residual``, ``kv_rotation``,
     ``kv_quantize_k``, ``kv_quantize_v``, ``kv_key_rope`` are ``--kv-group-size``, ...,
-    ``weights_dtype`` is ``--weights-dtype`` and ``threads`` ``--threads``.
+    ``weights_dtype`` is ``--weights-dtype``, ``threads`` ``--threads``, ``kernel`` /
+    ``kv_kernel`` are ``--kernel`` / ``--kv-kernel`` (e.g. ``kv_kernel="exact"``: the
+    reference's bits under KIVI; unset, the flags' defaults, ``TINYGPT_KERNEL`` /
+    ``TINYGPT_KV_KERNEL`` when set, else the fastest).
 
     Raises FileNotFoundError for a missing file, ValueError for a bad option or a file that
     is not a model, each with the CLI's message.
@@ -64,6 +67,8 @@ class Model:
         kv_quantize_v: Optional[str] = None,
         weights_dtype: str = "native",
         threads: Optional[int] = None,
+        kernel: Optional[str] = None,
+        kv_kernel: Optional[str] = None,
         positions: str = "original",
         kv_key_rope: str = "post",
         allow_past_context: bool = False,
@@ -81,6 +86,8 @@ class Model:
         _flag(flags, "--kv-key-rope", kv_key_rope)
         _flag(flags, "--weights-dtype", weights_dtype)
         _flag(flags, "--threads", threads)
+        _flag(flags, "--kernel", kernel)
+        _flag(flags, "--kv-kernel", kv_kernel)
         if allow_past_context:
             flags.append("--allow-past-context")
         self._model = _native.Model(None if path is None else os.fspath(path), flags)

@@ -157,13 +157,19 @@ fn reduce_rows(acc: &[f32x8; BLOCK]) -> [f32; BLOCK] {
 /// reference's scalar loop by rounding only (the attention tests bound it). The
 /// `avx512` variant (`kivi::KvKernel`) computes the same `exp` per value sixteen
 /// lanes at a time and adds the sum in another order.
-pub fn softmax(x: &mut [f32]) {
+///
+/// `kernel` is the session's KIVI kernel variant ([`crate::exec::ExecOptions::kv_kernel`]):
+/// `avx512` runs its own softmax, every other variant [`softmax_portable`].
+pub fn softmax(x: &mut [f32], kernel: crate::kivi::KvKernel) {
     #[cfg(target_arch = "x86_64")]
-    if crate::kivi::kv_kernel() == crate::kivi::KvKernel::Avx512 {
-        // SAFETY: `kv_kernel` picks the AVX-512 variant only when the CPU has AVX-512 F.
+    if kernel == crate::kivi::KvKernel::Avx512 && kernel.is_supported() {
+        // SAFETY: the AVX-512 variant runs only when the CPU has AVX-512 F (checked just
+        // above; the options only name supported variants, so this check never fails).
         unsafe { crate::kivi::softmax_avx512(x) };
         return;
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = kernel;
     softmax_portable(x)
 }
 

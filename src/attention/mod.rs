@@ -49,7 +49,7 @@
 //! within a KV head, for a decode team), `tests`.
 
 use crate::config::Config;
-use crate::kivi::hadamard;
+use crate::kivi::{hadamard, KvKernel};
 use crate::kv_cache::{EvictionPolicy, KvConfig, LayerKv, PositionsMode};
 use crate::ops::simd::{load8, store8};
 use rayon::prelude::*;
@@ -202,6 +202,10 @@ pub struct StepTables {
     /// The inverse frequencies every cached cos/sin above was computed with: a layer with
     /// another RoPE (Gemma 3's sliding layers have their own base) clears them.
     rope_freq: Vec<f32>,
+    /// The KIVI kernel variant every KV head of the step runs (the session's choice,
+    /// [`crate::exec::ExecOptions::kv_kernel`]), passed down to the stores and the
+    /// softmax: chosen once per session, not read per row.
+    kv_kernel: KvKernel,
 }
 
 /// cos/sin at one position, kept until another position is asked for.
@@ -230,12 +234,25 @@ impl Angles {
 }
 
 impl AttnScratch {
+    /// Scratch for a model of `cfg`'s shape on the fast KIVI kernels
+    /// ([`KvKernel::best`]`(false)`, the default of [`crate::exec::ExecOptions`]).
     pub fn new(cfg: &Config, kv: &KvConfig) -> Self {
+        AttnScratch::with_kernel(cfg, kv, KvKernel::best(false))
+    }
+
+    /// Scratch whose steps run the KIVI kernel variant `kernel` (an unsupported variant
+    /// runs the portable kernels).
+    pub fn with_kernel(cfg: &Config, kv: &KvConfig, kernel: KvKernel) -> Self {
         let _ = kv;
         AttnScratch {
-            tables: StepTables::new(cfg),
+            tables: StepTables::new(cfg, kernel),
             heads: vec![HeadScratch::default(); cfg.n_kv_heads],
         }
+    }
+
+    /// The KIVI kernel variant this scratch's steps run.
+    pub fn kv_kernel(&self) -> KvKernel {
+        self.tables.kv_kernel
     }
 
     /// The step tables (written by [`prepare_step`], then read by every KV head) and the
@@ -266,8 +283,9 @@ impl HeadScratch {
 }
 
 impl StepTables {
-    /// Empty tables for a model of `cfg`'s shape ([`prepare_step`] fills them).
-    pub fn new(cfg: &Config) -> Self {
+    /// Empty tables for a model of `cfg`'s shape ([`prepare_step`] fills them), whose
+    /// steps run the KIVI kernel variant `kv_kernel`.
+    pub fn new(cfg: &Config, kv_kernel: KvKernel) -> Self {
         StepTables {
             q: vec![0.0; cfg.q_dim()],
             k: vec![0.0; cfg.kv_dim()],
@@ -284,6 +302,7 @@ impl StepTables {
                 cs: Vec::new(),
             },
             rope_freq: Vec::new(),
+            kv_kernel,
         }
     }
 
@@ -565,6 +584,8 @@ struct Step<'a, P> {
     /// per-row cos/sin tables and whether they are indexed by row id (else by logical
     /// slot), when keys rotate at read time
     rot: Option<(&'a [f32], &'a [f32], bool)>,
+    /// the KIVI kernel variant ([`StepTables`]'s)
+    kv: KvKernel,
 }
 
 impl<'a, P: EvictionPolicy + Clone> Step<'a, P> {
@@ -582,6 +603,7 @@ impl<'a, P: EvictionPolicy + Clone> Step<'a, P> {
                 Rotation::BySlot => Some((&tables.slot_cos[..], &tables.slot_sin[..], false)),
                 Rotation::ById => Some((&tables.id_cos[..], &tables.id_sin[..], true)),
             },
+            kv: tables.kv_kernel,
         }
     }
 }
@@ -632,7 +654,7 @@ fn weigh<P>(step: &Step<'_, P>, scores: &mut [f32]) {
             *x = f32::NEG_INFINITY;
         }
     }
-    softmax(scores);
+    softmax(scores, step.kv);
 }
 
 /// Raw scores `q·k` of KV head `h`'s query heads against stored rows `span`:
@@ -658,7 +680,7 @@ fn score_range<P: EvictionPolicy + Clone>(
         debug_assert!(run.first >= span.start && run.first + run.rows.len() <= span.end);
         let out = &mut out[run.first - span.start..];
         let Some((c, s, by_id)) = step.rot else {
-            run.rows.dot_rows(qh, fold, out, n);
+            run.rows.dot_rows(step.kv, qh, fold, out, n);
             return;
         };
         let base = if by_id { run.id } else { run.first };
@@ -700,7 +722,8 @@ fn mix_head<P: EvictionPolicy + Clone>(
     oh.fill(0.0);
     let (probs, vbias) = (&hs.probs, &mut hs.vbias);
     step.layer.for_each_value_run(h, |run| {
-        run.rows.axpy_rows(&probs[run.first..], n, oh, vbias);
+        run.rows
+            .axpy_rows(step.kv, &probs[run.first..], n, oh, vbias);
     });
     for (o, &b) in oh.chunks_exact_mut(hd).zip(vbias.iter()) {
         if b != 0.0 {

@@ -31,17 +31,6 @@ pub enum AttnSplit {
 pub const SPLIT_MIN_ROWS: usize = 256;
 
 impl AttnSplit {
-    /// The default of new sessions: `TINYGPT_ATTN_SPLIT` = `always` / `never` (A/B runs),
-    /// else [`AttnSplit::Auto`].
-    pub fn from_env() -> Self {
-        static SPLIT: std::sync::OnceLock<AttnSplit> = std::sync::OnceLock::new();
-        *SPLIT.get_or_init(|| match std::env::var("TINYGPT_ATTN_SPLIT").as_deref() {
-            Ok("always") => AttnSplit::Always,
-            Ok("never") => AttnSplit::Never,
-            _ => AttnSplit::Auto,
-        })
-    }
-
     /// Whether a team of `members` splits a layer of `n_kv_heads` KV heads holding
     /// `stored` rows (then [`SplitPlan::new`] cuts it).
     pub fn splits(self, n_kv_heads: usize, members: usize, stored: usize) -> bool {
@@ -111,7 +100,8 @@ pub fn mix_query_heads<P: EvictionPolicy + Clone>(
     out.fill(0.0);
     let mut bias = vec![0.0f32; k];
     step.layer.for_each_value_run(h, |run| {
-        run.rows.axpy_rows(&p[run.first..], n, out, &mut bias);
+        run.rows
+            .axpy_rows(step.kv, &p[run.first..], n, out, &mut bias);
     });
     for (o, &b) in out.chunks_exact_mut(hd).zip(&bias) {
         if b != 0.0 {

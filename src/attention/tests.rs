@@ -220,6 +220,10 @@ fn run_case(c: &Case) -> (f32, f32) {
     let mut layer = LayerKv::new(&kv, c.n_kv_heads, c.head_dim);
     let mut reference = LayerCache::new(&kv, c.n_kv_heads, c.head_dim);
     let mut scratch = AttnScratch::new(&cfg, &kv);
+    // The portable KIVI kernels add in the reference's order: their output is checked bit
+    // for bit against the reference below (the default scratch runs the fast kernels).
+    let mut exact = AttnScratch::with_kernel(&cfg, &kv, crate::kivi::KvKernel::Portable);
+    let (mut out_e, mut p_e) = (vec![0.0; cfg.q_dim()], Vec::new());
     let mut rng = ChaCha8Rng::seed_from_u64(c.seed);
     let mut cuts = ChaCha8Rng::seed_from_u64(c.seed ^ 0x5eed);
     let kv_dim = cfg.kv_dim();
@@ -282,8 +286,23 @@ fn run_case(c: &Case) -> (f32, f32) {
             out_f.iter().all(|x| x.is_finite()),
             "{c:?} pos={pos}: non-finite"
         );
-        if crate::kivi::kv_kernel() == crate::kivi::KvKernel::Portable {
-            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        attend_stored(
+            &cfg,
+            &rope,
+            &layer,
+            &q,
+            pos,
+            &mut out_e,
+            &mut exact,
+            Some(&mut p_e),
+        );
+        assert_eq!(
+            bits(&out_e),
+            bits(&out_r),
+            "{c:?} pos={pos}: portable output"
+        );
+        assert_eq!(bits(&p_e), bits(&p_r), "{c:?} pos={pos}: portable weights");
+        if scratch.kv_kernel() == crate::kivi::KvKernel::Portable {
             assert_eq!(bits(&out_f), bits(&out_r), "{c:?} pos={pos}: output");
             assert_eq!(bits(&p_f), bits(&p_r), "{c:?} pos={pos}: weights");
         }
@@ -478,7 +497,7 @@ fn softmax_matches_reference() {
             }
             let masked: Vec<bool> = x.iter().map(|v| *v == f32::NEG_INFINITY).collect();
             let (mut a, mut b) = (x.clone(), x);
-            softmax(&mut a);
+            softmax(&mut a, crate::kivi::KvKernel::best(false));
             tinygpt_reference::attention::softmax(&mut b);
             for i in 0..n {
                 if masked[i] {
@@ -694,7 +713,7 @@ fn attend_stored_dequant(
                     _ => crate::ops::simd::dot(qh, &keys[i * hd..(i + 1) * hd]) * score_scale,
                 })
                 .collect();
-            softmax(&mut scores);
+            softmax(&mut scores, crate::kivi::KvKernel::best(false));
             let o = &mut out[(h * group + j) * hd..(h * group + j + 1) * hd];
             o.fill(0.0);
             for (&p, row) in scores.iter().zip(values.chunks_exact(hd)) {

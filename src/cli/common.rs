@@ -1,7 +1,10 @@
-//! Flags shared by several subcommands: the KV cache settings and the engine choice.
+//! Flags shared by several subcommands: the KV cache settings, the engine choice and how it
+//! executes ([`ExecArgs`] → [`crate::exec::ExecOptions`]; the one place the `TINYGPT_*`
+//! execution variables are read, as clap defaults of those flags).
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::exec::{parse_switch, ExecOptions, KernelChoice, KvKernelChoice};
 use crate::generate::GenerateOptions;
 use crate::kv_cache::{KeyRope, KvConfig, KvRotation, PositionsMode, Precision};
 use crate::model::WeightsDType;
@@ -209,6 +212,59 @@ impl CacheArgs {
     }
 }
 
+/// How the engine executes: the flags behind [`ExecOptions`] but `--threads` and
+/// `--adaptive` (which `EngineArgs` adds). Each flag's default can come from its
+/// `TINYGPT_*` variable (listed in `--help`); a bad value, from the flag or the variable,
+/// is an error naming the flag.
+#[derive(Args, Debug, Clone)]
+pub struct ExecArgs {
+    /// Weight kernel variant: `auto` (the fastest this CPU has) or one of scalar,
+    /// portable, avx2, avx512vnni, neon-dotprod (same results bit for bit).
+    #[arg(long, value_name = "VARIANT", env = "TINYGPT_KERNEL", default_value = "auto",
+          value_parser = |s: &str| s.parse::<KernelChoice>().map_err(flag_msg))]
+    pub kernel: KernelChoice,
+    /// KIVI attention kernels: `fast` (the fastest this CPU has), `exact` (the
+    /// reference's bits), or one of portable, avx2, avx512, avx512-exact, neon.
+    #[arg(long = "kv-kernel", value_name = "KIND", env = "TINYGPT_KV_KERNEL",
+          default_value = "fast",
+          value_parser = |s: &str| s.parse::<KvKernelChoice>().map_err(flag_msg))]
+    pub kv_kernel: KvKernelChoice,
+    /// Run one sequence's decode step as a team of the threads (`off`: one fork/join per
+    /// product; same results).
+    #[arg(long, value_name = "on|off", env = "TINYGPT_TEAM", default_value = "on",
+          action = clap::ArgAction::Set,
+          value_parser = |s: &str| parse_switch("--team", s).map_err(flag_msg))]
+    pub team: bool,
+    /// Split attention within KV heads in a decode team: auto (when it pays), always,
+    /// never (same results).
+    #[arg(long = "attn-split", value_name = "WHEN", env = "TINYGPT_ATTN_SPLIT",
+          default_value = "auto",
+          value_parser = |s: &str| s.parse::<crate::attention::AttnSplit>().map_err(flag_msg))]
+    pub attn_split: crate::attention::AttnSplit,
+}
+
+/// The message of a flag error, for clap (which names the flag itself).
+fn flag_msg(e: Error) -> String {
+    match e {
+        Error::Flag { msg, .. } => msg,
+        other => other.to_string(),
+    }
+}
+
+impl ExecArgs {
+    /// The options these flags give, with `threads` and the adaptive choice.
+    pub fn options(&self, threads: Option<usize>, adaptive: bool) -> ExecOptions {
+        ExecOptions {
+            kernel: self.kernel,
+            kv_kernel: self.kv_kernel,
+            threads,
+            team: self.team,
+            attn_split: self.attn_split,
+            adaptive,
+        }
+    }
+}
+
 /// Engine and weight flags.
 #[derive(Args, Debug, Clone)]
 pub struct EngineArgs {
@@ -221,6 +277,14 @@ pub struct EngineArgs {
     /// Worker threads (default: all cores).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
+    /// Without `--threads`, choose between the team and one thread by measured step
+    /// times, and run batches on one thread when the machine is crowded (same results).
+    #[arg(long, value_name = "on|off", env = "TINYGPT_ADAPTIVE", default_value = "on",
+          action = clap::ArgAction::Set,
+          value_parser = |s: &str| parse_switch("--adaptive", s).map_err(flag_msg))]
+    pub adaptive: bool,
+    #[command(flatten)]
+    pub exec: ExecArgs,
 }
 
 impl EngineArgs {
@@ -247,13 +311,16 @@ impl EngineArgs {
         self.thread_pool()?.install(f)
     }
 
-    /// The rayon pool of `--threads` threads (default: all cores), checked, with the
-    /// adaptive choice between the team and one thread turned on for the process when
-    /// `--threads` is not given ([`crate::threads::set_adaptive`]).
+    /// The execution options these flags give: `--adaptive` applies only without
+    /// `--threads` (a thread count asked for is kept).
+    pub fn exec_options(&self) -> ExecOptions {
+        self.exec
+            .options(self.threads, self.adaptive && self.threads.is_none())
+    }
+
+    /// The rayon pool of `--threads` threads (default: all cores), checked.
     pub fn thread_pool(&self) -> Result<rayon::ThreadPool> {
         let mut b = rayon::ThreadPoolBuilder::new();
-        // Without --threads, decode steps pick the team or one thread by measured speed.
-        crate::threads::set_adaptive(self.threads.is_none());
         if let Some(n) = self.threads {
             if n == 0 || n > 1024 {
                 return Err(Error::flag(
@@ -319,7 +386,11 @@ impl Loaded {
         let w = engine.weights_dtype(files.format);
         crate::memory::check_weights_fit(files, w, engine.engine == EngineKind::Reference)?;
         Ok(match engine.engine {
-            EngineKind::Optimized => Loaded::Optimized(crate::model::Model::load(files, w)?),
+            EngineKind::Optimized => Loaded::Optimized(crate::model::Model::load_opts(
+                files,
+                w,
+                &engine.exec_options(),
+            )?),
             #[cfg(feature = "reference-engine")]
             EngineKind::Reference => Loaded::Reference(crate::model::reference_model(files, w)?),
             #[cfg(not(feature = "reference-engine"))]

@@ -79,6 +79,11 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
     };
     let loaded = Loaded::load(&files, &a.engine)?;
     let load_secs = t_load.elapsed().as_secs_f64();
+    let exec = match &loaded {
+        Loaded::Optimized(m) => Some(*m.options()),
+        #[cfg(feature = "reference-engine")]
+        Loaded::Reference(_) => None,
+    };
     let mut run = loaded.run(&kv);
     let layers_with_kv = run.layers_with_kv();
     let res = generate_with(
@@ -104,6 +109,9 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
         seed,
         a.temperature,
     )?;
+    if let Some(exec) = exec {
+        errln!("[exec] {exec}")?;
+    }
     if res.interrupted {
         return Err(Error::Interrupted(format!(
             "stopped after {} generated tokens",

@@ -1,6 +1,6 @@
 //! `tinygpt-cpu serve`: the OpenAI-compatible server (see [`crate::server`]).
 
-use super::common::{open_model, CacheArgs, WeightsArg};
+use super::common::{open_model, CacheArgs, ExecArgs, WeightsArg};
 use crate::error::Error;
 use crate::model::{Model, WeightsDType};
 use crate::server::{serve, Access, Limits, ServerConfig, PREFILL_TOKENS_PER_STEP};
@@ -36,6 +36,8 @@ pub struct ServeArgs {
     /// Compute threads (default: all cores).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
+    #[command(flatten)]
+    pub exec: ExecArgs,
     /// Seconds a connection has to send a request's whole header; also closes idle
     /// keep-alive connections and stalled TLS handshakes.
     #[arg(long = "header-timeout", value_name = "SECS", default_value_t = 10.0)]
@@ -234,7 +236,8 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         Some(WeightsArg::F32) => WeightsDType::F32,
         Some(WeightsArg::Bf16) => WeightsDType::Bf16,
     };
-    let model = Model::load(&files, wdtype)?;
+    // The server runs batches of sequences on the whole pool: no adaptive choice.
+    let model = Model::load_opts(&files, wdtype, &a.exec.options(a.threads, false))?;
     let model_name = match &a.model {
         Some(p) => p
             .file_stem()

@@ -1,12 +1,13 @@
 //! The choice among the KIVI kernel variants: [`KvKernel`] (one per ISA module, detected
-//! at run time), the mapping from "exact" / "fast" to a variant ([`KvKernel::best`]) and
-//! the engine's default ([`kv_kernel`], the one reader of `TINYGPT_KV_KERNEL`).
+//! at run time) and the mapping from "exact" / "fast" to a variant ([`KvKernel::best`]).
+//! Which one a session runs is the caller's choice, passed in
+//! ([`crate::exec::ExecOptions::kv_kernel`]); nothing here reads the environment.
 
 /// Variants of the fused KIVI attention kernels ([`super::dot_codes_groups`],
 /// [`super::axpy_codes_rows`] and their multi-query forms), each a module of the same
 /// functions (`portable/`, `x86/avx512/`, `x86/avx512_exact.rs`, `x86/avx2.rs`,
-/// `aarch64/neon.rs`). The engine uses [`kv_kernel`]; tests call each supported variant
-/// through the `_with` functions.
+/// `aarch64/neon.rs`). The engine passes each session's variant down to the `_with`
+/// functions; tests call each supported variant through them too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvKernel {
     /// `wide` vectors (whatever the build targets), any head dim.
@@ -99,21 +100,6 @@ impl KvKernel {
             .find(|k| k.is_supported() && (k.is_exact() || !exact))
             .unwrap_or(KvKernel::Portable)
     }
-}
-
-/// The KIVI attention kernel the engine uses, chosen once: `TINYGPT_KV_KERNEL`
-/// (`portable`, `neon`, `avx2`, `avx512`, `avx512-exact`) if it names a supported variant,
-/// else the fastest supported ([`KvKernel::best`]`(false)`). The one place the choice is
-/// read from the environment.
-pub fn kv_kernel() -> KvKernel {
-    static ACTIVE: std::sync::OnceLock<KvKernel> = std::sync::OnceLock::new();
-    *ACTIVE.get_or_init(|| {
-        std::env::var("TINYGPT_KV_KERNEL")
-            .ok()
-            .and_then(|s| KvKernel::from_name(s.trim()))
-            .filter(|k| k.is_supported())
-            .unwrap_or_else(|| KvKernel::best(false))
-    })
 }
 
 #[cfg(test)]

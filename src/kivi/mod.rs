@@ -39,8 +39,10 @@
 //!
 //! The functions below are **the one dispatch point**: each calls the chosen variant when
 //! the CPU has it and it takes the head dim (32, 64, 128, 256), else the portable kernel.
-//! The variant is [`kv_kernel`] (read once; [`KvKernel::best`] maps "exact" / "fast" to a
-//! variant), or the `_with` forms' argument (tests run every supported one). The
+//! The variant is the `_with` forms' argument: the engine passes each session's
+//! ([`crate::exec::ExecOptions::kv_kernel`]; [`KvKernel::best`] maps "exact" / "fast" to a
+//! variant), tests run every supported one; the forms without `_with` run
+//! [`KvKernel::best`]`(false)`. The
 //! Hadamard rotation of keys and values before quantising is [`hadamard`].
 
 use crate::ops::simd::{load8, store8, Elem};
@@ -316,7 +318,7 @@ macro_rules! by_group {
 
 // Declared after the macros above, which the kernels use.
 mod kernel;
-pub use kernel::{kv_kernel, KvKernel};
+pub use kernel::KvKernel;
 pub mod hadamard;
 mod portable;
 pub use portable::{
@@ -343,7 +345,7 @@ pub fn dot_codes_groups(
     out: &mut [f32],
     stride: usize,
 ) {
-    dot_codes_groups_with(kv_kernel(), run, q, fold, out, stride)
+    dot_codes_groups_with(KvKernel::best(false), run, q, fold, out, stride)
 }
 
 /// [`dot_codes_groups`] with a chosen variant (tests run every supported one; an
@@ -433,7 +435,7 @@ pub fn axpy_codes_rows(
     acc: &mut [f32],
     bias: &mut [f32],
 ) {
-    axpy_codes_rows_with(kv_kernel(), run, p, stride, acc, bias)
+    axpy_codes_rows_with(KvKernel::best(false), run, p, stride, acc, bias)
 }
 
 /// [`axpy_codes_rows`] with a chosen variant (as [`dot_codes_groups_with`]).
@@ -529,7 +531,7 @@ pub fn dot_codes_groups_multi(
     out: &mut [f32],
     stride: usize,
 ) {
-    dot_codes_groups_multi_with(kv_kernel(), run, q, fold, out, stride)
+    dot_codes_groups_multi_with(KvKernel::best(false), run, q, fold, out, stride)
 }
 
 /// [`dot_codes_groups_multi`] with a chosen variant; each query's scores equal
@@ -617,7 +619,7 @@ pub fn axpy_codes_rows_multi(
     acc: &mut [f32],
     bias: &mut [f32],
 ) {
-    axpy_codes_rows_multi_with(kv_kernel(), run, p, stride, acc, bias)
+    axpy_codes_rows_multi_with(KvKernel::best(false), run, p, stride, acc, bias)
 }
 
 /// [`axpy_codes_rows_multi`] with a chosen variant; each query's result equals

@@ -24,6 +24,7 @@ use crate::attention::{AttnScratch, RopeTable};
 use crate::config::Config;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::exec::ExecOptions;
 use crate::kv_cache::{KvCache, KvConfig, LayerKv};
 use crate::ops::{self, Matrix};
 use crate::threads;
@@ -99,6 +100,9 @@ pub struct Model {
     lm_head: Matrix,
     /// One RoPE table per layer ([`Config::rope_config`]).
     ropes: Vec<RopeTable>,
+    /// How it executes: the weight kernel it was loaded for, and what each new session
+    /// starts with (KIVI kernel, team, split, adaptive choice).
+    opts: ExecOptions,
 }
 
 /// The cache of one sequence: one layer per model layer that holds K/V
@@ -137,9 +141,16 @@ pub struct Session {
     pub record_probs: bool,
     pub probs: Vec<Vec<f32>>,
     /// Whether a decode team splits attention within KV heads (the same results bit for
-    /// bit either way; tests force both paths). Default: `TINYGPT_ATTN_SPLIT` (`always`,
-    /// `never`), else `Auto`.
+    /// bit either way; tests force both paths). Starts as the model's
+    /// [`ExecOptions::attn_split`].
     pub attn_split: crate::attention::AttnSplit,
+    /// Whether a decode step may run as a team (same bits either way). Starts as the
+    /// model's [`ExecOptions::team`].
+    pub team: bool,
+    /// Whether steps choose between the team and one thread by measured speed, and
+    /// batches run alone on a crowded machine (same bits either way). Starts as the
+    /// model's [`ExecOptions::adaptive`].
+    pub adaptive: bool,
 }
 
 fn matrix(t: &Tensor, want: WeightsDType, kernel: Kernel) -> Matrix {
@@ -169,15 +180,42 @@ impl Session {
 }
 
 impl Model {
-    /// Builds the engine model from loaded files, its products on the default kernel
-    /// variant ([`crate::wkernels::default_kernel`]).
+    /// Builds the engine model from loaded files with the default options
+    /// ([`ExecOptions::default`]: the fastest kernels, the team on).
     pub fn load(files: &ModelFiles, wdtype: WeightsDType) -> Result<Model> {
-        Model::load_with(files, wdtype, crate::wkernels::default_kernel())
+        Model::load_opts(files, wdtype, &ExecOptions::default())
     }
 
-    /// Builds the engine model from loaded files, every weight matrix's kernels resolved
-    /// for `kernel` (a variant this CPU lacks runs the scalar twins).
+    /// Builds the engine model from loaded files with the default options but the weight
+    /// kernel variant `kernel` (a variant this CPU lacks runs the scalar twins).
     pub fn load_with(files: &ModelFiles, wdtype: WeightsDType, kernel: Kernel) -> Result<Model> {
+        Model::load_kernel(files, wdtype, kernel, ExecOptions::default())
+    }
+
+    /// Builds the engine model from loaded files with `opts`: every weight matrix's kernels
+    /// resolved once, here, for `opts.kernel`; its sessions start with `opts`' KIVI
+    /// kernel, team, split and adaptive choice. An invalid `opts` is an error naming its
+    /// flag ([`ExecOptions::validate`]).
+    pub fn load_opts(
+        files: &ModelFiles,
+        wdtype: WeightsDType,
+        opts: &ExecOptions,
+    ) -> Result<Model> {
+        opts.validate()?;
+        Model::load_kernel(files, wdtype, opts.kernel.resolve(), *opts)
+    }
+
+    /// The options the model was loaded with.
+    pub fn options(&self) -> &ExecOptions {
+        &self.opts
+    }
+
+    fn load_kernel(
+        files: &ModelFiles,
+        wdtype: WeightsDType,
+        kernel: Kernel,
+        opts: ExecOptions,
+    ) -> Result<Model> {
         let mat = |t: &Tensor| matrix(t, wdtype, kernel);
         let t = ModelTensors::collect(files)?;
         let cfg = files.config.clone();
@@ -256,6 +294,7 @@ impl Model {
             norm: norm(t.norm),
             lm_head,
             cfg,
+            opts,
         })
     }
 
@@ -272,19 +311,24 @@ impl Model {
         self.kv_source[l]
     }
 
-    /// A fresh decoding session with an empty cache.
+    /// A fresh decoding session with an empty cache, on the model's options (its KIVI
+    /// kernel variant, resolved here once for the session; its team, split and adaptive
+    /// choice, which the session may change).
     pub fn session(&self, kv: &KvConfig) -> Session {
         let c = &self.cfg;
+        let o = &self.opts;
         Session {
             cache: new_cache(c, kv),
-            scratch: AttnScratch::new(c, kv),
+            scratch: AttnScratch::with_kernel(c, kv, o.kv_kernel.resolve()),
             relay: relay_step::RelayScratch::default(),
             bufs: StepBufs::new(c, 1),
             pace: threads::Pace::default(),
             logits: vec![0.0; c.vocab_size],
             record_probs: false,
             probs: vec![Vec::new(); c.n_layers],
-            attn_split: crate::attention::AttnSplit::from_env(),
+            attn_split: o.attn_split,
+            team: o.team,
+            adaptive: o.adaptive,
         }
     }
 
@@ -292,22 +336,22 @@ impl Model {
     ///
     /// One sequence, one token: a case of [`step`](Self::step). With more than one thread
     /// in the current rayon pool it runs as a decode team ([`relay_step`]; same values bit
-    /// for bit; `TINYGPT_TEAM=off` turns it off: one fork/join per product), so it must not
+    /// for bit; [`Session::team`] off turns it off: one fork/join per product), so it must not
     /// be called from inside a parallel region of that pool. A session whose eviction
     /// policy observes attention's weights runs on the pool as rows; a step whose team
     /// cannot start its helper threads runs on the calling thread alone.
     ///
-    /// With [`threads::adaptive`] on (the CLI's default when `--threads` is not given), each
+    /// With [`Session::adaptive`] on (the CLI's default when `--threads` is not given), each
     /// step runs either as the team or on the calling thread alone, whichever the
     /// session's measured step times say is faster just now ([`threads::Pace`]): a team
     /// whose member lost its core to another process can be slower than one thread.
     pub fn forward(&self, s: &mut Session, token: u32, pos: usize) -> Result<()> {
         let n = threads::current();
-        if n == 1 || !threads::team_enabled() || !relay_step::supports(s, n) {
+        if n == 1 || !s.team || !relay_step::supports(s, n) {
             return self.forward_rows(s, token, pos);
         }
         self.check_token(token)?;
-        let mode = match threads::adaptive() {
+        let mode = match s.adaptive {
             // The relay takes a late member's work over instead of waiting for it: it is
             // probed, and chosen when faster, crowded or not.
             true => s.pace.next(|| false),
@@ -346,7 +390,7 @@ impl Model {
     /// `s.logits` receives the last token's logits; `all_logits`, if given, receives
     /// `(tokens, vocab)`. Every value equals the token-by-token forward's bit for bit.
     ///
-    /// With [`threads::adaptive`] on and another process holding a core the pool needs, the
+    /// With [`Session::adaptive`] on and another process holding a core the pool needs, the
     /// batch runs on the calling thread alone ([`threads::batch`]; same values).
     pub fn forward_batch(
         &self,
@@ -358,12 +402,13 @@ impl Model {
         if tokens.is_empty() {
             return Ok(());
         }
+        let adaptive = s.adaptive;
         let mut steps = [SeqStep {
             session: s,
             tokens,
             start,
         }];
-        threads::batch(|| rows::run(self, &mut steps, all_logits))
+        threads::batch(adaptive, || rows::run(self, &mut steps, all_logits))
     }
 
     /// Continuous batching: advances several independent sequences in one forward pass.
@@ -379,9 +424,10 @@ impl Model {
     /// token after token, bit for bit ([`matmul`] computes each token's row as [`matvec`]
     /// does), so a sequence's output does not depend on what else is in the batch. Like
     /// [`forward_batch`](Self::forward_batch), it runs alone on a crowded machine
-    /// ([`threads::batch`]).
+    /// ([`threads::batch`]) when every session's [`Session::adaptive`] is on.
     pub fn forward_sequences(&self, steps: &mut [SeqStep<'_>]) -> Result<()> {
-        threads::batch(|| rows::run(self, steps, None))
+        let adaptive = !steps.is_empty() && steps.iter().all(|st| st.session.adaptive);
+        threads::batch(adaptive, || rows::run(self, steps, None))
     }
 
     /// The forward pass, written once: every layer's stages in order, each run by the

@@ -30,6 +30,7 @@ use crate::attention::{
 };
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::kivi::KvKernel;
 use crate::kv_cache::LayerKv;
 use crate::ops::matvec::{quantized_forms, row_part, row_parts, rows_into};
 use crate::ops::{self, Matrix};
@@ -81,8 +82,10 @@ struct LayerScratch {
 }
 
 impl RelayScratch {
-    /// Sizes everything for `model` on a team of `members` (again only when that changes).
-    fn prepare(&mut self, model: &Model, members: usize) {
+    /// Sizes everything for `model` on a team of `members` (again only when that changes),
+    /// the step tables on the session's KIVI kernel variant `kv_kernel` (fixed for a
+    /// session).
+    fn prepare(&mut self, model: &Model, members: usize, kv_kernel: KvKernel) {
         if self.members == members {
             return;
         }
@@ -107,7 +110,7 @@ impl RelayScratch {
         }
         self.layers = (0..c.n_layers)
             .map(|_| LayerScratch {
-                tables: StepTables::new(c),
+                tables: StepTables::new(c, kv_kernel),
                 scores: Vec::new(),
                 score_cuts: Vec::new(),
                 weight_cuts: Vec::new(),
@@ -149,7 +152,7 @@ pub(super) fn run_step(
     n: usize,
 ) -> Option<Result<()>> {
     let c = &model.cfg;
-    s.relay.prepare(model, n);
+    s.relay.prepare(model, n, s.scratch.kv_kernel());
     let RelayScratch {
         x,
         h,

@@ -1,8 +1,6 @@
 //! The kernel variants ([`Kernel`]): one instruction set each, detected at run time, and
 //! the default one ([`default_kernel`]).
 
-use std::sync::OnceLock;
-
 /// A kernel variant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
@@ -87,17 +85,10 @@ impl Kernel {
     }
 }
 
-/// The default variant, chosen once: `TINYGPT_KERNEL` if it names a supported variant,
-/// else [`Kernel::best`]. The one place the engine reads that variable; the loaders take
-/// the variant as a parameter ([`crate::model::Model::load_with`],
-/// [`crate::ops::Matrix::from_tensor`]) and pass this one when the caller names none.
+/// The default variant: [`Kernel::best`] (what [`crate::exec::KernelChoice::Auto`] runs).
+/// The loaders take the variant as a parameter ([`crate::model::Model::load_opts`],
+/// [`crate::ops::Matrix::from_tensor`]); the caller names one with `--kernel`
+/// ([`crate::exec::ExecOptions::kernel`]). Nothing here reads the environment.
 pub fn default_kernel() -> Kernel {
-    static ACTIVE: OnceLock<Kernel> = OnceLock::new();
-    *ACTIVE.get_or_init(|| {
-        std::env::var("TINYGPT_KERNEL")
-            .ok()
-            .and_then(|s| Kernel::from_name(s.trim()))
-            .filter(|k| k.is_supported())
-            .unwrap_or_else(Kernel::best)
-    })
+    Kernel::best()
 }

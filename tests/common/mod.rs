@@ -226,3 +226,18 @@ pub fn pool(n: usize) -> rayon::ThreadPool {
         .build()
         .expect("thread pool")
 }
+
+/// The engine options of the tests that compare with the reference: the KIVI kernels the
+/// test's own knob `TINYGPT_KV_KERNEL` names (`fast`, `exact` or a variant this CPU has; a
+/// bad value fails the test), else the fast ones. The engine itself reads no environment:
+/// the test passes these to `Model::load_opts`.
+pub fn kv_kernel_opts() -> tinygpt_cpu::exec::ExecOptions {
+    let kv_kernel = match std::env::var("TINYGPT_KV_KERNEL") {
+        Ok(s) => s.parse().expect("TINYGPT_KV_KERNEL"),
+        Err(_) => tinygpt_cpu::exec::KvKernelChoice::Fast,
+    };
+    tinygpt_cpu::exec::ExecOptions {
+        kv_kernel,
+        ..Default::default()
+    }
+}

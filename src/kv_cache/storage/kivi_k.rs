@@ -23,7 +23,7 @@
 
 use super::plain::PlainRun;
 use super::{ensure, KeyRun, KeyStore, Region, RowStore, Shape};
-use crate::kivi::{self, Bits};
+use crate::kivi::{self, Bits, KvKernel};
 use half::{f16, slice::HalfFloatSliceExt};
 use std::ops::Range;
 
@@ -353,8 +353,16 @@ impl KeyRun for ChannelRun<'_> {
     /// per row and query: `q·k = Σ_c (q_c s_c) u_c + Σ_c q_c z_c`, each row's codes
     /// unpacked once for all the queries (grouped-query attention). A row's score does not
     /// depend on how many groups the run spans, nor on how many queries share the call.
-    fn dot_rows(&self, qs: &[f32], fold: &mut [f32], out: &mut [f32], stride: usize) {
-        kivi::dot_codes_groups_multi(
+    fn dot_rows(
+        &self,
+        kernel: KvKernel,
+        qs: &[f32],
+        fold: &mut [f32],
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        kivi::dot_codes_groups_multi_with(
+            kernel,
             &kivi::KRun {
                 codes: self.codes,
                 hd: self.hd,

@@ -13,7 +13,7 @@
 
 use super::plain::{PlainRun, Rows};
 use super::{ensure, Region, RowStore, Shape, ValueRun, ValueStore};
-use crate::kivi::{self, Bits};
+use crate::kivi::{self, Bits, KvKernel};
 use half::f16;
 use std::ops::Range;
 
@@ -152,10 +152,18 @@ impl ValueRun for TokenRun<'_> {
     /// `bias[j]` (the caller adds `bias[j]` to every element of `acc_j` at the end). Each
     /// row's codes are unpacked once for all the queries (grouped-query attention); a
     /// query's result does not depend on how many share the call.
-    fn axpy_rows(&self, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]) {
+    fn axpy_rows(
+        &self,
+        kernel: KvKernel,
+        p: &[f32],
+        stride: usize,
+        acc: &mut [f32],
+        bias: &mut [f32],
+    ) {
         debug_assert_eq!(acc.len(), bias.len() * self.hd);
         debug_assert_eq!(self.codes.len(), self.len() * self.packed);
-        kivi::axpy_codes_rows_multi(
+        kivi::axpy_codes_rows_multi_with(
+            kernel,
             &kivi::VRun {
                 codes: self.codes,
                 scale: self.scale,

@@ -31,7 +31,7 @@ pub(crate) mod kivi_v;
 pub(crate) mod plain;
 
 use super::policy::EvictionPolicy;
-use crate::kivi::Bits;
+use crate::kivi::{Bits, KvKernel};
 use crate::kv_cache::Precision;
 use half::{bf16, f16};
 use std::fmt::Debug;
@@ -191,8 +191,16 @@ pub(crate) trait KeyRun {
     /// Scores `out[j * stride + r] = q_j · k_r` of the `qs.len() / head_dim` queries `qs`
     /// against every row. A row's score must not depend on how the rows were cut into
     /// runs (blocks of eight pad with zeros, see `ops::simd::reduce8`). `fold` is
-    /// `(queries, head_dim)` scratch.
-    fn dot_rows(&self, qs: &[f32], fold: &mut [f32], out: &mut [f32], stride: usize);
+    /// `(queries, head_dim)` scratch. `kernel`: the KIVI kernel variant a store of codes
+    /// runs (plain stores ignore it), chosen per session (`crate::exec::ExecOptions`).
+    fn dot_rows(
+        &self,
+        kernel: KvKernel,
+        qs: &[f32],
+        fold: &mut [f32],
+        out: &mut [f32],
+        stride: usize,
+    );
     /// Calls `f(r0, rows)` with the rows as f32 (exactly what `LayerKv::read_key`
     /// returns) in `buf`, a block of up to `buf.len() / head_dim` rows at a time (`rows`:
     /// `(m, head_dim)`, run rows `r0..r0 + m`). `params` is `2 * head_dim` scratch.
@@ -212,8 +220,15 @@ pub(crate) trait ValueRun {
     /// head_dim)`), in an order fixed by the store and its kernel variant (row by row, or
     /// interleaved row sets added at the end of the run); rows of weight 0 may be skipped. A store may
     /// defer a per-query constant into `bias[j]`, which the caller adds to every element
-    /// of `acc_j` once all runs are summed.
-    fn axpy_rows(&self, p: &[f32], stride: usize, acc: &mut [f32], bias: &mut [f32]);
+    /// of `acc_j` once all runs are summed. `kernel` as in [`KeyRun::dot_rows`].
+    fn axpy_rows(
+        &self,
+        kernel: KvKernel,
+        p: &[f32],
+        stride: usize,
+        acc: &mut [f32],
+        bias: &mut [f32],
+    );
     /// Row `r` as f32 (tests of the run enumeration).
     #[cfg(test)]
     fn read(&self, r: usize, out: &mut [f32]);

@@ -12,6 +12,7 @@
 //! plain element type is one `Elem` impl plus its arm in `stores_for`.
 
 use super::{ensure, Elem, KeyRun, KeyStore, Region, RowStore, ValueRun, ValueStore};
+use crate::kivi::KvKernel;
 use crate::ops::simd::reduce8;
 use std::ops::Range;
 use wide::f32x8;
@@ -499,7 +500,14 @@ impl<E: Elem> KeyRun for PlainRun<'_, E> {
     }
 
     /// Eight rows per reduction ([`reduce8`]).
-    fn dot_rows(&self, qs: &[f32], _fold: &mut [f32], out: &mut [f32], stride: usize) {
+    fn dot_rows(
+        &self,
+        _kernel: KvKernel,
+        qs: &[f32],
+        _fold: &mut [f32],
+        out: &mut [f32],
+        stride: usize,
+    ) {
         let (hd, d) = (self.hd, self.data);
         match hd {
             32 => dot_rows_k::<_, 32>(d, hd, qs, out, stride),
@@ -535,7 +543,14 @@ impl<E: Elem> ValueRun for PlainRun<'_, E> {
 
     /// For head dims 32/64/128 the accumulator stays in registers across the run; for
     /// other multiples of 16 (256) across a tile of rows ([`axpy_rows_tiled`]).
-    fn axpy_rows(&self, p: &[f32], stride: usize, acc: &mut [f32], _bias: &mut [f32]) {
+    fn axpy_rows(
+        &self,
+        _kernel: KvKernel,
+        p: &[f32],
+        stride: usize,
+        acc: &mut [f32],
+        _bias: &mut [f32],
+    ) {
         let (hd, d) = (self.hd, self.data);
         match hd {
             32 => axpy_rows_k::<_, 32>(d, hd, p, stride, acc),
@@ -641,7 +656,7 @@ mod tests {
                         let qs: Vec<f32> = (0..nq * hd).map(|i| (i as f32 * 0.29).cos()).collect();
                         let stride = rows + 3;
                         let mut out = vec![f32::NAN; nq * stride];
-                        run.dot_rows(&qs, &mut [], &mut out, stride);
+                        run.dot_rows(KvKernel::Portable, &qs, &mut [], &mut out, stride);
                         for j in 0..nq {
                             let q = &qs[j * hd..(j + 1) * hd];
                             for r in 0..rows {
@@ -666,7 +681,7 @@ mod tests {
                             .collect();
                         let acc0: Vec<f32> = (0..nq * hd).map(|i| i as f32 * 0.01).collect();
                         let (mut a, mut b) = (acc0.clone(), acc0);
-                        run.axpy_rows(&p, stride, &mut a, &mut []);
+                        run.axpy_rows(KvKernel::Portable, &p, stride, &mut a, &mut []);
                         for j in 0..nq {
                             for r in 0..rows {
                                 let w = p[j * stride + r];
@@ -718,7 +733,7 @@ mod tests {
         dot_rows_multi::<E, 0>(&d, hd, &qs, &mut got, stride);
         assert_eq!(bits(&got), bits(&want), "dot hd={hd} rows={rows} nq={nq}");
         let mut got = vec![f32::NAN; nq * stride];
-        PlainRun::new(hd, &d).dot_rows(&qs, &mut [], &mut got, stride);
+        PlainRun::new(hd, &d).dot_rows(KvKernel::Portable, &qs, &mut [], &mut got, stride);
         assert_eq!(
             bits(&got),
             bits(&want),
@@ -744,7 +759,7 @@ mod tests {
         let mut want = acc0.clone();
         axpy_rows_k::<E, 0>(&d, hd, &p, stride, &mut want);
         let mut got = acc0.clone();
-        PlainRun::new(hd, &d).axpy_rows(&p, stride, &mut got, &mut []);
+        PlainRun::new(hd, &d).axpy_rows(KvKernel::Portable, &p, stride, &mut got, &mut []);
         assert_eq!(
             bits(&got),
             bits(&want),
