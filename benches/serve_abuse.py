@@ -223,7 +223,10 @@ class Stream:
 
     def read(self):
         while not self.stop:
-            line = self.resp.readline()
+            try:
+                line = self.resp.readline()
+            except (AttributeError, OSError, ValueError):
+                break  # close() shut the connection under this read
             if not line:
                 break
             if line.startswith(b"data: "):
