@@ -157,15 +157,8 @@ impl Model {
                 pool.install(|| -> tinygpt_cpu::Result<_> {
                     let mut files = ModelFiles::open(path.as_deref())?;
                     tinygpt_cpu::kv_cache::validate(&kv, &files.config)?;
-                    let model = match Loaded::load(&files, &engine)? {
-                        Loaded::Optimized(m) => m,
-                        Loaded::Reference(_) => {
-                            return Err(Error::flag(
-                                "--engine",
-                                "the Python package runs the optimized engine",
-                            ))
-                        }
-                    };
+                    let model =
+                        Loaded::load(&files, &engine)?.into_optimized("the Python package")?;
                     // The engine holds what it needs of the weights.
                     files.tensors.clear();
                     Ok((files, model))

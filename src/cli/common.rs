@@ -398,6 +398,20 @@ impl Loaded {
         })
     }
 
+    /// The optimised engine's model; `what` (the caller, e.g. "the Python package") runs
+    /// only that one, so the reference engine is an error naming `--engine`.
+    #[cfg_attr(not(feature = "reference-engine"), allow(unused_variables))]
+    pub fn into_optimized(self, what: &str) -> Result<crate::model::Model> {
+        match self {
+            Loaded::Optimized(m) => Ok(m),
+            #[cfg(feature = "reference-engine")]
+            Loaded::Reference(_) => Err(Error::flag(
+                "--engine",
+                format!("{what} runs the optimized engine"),
+            )),
+        }
+    }
+
     /// A fresh run (empty cache) with `kv`.
     pub fn run(&self, kv: &KvConfig) -> Box<dyn crate::generate::Engine + '_> {
         match self {
