@@ -35,6 +35,7 @@
 //!
 //! Positions are stored explicitly per row (`prefix_pos`, `body_pos`).
 
+mod hold;
 pub mod policy;
 pub(crate) mod storage;
 
@@ -170,6 +171,8 @@ pub struct LayerKv<P = StreamingLlm> {
     /// When set ([`LayerKv::probe_appends`]), the K and V rows of the last append as they
     /// arrived: a debugging aid for the reference-vs-engine probe, off by default.
     probe: Option<Box<(Vec<f32>, Vec<f32>)>>,
+    /// While holding rows ([`LayerKv::hold`]): what undoes them.
+    held: Option<Box<hold::Held<P>>>,
 }
 
 /// A run of stored rows handed to attention: logical slots `first..first + rows.len()`
@@ -231,6 +234,7 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
             body_k: stores_for(kp, body).0,
             body_v: stores_for(vp, body).1,
             probe: None,
+            held: None,
         }
     }
 
@@ -294,6 +298,9 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
             p.0.extend_from_slice(k);
             p.1.clear();
             p.1.extend_from_slice(v);
+        }
+        if let Some(h) = self.held.as_deref_mut() {
+            h.record(k, v, pos);
         }
         let t = self.policy.appended();
         let slot = self.policy.append();
@@ -590,6 +597,24 @@ impl KvCache {
     }
     pub fn config(&self) -> &KvConfig {
         &self.kv
+    }
+
+    /// Starts holding rows in every layer ([`LayerKv::hold`], docs/design.md §3.2).
+    pub fn hold(&mut self) {
+        self.layers.iter_mut().for_each(LayerKv::hold);
+    }
+    /// Rows held since [`KvCache::hold`] (every layer holds the same count), or `None`.
+    pub fn held(&self) -> Option<usize> {
+        self.layers.first().and_then(LayerKv::held)
+    }
+    /// Ends the hold in every layer keeping the first `keep` held rows
+    /// ([`LayerKv::release`]).
+    pub fn release(&mut self, keep: usize) {
+        self.layers.iter_mut().for_each(|l| l.release(keep));
+    }
+    /// Bytes the running hold keeps beside the stored rows ([`LayerKv::hold_bytes`]).
+    pub fn hold_bytes(&self) -> usize {
+        self.layers.iter().map(LayerKv::hold_bytes).sum()
     }
 }
 
