@@ -89,10 +89,18 @@ impl Shared {
     /// do on their pool thread: alone, or as a relay team whose first member is the
     /// calling thread; a pool would add two thread wake-ups per token (measured at about
     /// 1 ms each on a machine busy with other work, 10% of a SmolLM2 token).
+    ///
+    /// A one-thread model's step runs on the calling thread too, with every kernel there
+    /// ([`threads::solo`](tinygpt_cpu::threads::solo): what a one-thread pool would do,
+    /// without handing each token to the pool's thread and back); it still takes the
+    /// model's turn, so a one-thread model computes on one core at a time.
     pub fn step<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
         if self.here {
             let _turn = HERE.lock().unwrap_or_else(|e| e.into_inner());
             f()
+        } else if self.pool.current_num_threads() == 1 {
+            let _turn = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+            tinygpt_cpu::threads::solo(f)
         } else {
             self.compute(f)
         }
