@@ -88,6 +88,37 @@ macro_rules! per_code_type {
     };
 }
 
+/// Runs `$body` with `T` a constant equal to the live token count `$n` (1..=[`TOKENS`];
+/// larger counts run as [`TOKENS`]) and `$sub: &[_; T]` the first `T` of `$acts`: one
+/// instance of a multi-token kernel per tile width, so a short tile computes only its
+/// own tokens.
+macro_rules! by_live_tokens {
+    ($n:expr, $acts:expr, |$t:ident, $sub:ident| $body:block) => {
+        match $n {
+            1 => {
+                const $t: usize = 1;
+                let $sub = &[$acts[0]];
+                $body
+            }
+            2 => {
+                const $t: usize = 2;
+                let $sub = &[$acts[0], $acts[1]];
+                $body
+            }
+            3 => {
+                const $t: usize = 3;
+                let $sub = &[$acts[0], $acts[1], $acts[2]];
+                $body
+            }
+            _ => {
+                const $t: usize = TOKENS;
+                let $sub: &[_; TOKENS] = $acts;
+                $body
+            }
+        }
+    };
+}
+
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
 pub mod acts;
@@ -167,9 +198,12 @@ macro_rules! rows {
                 // SAFETY: the caller's (`GroupFn`), passed on.
                 *o = unsafe { rows!(@walk $form, 1, d, g, &[a], $($f)::+::<1 $(, $g)?>) }[0]
             },
-            tokens: |d, g, a, o| {
-                // SAFETY: the caller's (`TokensFn`), passed on.
-                *o = unsafe { rows!(@walk $form, TOKENS, d, g, a, $($f)::+::<TOKENS $(, $g)?>) }
+            tokens: |d, g, a, o, n| {
+                by_live_tokens!(n, a, |T, sub| {
+                    // SAFETY: the caller's (`TokensFn`), passed on.
+                    let r = unsafe { rows!(@walk $form, T, d, g, sub, $($f)::+::<T $(, $g)?>) };
+                    o[..T].copy_from_slice(&r);
+                })
             },
             tile: None,
         }
@@ -185,9 +219,12 @@ macro_rules! portable_groups {
             group: |d, g, a, o| {
                 *o = $($f)::+::<1 $(, $g)?>(g.qs, row_bytes(d, g.nb), &[&a.k])[0]
             },
-            tokens: |d, g, a, o| {
-                let ks: [&Q8K; TOKENS] = std::array::from_fn(|t| &a[t].k);
-                *o = $($f)::+::<TOKENS $(, $g)?>(g.qs, row_bytes(d, g.nb), &ks)
+            tokens: |d, g, a, o, n| {
+                by_live_tokens!(n, a, |T, sub| {
+                    let ks: [&Q8K; T] = std::array::from_fn(|t| &sub[t].k);
+                    let r = $($f)::+::<T $(, $g)?>(g.qs, row_bytes(d, g.nb), &ks);
+                    o[..T].copy_from_slice(&r);
+                })
             },
             tile: None,
         }
@@ -195,7 +232,12 @@ macro_rules! portable_groups {
     (b, $($f:ident)::+) => {
         Imp::Blocks {
             group: |d, g, a, o| *o = $($f)::+::<1>(g.qs, row_bytes(d, g.nb), &[a])[0],
-            tokens: |d, g, a, o| *o = $($f)::+::<TOKENS>(g.qs, row_bytes(d, g.nb), a),
+            tokens: |d, g, a, o, n| {
+                by_live_tokens!(n, a, |T, sub| {
+                    let r = $($f)::+::<T>(g.qs, row_bytes(d, g.nb), sub);
+                    o[..T].copy_from_slice(&r);
+                })
+            },
             tile: None,
         }
     };
@@ -212,9 +254,12 @@ macro_rules! x86_group_rows {
                 // group of eight rows of `g.nb` blocks and as many activation blocks.
                 *o = unsafe { $group(g.qs, row_bytes(d, g.nb), x86_group_rows!(@acts $form, a)) }
             },
-            tokens: |d, g, a, o| {
-                // SAFETY: the caller's (`TokensFn`), passed on.
-                *o = unsafe { rows!(@walk $form, TOKENS, d, g, a, $($f)::+::<TOKENS $(, $g)?>) }
+            tokens: |d, g, a, o, n| {
+                by_live_tokens!(n, a, |T, sub| {
+                    // SAFETY: the caller's (`TokensFn`), passed on.
+                    let r = unsafe { rows!(@walk $form, T, d, g, sub, $($f)::+::<T $(, $g)?>) };
+                    o[..T].copy_from_slice(&r);
+                })
             },
             tile: None,
         }
@@ -314,8 +359,11 @@ pub type Dequant = fn(&[u8], &mut [f32]);
 
 /// Eight rows of a group × one token (`out[k]` = row `8g + k`).
 type GroupFn = unsafe fn(DType, &Group, &QuantizedActs, &mut [f32; GROUP]);
-/// Eight rows of a group × [`TOKENS`] tokens (`out[t][k]`).
-type TokensFn = unsafe fn(DType, &Group, &[&QuantizedActs; TOKENS], &mut [[f32; GROUP]; TOKENS]);
+/// Eight rows of a group × the first `n` (1..=[`TOKENS`]) tokens of a tile (`out[t][k]`,
+/// `t < n`; `out[n..]` is left as it is): a short tile costs its own tokens, not
+/// [`TOKENS`] (a speculative verification pass has 2–9 tokens).
+type TokensFn =
+    unsafe fn(DType, &Group, &[&QuantizedActs; TOKENS], &mut [[f32; GROUP]; TOKENS], usize);
 /// Eight rows of a group × a tile's first `n` tokens (`out[t][k]`, `t < n`).
 type TileFn = unsafe fn(DType, &Group, &TileView, &mut [[f32; GROUP]; TILE], usize);
 /// Float rows `r0..r0 + out.len()` (of `cols` values, as bytes) × `x`.
@@ -455,7 +503,7 @@ impl Kernels {
             }
             let mut buf = [[0.0f32; GROUP]; TOKENS];
             // SAFETY: as in `group_dot`, for every token of the tile (checked above).
-            unsafe { tokens(self.dtype, &grp, &tile, &mut buf) };
+            unsafe { tokens(self.dtype, &grp, &tile, &mut buf, a.len()) };
             o.copy_from_slice(&buf[..o.len()]);
         }
     }

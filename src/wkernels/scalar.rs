@@ -101,9 +101,20 @@ pub fn group_tokens(
     g: &Group,
     acts: &[&QuantizedActs; TOKENS],
     out: &mut [[f32; GROUP]; TOKENS],
+    n: usize,
+) {
+    by_live_tokens!(n, acts, |T, sub| { tokens::<T>(dtype, g, sub, out) })
+}
+
+/// [`group_tokens`] for its first `T` tokens (results in `out[..T]`).
+fn tokens<const T: usize>(
+    dtype: DType,
+    g: &Group,
+    acts: &[&QuantizedActs; T],
+    out: &mut [[f32; GROUP]; TOKENS],
 ) {
     let qsb = qs_bytes(dtype);
-    let mut acc = [[0.0f32; GROUP]; TOKENS];
+    let mut acc = [[0.0f32; GROUP]; T];
     let mut w = [[0i8; QK]; GROUP];
     for b in 0..g.nb {
         unpack_block(dtype, &g.qs[b * qsb..(b + 1) * qsb], &mut w);
@@ -125,7 +136,7 @@ pub fn group_tokens(
             }
         }
     }
-    *out = acc;
+    out[..T].copy_from_slice(&acc);
 }
 
 /// A super-block of a row type as the scalar rows read it: signed codes in value order,

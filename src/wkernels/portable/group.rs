@@ -183,13 +183,24 @@ pub fn group_tokens(
     g: &Group,
     acts: &[&QuantizedActs; TOKENS],
     out: &mut [[f32; GROUP]; TOKENS],
+    n: usize,
+) {
+    by_live_tokens!(n, acts, |T, sub| { tokens::<T>(dtype, g, sub, out) })
+}
+
+/// [`group_tokens`] for its first `T` tokens (results in `out[..T]`).
+fn tokens<const T: usize>(
+    dtype: DType,
+    g: &Group,
+    acts: &[&QuantizedActs; T],
+    out: &mut [[f32; GROUP]; TOKENS],
 ) {
     let qsb = qs_bytes(dtype);
     assert!(g.qs.len() >= g.nb * qsb);
     for a in acts {
         assert!(a.q.len() >= g.nb * QK && a.d.len() >= g.nb && a.qsum.len() >= g.nb);
     }
-    let mut acc = [f32x8::ZERO; TOKENS];
+    let mut acc = [f32x8::ZERO; T];
     for b in 0..g.nb {
         let w = unpack(dtype, &g.qs[b * qsb..(b + 1) * qsb]);
         let sc = scales8(dtype, g, b);

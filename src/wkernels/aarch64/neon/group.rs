@@ -164,9 +164,12 @@ pub unsafe fn group_tokens(
     g: &Group,
     acts: &[&QuantizedActs; TOKENS],
     out: &mut [[f32; GROUP]; TOKENS],
+    n: usize,
 ) {
-    // SAFETY: forwarded from the caller.
-    unsafe { per_code_type!(dtype, tokens::<TOKENS>, (g, acts, out)) }
+    by_live_tokens!(n, acts, |T, sub| {
+        // SAFETY: forwarded from the caller (for the first `T` tokens).
+        unsafe { per_code_type!(dtype, tokens::<T>, (g, sub, out)) }
+    })
 }
 
 /// The kernel body for `T ≤ TOKENS` tokens (results in `out[..T]`), called with `dtype` a

@@ -234,9 +234,12 @@ pub unsafe fn group_tokens(
     g: &Group,
     acts: &[&QuantizedActs; TOKENS],
     out: &mut [[f32; GROUP]; TOKENS],
+    n: usize,
 ) {
-    // SAFETY: the caller's guarantees, passed on.
-    unsafe { per_code_type!(dtype, group_tokens_body, (g, acts, out)) }
+    by_live_tokens!(n, acts, |T, sub| {
+        // SAFETY: the caller's guarantees, passed on (for the first `T` tokens).
+        unsafe { per_code_type!(dtype, group_tokens_body::<T>, (g, sub, out)) }
+    })
 }
 
 /// [`group_tokens`]'s loop for one code type.
@@ -244,10 +247,10 @@ pub unsafe fn group_tokens(
 /// # Safety
 /// As for [`group_tokens`]; always inlined into it (which enables AVX2).
 #[inline(always)]
-unsafe fn group_tokens_body(
+unsafe fn group_tokens_body<const T: usize>(
     dtype: DType,
     g: &Group,
-    acts: &[&QuantizedActs; TOKENS],
+    acts: &[&QuantizedActs; T],
     out: &mut [[f32; GROUP]; TOKENS],
 ) {
     let qsb = qs_bytes(dtype);
@@ -255,7 +258,7 @@ unsafe fn group_tokens_body(
     for a in acts {
         assert!(a.q.len() >= g.nb * QK && a.d.len() >= g.nb && a.qsum.len() >= g.nb);
     }
-    let mut acc = [_mm256_setzero_ps(); TOKENS];
+    let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..g.nb {
         // SAFETY: block `b` of `g.qs` and of every `a.q` is in bounds (asserts above).
         unsafe {

@@ -193,9 +193,12 @@ pub unsafe fn group_tokens(
     g: &Group,
     acts: &[&QuantizedActs; TOKENS],
     out: &mut [[f32; GROUP]; TOKENS],
+    n: usize,
 ) {
-    // SAFETY: forwarded from the caller.
-    unsafe { tokens_512::<TOKENS>(dtype, g, acts, out) }
+    by_live_tokens!(n, acts, |T, sub| {
+        // SAFETY: forwarded from the caller (for the first `T` tokens).
+        unsafe { tokens_512::<T>(dtype, g, sub, out) }
+    })
 }
 
 /// The AVX-512 kernel body for `T ≤ TOKENS` tokens (results in `out[..T]`).
