@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KvConfig;
 use crate::model::{Model, Session};
 use crate::sampler::{Sampler, SamplerConfig};
+use crate::speculate::{SpecConfig, SpecStats, Speculator};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use std::ops::Deref;
 use std::time::Instant;
@@ -40,6 +41,25 @@ pub trait Engine {
         }
         self.forward(tokens[tokens.len() - 1], start + tokens.len() - 1)
     }
+    /// Runs `tokens` at `start..` and writes every position's logits into `out`,
+    /// `(tokens, vocab)`: the same values as [`forward`](Self::forward) token by token.
+    fn forward_all(&mut self, tokens: &[u32], start: usize, out: &mut Vec<f32>) -> Result<()> {
+        out.clear();
+        for (i, &t) in tokens.iter().enumerate() {
+            let logits = self.forward(t, start + i)?;
+            out.extend_from_slice(logits);
+        }
+        Ok(())
+    }
+    /// Starts holding the rows appended from now on ([`KvCache::hold`](crate::kv_cache::KvCache::hold),
+    /// docs/design.md §3.2). Engines without it refuse (speculative decoding needs it).
+    fn hold(&mut self) -> Result<()> {
+        Err(Error::Generate(
+            "this engine cannot hold cache rows: --speculate needs the optimised engine".into(),
+        ))
+    }
+    /// Ends the hold keeping its first `keep` rows ([`KvCache::release`](crate::kv_cache::KvCache::release)).
+    fn release(&mut self, _keep: usize) {}
 }
 
 /// The optimised engine with one session. `M` is how the run holds the model: borrowed
@@ -87,6 +107,17 @@ impl<M: Deref<Target = Model>> Engine for EngineRun<M> {
     }
     fn reset(&mut self) {
         self.session = self.model.session(&self.kv);
+    }
+    fn forward_all(&mut self, tokens: &[u32], start: usize, out: &mut Vec<f32>) -> Result<()> {
+        self.model
+            .forward_batch(&mut self.session, tokens, start, Some(out))
+    }
+    fn hold(&mut self) -> Result<()> {
+        self.session.cache.hold();
+        Ok(())
+    }
+    fn release(&mut self, keep: usize) {
+        self.session.cache.release(keep);
     }
     fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<&[f32]> {
         // Bounded batches keep the activation buffers small for long prompts.
@@ -174,9 +205,18 @@ pub struct GenerateOptions {
     /// The cache configuration the run will use (whether it is bounded, and how many rows
     /// it can keep).
     pub(crate) kv: KvConfig,
+    /// Speculative decoding ([`GenerateOptions::with_speculation`]).
+    pub(crate) speculate: Option<SpecConfig>,
 }
 
 impl GenerateOptions {
+    /// The same settings, decoding with prompt-lookup drafts when `spec` is set
+    /// (`--speculate`, [`crate::speculate`]).
+    pub fn with_speculation(mut self, spec: Option<SpecConfig>) -> Self {
+        self.speculate = spec;
+        self
+    }
+
     /// Settings for generating up to `max_tokens` tokens with `sampler` on a model of
     /// `context_length` positions, through a cache configured as `kv`. The sampler is
     /// validated here (the one place it is); the prompt is checked against the context
@@ -197,6 +237,7 @@ impl GenerateOptions {
             context_length,
             allow_past_context,
             kv: kv.clone(),
+            speculate: None,
         })
     }
 
@@ -282,6 +323,8 @@ pub struct GenerateResult {
     pub current_length: usize,
     pub kv_bytes: usize,
     pub stopped_at_eos: bool,
+    /// Speculative decoding's counts (all 0 without `--speculate`).
+    pub spec: SpecStats,
     /// Stopped early by SIGINT.
     pub interrupted: bool,
 }
@@ -488,6 +531,7 @@ pub fn generate_with(
         current_length: gen.current_length(),
         kv_bytes: engine.kv_bytes(),
         stopped_at_eos: gen.stopped_at_eos(),
+        spec: gen.spec_stats(),
         interrupted,
     })
 }
@@ -531,6 +575,10 @@ pub struct Generation {
     prefill_secs: f64,
     decode_secs: f64,
     decode_steps: usize,
+    /// Drafting state under `--speculate` ([`crate::speculate`]).
+    spec: Option<Speculator>,
+    /// A verification pass's logits, `(k + 1, vocab)`.
+    all_logits: Vec<f32>,
 }
 
 impl Generation {
@@ -558,6 +606,8 @@ impl Generation {
             prefill_secs: 0.0,
             decode_secs: 0.0,
             decode_steps: 0,
+            spec: opts.speculate.map(|c| Speculator::new(c, prompt_ids)),
+            all_logits: Vec::new(),
         })
     }
 
@@ -603,22 +653,24 @@ impl Generation {
             self.finished = true;
             return Ok(None);
         }
-        let id = match (self.next.take(), self.last) {
-            (Some(t), _) => t,
-            (None, Some(prev)) => {
+        let queued = self.spec.as_mut().and_then(|s| s.queue.pop_front());
+        let id = match (self.next.take(), self.last, queued) {
+            (Some(t), _, _) | (None, _, Some(t)) => t,
+            (None, Some(prev), None) => {
                 let t = Instant::now();
-                let logits = engine.forward(prev, self.pos)?;
-                check_finite(logits, self.pos)?;
-                self.pos += 1;
-                self.decode_steps += 1;
-                let next = self.sampler.sample(logits);
+                let next = self.decode(engine, tok, prev)?;
                 self.decode_secs += t.elapsed().as_secs_f64();
                 next
             }
-            (None, None) => return Err(Error::Generate("generation was not prefilled".into())),
+            (None, None, None) => {
+                return Err(Error::Generate("generation was not prefilled".into()))
+            }
         };
         self.generated += 1;
         self.last = Some(id);
+        if let Some(s) = self.spec.as_mut() {
+            s.context.push(id);
+        }
         if tok.is_eos(id) && !self.ignore_eos {
             self.finished = true;
             self.stopped_at_eos = true;
@@ -637,6 +689,104 @@ impl Generation {
             text,
             eos: false,
         }))
+    }
+
+    /// Feeds `prev` and returns the next token: one plain step, or under `--speculate` a
+    /// verification pass of `prev` and a draft when one is worth it.
+    fn decode(&mut self, engine: &mut dyn Engine, tok: &Tokenizer, prev: u32) -> Result<u32> {
+        let budget = self.max_tokens - self.generated - 1;
+        let draft = match self.spec.as_mut() {
+            Some(s) => match s.draft_len(budget) {
+                0 => Vec::new(),
+                k => s.draft(k),
+            },
+            None => Vec::new(),
+        };
+        if !draft.is_empty() {
+            return self.verify(engine, tok, prev, &draft);
+        }
+        let logits = engine.forward(prev, self.pos)?;
+        check_finite(logits, self.pos)?;
+        self.pos += 1;
+        self.decode_steps += 1;
+        if let Some(s) = self.spec.as_mut() {
+            s.forward_done(1);
+        }
+        Ok(self.sampler.sample(logits))
+    }
+
+    /// One verification pass (docs/design.md §3.3): `[prev, draft…]` through the cache in
+    /// one multi-token forward under a hold; the accepted drafts and the token after them
+    /// are the output (cut after an end-of-sequence token), and the hold keeps the rows
+    /// plain decoding would have appended to produce them: `prev` and every output token
+    /// but the last. Returns the first output token and queues the rest.
+    fn verify(
+        &mut self,
+        engine: &mut dyn Engine,
+        tok: &Tokenizer,
+        prev: u32,
+        draft: &[u32],
+    ) -> Result<u32> {
+        let mut tokens = Vec::with_capacity(draft.len() + 1);
+        tokens.push(prev);
+        tokens.extend_from_slice(draft);
+        engine.hold()?;
+        let mut all = std::mem::take(&mut self.all_logits);
+        let out = self.check_draft(engine, tok, &tokens, &mut all);
+        self.all_logits = all;
+        let (out, accepted) = match out {
+            Ok(x) => x,
+            Err(e) => {
+                engine.release(0);
+                return Err(e);
+            }
+        };
+        engine.release(out.len());
+        self.pos += out.len();
+        self.decode_steps += out.len();
+        if let Some(s) = self.spec.as_mut() {
+            s.record(draft.len(), accepted);
+            s.forward_done(out.len());
+            s.queue.extend(&out[1..]);
+        }
+        Ok(out[0])
+    }
+
+    /// The forward pass of a verification and the check of its draft: the output tokens
+    /// and how many drafts were accepted.
+    fn check_draft(
+        &mut self,
+        engine: &mut dyn Engine,
+        tok: &Tokenizer,
+        tokens: &[u32],
+        all: &mut Vec<f32>,
+    ) -> Result<(Vec<u32>, usize)> {
+        engine.forward_all(tokens, self.pos, all)?;
+        let vocab = all.len() / tokens.len();
+        let draft = &tokens[1..];
+        let mut out = Vec::with_capacity(tokens.len());
+        let mut accepted = 0;
+        for (i, row) in all.chunks_exact(vocab).enumerate() {
+            check_finite(row, self.pos + i)?;
+            let (t, ok) = match draft.get(i) {
+                Some(&d) => match self.sampler.verify(row, d) {
+                    None => (d, true),
+                    Some(t) => (t, false),
+                },
+                None => (self.sampler.sample(row), false),
+            };
+            out.push(t);
+            accepted += usize::from(ok);
+            if !ok || (tok.is_eos(t) && !self.ignore_eos) {
+                break;
+            }
+        }
+        Ok((out, accepted))
+    }
+
+    /// Speculative decoding's counts so far (all 0 without `--speculate`).
+    pub fn spec_stats(&self) -> SpecStats {
+        self.spec.as_ref().map(|s| s.stats).unwrap_or_default()
     }
 
     /// Whether the generation has ended ([`step`](Self::step) returns `None` from now on).

@@ -37,6 +37,7 @@ pub mod relay;
 pub mod rope;
 pub mod sampler;
 pub mod server;
+pub mod speculate;
 pub mod threads;
 pub mod tokenizer;
 pub mod weights;

@@ -77,6 +77,55 @@ impl Sampler {
         if self.cfg.is_greedy() {
             return crate::ops::argmax(logits) as u32;
         }
+        self.distribution(logits);
+        let r: f32 = self.rng.gen::<f32>();
+        let mut cum = 0.0f32;
+        for c in &self.cand {
+            cum += c.0;
+            if r < cum {
+                return c.1;
+            }
+        }
+        self.cand.last().map(|c| c.1).unwrap_or(0)
+    }
+
+    /// Speculative sampling's check of a draft token `d` (proposed by a deterministic
+    /// drafter) against `logits` (src/speculate.rs): `None` accepts `d`, `Some(t)` rejects it
+    /// and gives the token to emit instead. Greedy: accepted when `d` is the argmax, else
+    /// the argmax. Sampling: accepted with probability `p(d)` under [`sample`]'s
+    /// distribution; on rejection `t` is drawn from that distribution without `d`,
+    /// renormalised, so the emitted token is distributed as [`sample`]'s.
+    ///
+    /// [`sample`]: Self::sample
+    pub fn verify(&mut self, logits: &[f32], d: u32) -> Option<u32> {
+        if self.cfg.is_greedy() {
+            let t = crate::ops::argmax(logits) as u32;
+            return (t != d).then_some(t);
+        }
+        self.distribution(logits);
+        let p = self.cand.iter().find(|c| c.1 == d).map_or(0.0, |c| c.0);
+        if self.rng.gen::<f32>() < p {
+            return None;
+        }
+        let rest: f32 = self.cand.iter().filter(|c| c.1 != d).map(|c| c.0).sum();
+        let r = self.rng.gen::<f32>() * rest;
+        let mut cum = 0.0f32;
+        let mut last = None;
+        for c in self.cand.iter().filter(|c| c.1 != d) {
+            cum += c.0;
+            last = Some(c.1);
+            if r < cum {
+                return Some(c.1);
+            }
+        }
+        // Rounding left `r` at the top of the range: the last candidate; no candidate but
+        // `d` (top-k 1, or top-p kept one token) cannot reject, as `p(d)` is then 1.
+        Some(last.unwrap_or(d))
+    }
+
+    /// `self.cand` = the sampling distribution of `logits`: (probability, id), most
+    /// likely first, after temperature, top-k and top-p, normalised.
+    fn distribution(&mut self, logits: &[f32]) {
         let t = self.cfg.temperature;
         self.cand.clear();
         self.cand
@@ -118,15 +167,6 @@ impl Sampler {
                 c.0 /= s;
             }
         }
-        let r: f32 = self.rng.gen::<f32>();
-        let mut cum = 0.0f32;
-        for c in &self.cand {
-            cum += c.0;
-            if r < cum {
-                return c.1;
-            }
-        }
-        self.cand.last().map(|c| c.1).unwrap_or(0)
     }
 }
 
@@ -169,5 +209,72 @@ mod tests {
                 assert_eq!(Sampler::new(cfg(t, seed)).sample(&logits), best);
             }
         }
+    }
+    /// The test's own sampling distribution, in f64: softmax of `logits / t` over the top
+    /// `k` (0: all), cut to the smallest prefix holding `top_p`, renormalised.
+    fn expected(logits: &[f32], t: f64, k: usize, top_p: f64) -> Vec<f64> {
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        if k > 0 {
+            idx.truncate(k);
+        }
+        let max = logits[idx[0]] as f64 / t;
+        let w: Vec<f64> = idx
+            .iter()
+            .map(|&i| (logits[i] as f64 / t - max).exp())
+            .collect();
+        let sum: f64 = w.iter().sum();
+        let mut keep = idx.len();
+        let mut cum = 0.0;
+        for (j, x) in w.iter().enumerate() {
+            cum += x / sum;
+            if cum >= top_p {
+                keep = j + 1;
+                break;
+            }
+        }
+        let kept: f64 = w[..keep].iter().sum();
+        let mut p = vec![0.0; logits.len()];
+        for (j, &i) in idx[..keep].iter().enumerate() {
+            p[i] = w[j] / kept;
+        }
+        p
+    }
+
+    /// Speculative sampling keeps the distribution: whatever the draft (likely, unlikely,
+    /// cut by top-k or top-p), the token `verify` emits (the draft when accepted, its
+    /// replacement when not) is distributed as `sample`'s, within 5 standard errors over
+    /// 200,000 draws; and greedy `verify` accepts exactly the argmax.
+    #[test]
+    fn verify_emits_the_sampler_distribution() {
+        let logits = [2.0f32, 1.5, 0.3, -1.0, 0.9, -3.0, 1.1, 0.0];
+        let n = 200_000;
+        for (k, top_p) in [(0usize, 1.0f32), (4, 1.0), (0, 0.8)] {
+            let want = expected(&logits, 0.9, k, top_p as f64);
+            for d in [0u32, 2, 5] {
+                let mut s = Sampler::new(SamplerConfig {
+                    temperature: 0.9,
+                    top_k: k,
+                    top_p,
+                    seed: 7 + d as u64,
+                });
+                let mut count = [0usize; 8];
+                for _ in 0..n {
+                    let t = s.verify(&logits, d).unwrap_or(d);
+                    count[t as usize] += 1;
+                }
+                for (i, (&c, &p)) in count.iter().zip(&want).enumerate() {
+                    let f = c as f64 / n as f64;
+                    let se = (p * (1.0 - p) / n as f64).sqrt();
+                    assert!(
+                        (f - p).abs() <= 5.0 * se + 1e-4,
+                        "top_k {k} top_p {top_p} draft {d}: token {i} at {f}, want {p}"
+                    );
+                }
+            }
+        }
+        let mut g = Sampler::new(cfg(0.0, 1));
+        assert_eq!(g.verify(&logits, 0), None);
+        assert_eq!(g.verify(&logits, 1), Some(0));
     }
 }

@@ -48,6 +48,11 @@ pub struct SampleArgs {
     /// it nothing grows with the number of generated tokens.
     #[arg(long)]
     pub json: bool,
+    /// Speculative decoding with prompt-lookup drafts: `ngram`, or `ngram:K` for drafts of
+    /// at most K tokens (default 8). Greedy output is bit-identical to plain decoding;
+    /// sampled output has the same distribution (docs/design.md §3.3).
+    #[arg(long, value_name = "ngram[:K]")]
+    pub speculate: Option<String>,
 }
 
 pub fn run(a: SampleArgs) -> anyhow::Result<()> {
@@ -84,6 +89,13 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
         #[cfg(feature = "reference-engine")]
         Loaded::Reference(_) => None,
     };
+    if a.speculate.is_some() && exec.is_none() {
+        return Err(Error::flag(
+            "--speculate",
+            "needs the optimised engine (the reference engine cannot hold cache rows)",
+        )
+        .into());
+    }
     let mut run = loaded.run(&kv);
     let layers_with_kv = run.layers_with_kv();
     let res = generate_with(
@@ -141,9 +153,15 @@ pub fn options(
         top_p: a.top_p,
         seed,
     };
+    let spec = a
+        .speculate
+        .as_deref()
+        .map(|s| crate::speculate::SpecConfig::parse(s, "--speculate"))
+        .transpose()?;
     let opts = a
         .cache
-        .generate_options(kv, &files.config, a.tokens, sampler, a.ignore_eos)?;
+        .generate_options(kv, &files.config, a.tokens, sampler, a.ignore_eos)?
+        .with_speculation(spec);
     Ok((opts, seed))
 }
 
@@ -236,6 +254,9 @@ pub fn json_report(
         "timing": {
             "prefill_tok_s": res.prefill_tok_s(),
             "decode_tok_s": res.decode_tok_s(),
+            "drafted": res.spec.drafted,
+            "accepted": res.spec.accepted,
+            "tokens_per_step": res.spec.tokens_per_step(),
         }
     })
 }
@@ -296,6 +317,16 @@ fn report(
         res.decode_tok_s(),
         if res.stopped_at_eos { " (EOS)" } else { "" },
     )?;
+    if res.spec.forwards > 0 {
+        errln!(
+            "[speculate] drafted {} | accepted {} ({:.0}%) | {} verification passes | {:.2} tokens per step",
+            res.spec.drafted,
+            res.spec.accepted,
+            100.0 * res.spec.accepted as f64 / res.spec.drafted.max(1) as f64,
+            res.spec.passes,
+            res.spec.tokens_per_step(),
+        )?;
+    }
     errln!(
         "[kv] {} | {} | current length {} | {}",
         kv.quant_name(),
