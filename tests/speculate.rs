@@ -250,7 +250,7 @@ fn greedy_is_bit_identical_on_the_yoco_fixture() {
 }
 
 /// A bounded cache with drafts holds what it holds without them: sink 4 + window 252 +
-/// int4 over 600 generated tokens stores at most 256 rows per layer (and exactly the plain
+/// int4 over 2,000 generated tokens stores at most 256 rows per layer (and exactly the plain
 /// run's rows).
 #[test]
 fn a_bounded_cache_stays_bounded() {
@@ -269,7 +269,7 @@ fn a_bounded_cache_stays_bounded() {
         &files,
         &kv,
         &prompt,
-        600,
+        2000,
         SamplerConfig::greedy(),
         spec,
     );
@@ -278,7 +278,7 @@ fn a_bounded_cache_stays_bounded() {
         &files,
         &kv,
         &prompt,
-        600,
+        2000,
         SamplerConfig::greedy(),
         None,
     );

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Speculative decoding's speed against plain decoding (issue 46), by prompt.
+
+    python3 benches/speculate_speed.py MODEL [--bin target/release/tinygpt-cpu]
+        [--prompts fixtures/speculate/prompts.json] [--tokens 200] [--threads 1]
+        [--rounds 3] [--speculate ngram] [--idle-load 1.0]
+
+For each prompt of the set (through the model's chat template, greedy, stopping at the
+model's end-of-sequence token or after --tokens), runs `tinygpt-cpu sample --json` without
+and with `--speculate`, alternating the two in each of --rounds rounds (a host whose speed
+drifts favours neither), and prints per prompt the median decode tok/s of each, their ratio
+with the per-round ratios as the spread, the acceptance rate and tokens per step. It checks
+that both produce the same ids (greedy speculation is bit-identical) and fails otherwise.
+Before each round it waits (up to a minute) for the 1-minute load average to fall under
+--idle-load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(args, model: str, prompt: str, spec: bool) -> dict:
+    cmd = [args.bin, "sample", model, "--prompt", prompt, "--chat", "--tokens",
+           str(args.tokens), "--temperature", "0", "--threads", str(args.threads), "--json"]
+    if spec:
+        cmd += ["--speculate", args.speculate]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"{' '.join(cmd[:3])} ... failed:\n{out.stderr.strip()}")
+    return json.loads(out.stdout)
+
+
+def wait_idle(max_load: float, timeout_s: float = 60.0) -> None:
+    t0 = time.time()
+    while os.getloadavg()[0] > max_load and time.time() - t0 < timeout_s:
+        time.sleep(5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--bin", default=str(REPO / "target/release/tinygpt-cpu"))
+    ap.add_argument("--prompts", default=str(REPO / "fixtures/speculate/prompts.json"))
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--speculate", default="ngram")
+    ap.add_argument("--idle-load", type=float, default=1.0)
+    args = ap.parse_args()
+    prompts = json.loads(Path(args.prompts).read_text())["prompts"]
+    print(f"# {Path(args.model).name}, {args.threads} thread(s), --speculate {args.speculate}, "
+          f"{args.rounds} alternating rounds, host {os.uname().machine}")
+    print("| prompt | kind | tokens | plain tok/s | speculate tok/s | ratio (rounds) | accepted | tokens/step |")
+    print("|---|---|---:|---:|---:|---|---:|---:|")
+    for p in prompts:
+        plain, spec, ratios = [], [], []
+        last = None
+        for _ in range(args.rounds):
+            wait_idle(args.idle_load)
+            a = run(args, args.model, p["prompt"], False)
+            b = run(args, args.model, p["prompt"], True)
+            if a["generated_ids"] != b["generated_ids"]:
+                sys.exit(f"{p['name']}: --speculate changed the greedy ids")
+            plain.append(a["timing"]["decode_tok_s"])
+            spec.append(b["timing"]["decode_tok_s"])
+            ratios.append(spec[-1] / plain[-1])
+            last = b
+        t = last["timing"]
+        rate = t["accepted"] / t["drafted"] if t["drafted"] else 0.0
+        mp, ms = statistics.median(plain), statistics.median(spec)
+        spread = ", ".join(f"{r:.2f}" for r in ratios)
+        print(f"| {p['name']} | {p['kind']} | {len(last['generated_ids'])} | {mp:.1f} | {ms:.1f} | "
+              f"**{ms / mp:.2f}×** ({spread}) | {100 * rate:.0f}% of {t['drafted']} | "
+              f"{t['tokens_per_step']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
