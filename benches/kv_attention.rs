@@ -13,6 +13,12 @@
 //!   token (the caches stream from DRAM: 400 MB of fp32, 64 MB of int4). Time per layer
 //!   step; throughput = bytes one layer's cache holds.
 //!
+//! * `kv_hold/{precision}/{plain|held}`: one speculative-decoding step's cache work on a
+//!   SmolLM2-135M-shaped layer (3 KV heads, head dim 64) under sink 4 + window 508, full
+//!   and wrapping: `plain` appends 5 rows; `held` holds, appends the same 5 rows and
+//!   releases keeping 2 (docs/design.md §3.2). The difference is what a hold costs;
+//!   it must not grow with the 512 stored rows.
+//!
 //! Run: `cargo bench --bench kv_attention` (about 6 minutes on 2 cores); one group:
 //! `cargo bench --bench kv_attention -- kv_attend_vs_reference`.
 
@@ -240,6 +246,62 @@ fn bench_flagship(c: &mut Criterion) {
     g.finish();
 }
 
+fn bench_hold(c: &mut Criterion) {
+    const ROWS: usize = 512;
+    const DRAFT: usize = 5;
+    let (kv_heads, hd) = (3usize, 64usize);
+    let kv_dim = kv_heads * hd;
+    let mut g = c.benchmark_group("kv_hold");
+    for precision in Precision::ALL {
+        let kv = KvConfig {
+            precision,
+            sink: 4,
+            window: Some(ROWS - 4),
+            ..KvConfig::default()
+        };
+        let mut inputs = Inputs::new(7, kv_dim);
+        let mut full = LayerKv::new(&kv, kv_heads, hd);
+        for t in 0..ROWS + 100 {
+            let (_, k, v) = inputs.token(0, kv_dim);
+            full.append(&k, &v, t);
+        }
+        let draft: Vec<(Vec<f32>, Vec<f32>)> = (0..DRAFT)
+            .map(|_| {
+                let (_, k, v) = inputs.token(0, kv_dim);
+                (k, v)
+            })
+            .collect();
+        for held in [false, true] {
+            let id = BenchmarkId::new(precision.name(), if held { "held" } else { "plain" });
+            g.bench_function(id, |b| {
+                b.iter_custom(|iters| {
+                    let mut layer = full.clone();
+                    let mut total = Duration::ZERO;
+                    for i in 0..=iters {
+                        let t = CLOCK.now();
+                        if held {
+                            layer.hold();
+                        }
+                        for (k, v) in &draft {
+                            let pos = layer.appended();
+                            layer.append(k, v, pos);
+                        }
+                        if held {
+                            layer.release(2);
+                        }
+                        // The first step reallocates the clone's exact-capacity buffers.
+                        if i > 0 {
+                            total += CLOCK.now() - t;
+                        }
+                    }
+                    total
+                });
+            });
+        }
+    }
+    g.finish();
+}
+
 fn criterion_config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_secs(1))
@@ -250,6 +312,6 @@ fn criterion_config() -> Criterion {
 criterion_group! {
     name = benches;
     config = criterion_config();
-    targets = bench_vs_reference, bench_flagship
+    targets = bench_vs_reference, bench_flagship, bench_hold
 }
 criterion_main!(benches);

@@ -11,33 +11,73 @@
 //! (stored rows, positions, slots, KIVI groups and residual, everything later appends
 //! depend on), whatever evictions and quantisations the dropped rows caused.
 //!
-//! How it undoes (an implementation detail behind the API): the hold keeps a copy of the
-//! layer as it was when the hold began, plus every held row as it arrived at
-//! [`LayerKv::append`]; a release that drops rows restores the copy and appends the kept
-//! rows again (appends are deterministic in the rows and the state, so replaying them
-//! yields the same bits). Cost: one copy of the layer per hold, and `keep` appends per
-//! release that drops rows ([`LayerKv::hold_bytes`] counts what a hold keeps).
+//! ## How it undoes (an implementation detail behind the API)
+//! An undo journal per append, kept where the writes happen:
+//!
+//! * every store (`storage/journal.rs`, one [`Journal`] per store) saves, before each
+//!   write of a held append, the elements the write overwrites that existed before it
+//!   (a ring slot's row, a KIVI K group's codes and `(scale, zero)`, a residual ring row,
+//!   a KIVI V row's codes and per-token `(scale, zero)`) and the buffer's length (a write
+//!   past the end only grows the buffer: nothing is copied, the undo truncates);
+//! * the layer journals its positions the same way (prefix and body slots), and keeps the
+//!   policy as it was before each held append (a clone: `StreamingLlm` is four words).
+//!
+//! `release(keep)` undoes the appends after the first `keep`, newest first, each write put
+//! back byte for byte and each buffer truncated to its old length, and puts back the policy
+//! from before the first dropped append. Why that is the layer that appended only the
+//! kept rows: the held appends ran through the normal path, so after the first `keep` of
+//! them the layer *was* that layer; undoing each later append restores exactly the state
+//! before it (its writes restored in reverse order, the policy snapshot taken before it),
+//! by induction back to the state after the `keep`-th. Nothing is replayed, and the held
+//! rows are not kept as they arrived.
+//!
+//! Cost: `hold()` is O(1) (an empty journal per store, nothing copied). A held append costs
+//! the normal append plus copying what it overwrites: nothing while buffers grow, one row
+//! per side once a ring wraps, plus a KIVI K group's codes and parameters when it
+//! completes a group (G rows, amortised one per append), plus one policy clone.
+//! `release(keep)` is O(what the dropped appends overwrote), committing (`keep ≥ held`) is
+//! O(1) apart from freeing the journals; never O(cache). [`LayerKv::hold_bytes`] counts the
+//! journals and snapshots.
 
+use super::storage::journal::{self, Journal};
 use super::{EvictionPolicy, LayerKv};
+
+/// Journal field ids of the layer's positions.
+const PREFIX_POS: u8 = 0;
+const BODY_POS: u8 = 1;
 
 /// What a layer keeps while it holds rows (see the module docs).
 #[derive(Debug, Clone)]
 pub(crate) struct Held<P> {
-    /// The layer when the hold began (holding nothing itself).
-    base: LayerKv<P>,
-    /// The held rows as they arrived at [`LayerKv::append`], `(held, kv_dim)` each.
-    k: Vec<f32>,
-    v: Vec<f32>,
-    pos: Vec<usize>,
+    /// Rows appended when the hold began.
+    start: usize,
+    /// The policy before each held append.
+    policies: Vec<P>,
+    /// The positions' journal (fields [`PREFIX_POS`], [`BODY_POS`]).
+    pos: Journal,
 }
 
-impl<P> Held<P> {
-    /// Records one append.
-    pub(super) fn record(&mut self, k: &[f32], v: &[f32], pos: usize) {
-        self.k.extend_from_slice(k);
-        self.v.extend_from_slice(v);
-        self.pos.push(pos);
+impl<P: Clone> Held<P> {
+    /// Opens one held append, `policy` being the policy before it.
+    pub(super) fn record(&mut self, policy: &P) {
+        self.policies.push(policy.clone());
+        self.pos.mark();
     }
+}
+
+/// `buf[slot] = pos` for a row of the prefix (`body` false) or the body, journaled when
+/// `held`.
+pub(super) fn set_position<P>(
+    held: Option<&mut Held<P>>,
+    body: bool,
+    buf: &mut Vec<usize>,
+    slot: usize,
+    pos: usize,
+) {
+    let field = if body { BODY_POS } else { PREFIX_POS };
+    let mut idle = Journal::default();
+    let j = held.map_or(&mut idle, |h| &mut h.pos);
+    j.write(field, 0, buf, slot..slot + 1)[0] = pos;
 }
 
 impl<P: EvictionPolicy + Clone> LayerKv<P> {
@@ -46,19 +86,22 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
     /// all kept).
     pub fn hold(&mut self) {
         self.release(usize::MAX);
-        let mut base = self.clone();
-        base.probe = None;
+        let mut pos = Journal::default();
+        pos.hold();
         self.held = Some(Box::new(Held {
-            base,
-            k: Vec::new(),
-            v: Vec::new(),
-            pos: Vec::new(),
+            start: self.appended(),
+            policies: Vec::new(),
+            pos,
         }));
+        self.prefix_k.hold();
+        self.prefix_v.hold();
+        self.body_k.hold();
+        self.body_v.hold();
     }
 
     /// Rows appended since the hold began, or `None` when not holding.
     pub fn held(&self) -> Option<usize> {
-        self.held.as_ref().map(|h| h.pos.len())
+        self.held.as_ref().map(|h| h.policies.len())
     }
 
     /// Ends the hold, keeping the first `keep` held rows (all of them when `keep` ≥
@@ -68,28 +111,48 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
         let Some(held) = self.held.take() else {
             return;
         };
-        let held = *held;
-        if keep >= held.pos.len() {
-            return;
+        let Held {
+            start,
+            mut policies,
+            mut pos,
+        } = *held;
+        let keep = keep.min(policies.len());
+        // Each store saw the held appends of its region: tokens [start, start + keep)
+        // split at the prefix length P.
+        let (p, end) = (self.prefix, start + keep);
+        let prefix_keep = end.min(p).saturating_sub(start);
+        let body_keep = end.saturating_sub(start.max(p));
+        self.prefix_k.release(prefix_keep);
+        self.prefix_v.release(prefix_keep);
+        self.body_k.release(body_keep);
+        self.body_v.release(body_keep);
+        let (prefix_pos, body_pos) = (&mut self.prefix_pos, &mut self.body_pos);
+        pos.release(keep, |field, _, at, old, len| {
+            let buf = if field == BODY_POS {
+                &mut *body_pos
+            } else {
+                &mut *prefix_pos
+            };
+            journal::restore(buf, at, old, len)
+        });
+        if keep < policies.len() {
+            self.policy = policies.swap_remove(keep);
         }
-        let probe = self.probe.take();
-        *self = held.base;
-        let d = self.kv_heads * self.head_dim;
-        for (i, &pos) in held.pos.iter().take(keep).enumerate() {
-            self.append(
-                &held.k[i * d..(i + 1) * d],
-                &held.v[i * d..(i + 1) * d],
-                pos,
-            );
-        }
-        self.probe = probe;
     }
 
-    /// Bytes a running hold keeps beside the stored rows (its copy of the layer and the
-    /// held rows as f32); 0 without a hold.
+    /// Bytes a running hold keeps beside the stored rows: the stores' and positions'
+    /// journals (what the held appends overwrote, with their bookkeeping) and the policy
+    /// snapshots; 0 without a hold. Right after [`hold`](Self::hold) it is a small
+    /// constant, whatever the layer stores.
     pub fn hold_bytes(&self) -> usize {
         self.held.as_ref().map_or(0, |h| {
-            h.base.bytes() + 4 * (h.k.len() + h.v.len()) + 8 * h.pos.len()
+            std::mem::size_of::<Held<P>>()
+                + h.policies.len() * std::mem::size_of::<P>()
+                + h.pos.bytes()
+                + self.prefix_k.hold_bytes()
+                + self.prefix_v.hold_bytes()
+                + self.body_k.hold_bytes()
+                + self.body_v.hold_bytes()
         })
     }
 }
@@ -227,5 +290,190 @@ mod tests {
         assert_eq!(snapshot(&layer), snapshot(&want));
         layer.release(0);
         assert_eq!(snapshot(&layer), snapshot(&want));
+    }
+
+    /// Every precision pair (K = V, and two K ≠ V) under `(G, sink, window, residual)`.
+    fn configs(shapes: &[(usize, usize, Option<usize>, usize)]) -> Vec<KvConfig> {
+        let sides = Precision::ALL.iter().map(|&p| (p, None)).chain([
+            (Precision::Int8, Some(Precision::Int4)),
+            (Precision::Fp16, Some(Precision::Int2)),
+        ]);
+        let mut out = Vec::new();
+        for (precision, v_precision) in sides {
+            for &(group_size, sink, window, residual) in shapes {
+                out.push(KvConfig {
+                    precision,
+                    v_precision,
+                    group_size,
+                    sink,
+                    window,
+                    residual,
+                    positions: PositionsMode::Cache,
+                    ..KvConfig::default()
+                });
+            }
+        }
+        out
+    }
+
+    fn ctx_of(kv: &KvConfig) -> String {
+        format!(
+            "{:?}/{:?} G={} R={} sink={} window={:?}",
+            kv.precision, kv.v_precision, kv.group_size, kv.residual, kv.sink, kv.window
+        )
+    }
+
+    /// Holds long enough to wrap the window ring three times and complete two KIVI K
+    /// groups beyond that (n = 3·window + 2G), released at the ends and in between: the
+    /// undone appends overwrote ring slots several times over (the journal must give back
+    /// the oldest contents) and completed groups whose parameter slots wrapped too.
+    #[test]
+    fn holds_spanning_window_wraps_and_group_completions() {
+        let (kv_heads, hd) = (2usize, 8usize);
+        let dim = kv_heads * hd;
+        let shapes = [
+            (4usize, 2usize, Some(7usize), 0usize),
+            (3, 4, Some(5), 2),
+            (2, 0, Some(6), 5),
+            (5, 1, Some(4), 9),
+        ];
+        for kv in configs(&shapes) {
+            let (w, g) = (kv.window.unwrap_or(0), kv.group_size);
+            let n = 3 * w + 2 * g;
+            for a in [0usize, 5, 2 * w + 1] {
+                for keep in [0, 1, w - 1, w + 1, 2 * w + g, n - 1, n] {
+                    let ctx = format!("{} a={a} n={n} keep={keep}", ctx_of(&kv));
+                    let mut held = LayerKv::new(&kv, kv_heads, hd);
+                    let mut kept = LayerKv::new(&kv, kv_heads, hd);
+                    for t in 0..a + keep {
+                        kept.append(&row(t, 0.0, dim), &row(t, 1.0, dim), t);
+                    }
+                    for t in 0..a {
+                        held.append(&row(t, 0.0, dim), &row(t, 1.0, dim), t);
+                    }
+                    held.hold();
+                    for t in a..a + n {
+                        held.append(&row(t, 0.0, dim), &row(t, 1.0, dim), t);
+                    }
+                    assert_eq!(held.held(), Some(n), "{ctx}");
+                    held.release(keep);
+                    assert_eq!(snapshot(&held), snapshot(&kept), "{ctx}: after release");
+                    for t in a + keep..a + keep + 2 * w + g {
+                        held.append(&row(t, 2.0, dim), &row(t, 3.0, dim), t);
+                        kept.append(&row(t, 2.0, dim), &row(t, 3.0, dim), t);
+                    }
+                    assert_eq!(snapshot(&held), snapshot(&kept), "{ctx}: later");
+                }
+            }
+        }
+    }
+
+    /// Speculative decoding's pattern: hundreds of hold / append a few / release with a
+    /// random keep on one layer, compared after every release with a layer that was only
+    /// ever given the kept rows (seeded, so a failure reproduces).
+    #[test]
+    fn repeated_hold_release_cycles() {
+        let (kv_heads, hd) = (2usize, 8usize);
+        let dim = kv_heads * hd;
+        let shapes = [
+            (4usize, 2usize, Some(7usize), 3usize),
+            (3, 0, None, 4),
+            (2, 1, Some(3), 0),
+        ];
+        for kv in configs(&shapes) {
+            let mut state = 0x9E37_79B9_7F4A_7C15u64;
+            let mut rand = |m: usize| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state % m as u64) as usize
+            };
+            let mut layer = LayerKv::new(&kv, kv_heads, hd);
+            let mut kept = LayerKv::new(&kv, kv_heads, hd);
+            let mut t = 0usize;
+            for cycle in 0..300 {
+                let ctx = format!("{} cycle={cycle} t={t}", ctx_of(&kv));
+                layer.hold();
+                let n = 1 + rand(6);
+                // The drafted rows differ cycle to cycle even at the same t: a rejected
+                // draft must leave no trace.
+                let salt = cycle as f32 * 0.01;
+                for i in 0..n {
+                    let (k, v) = (row(t + i, salt, dim), row(t + i, 1.0 + salt, dim));
+                    layer.append(&k, &v, t + i);
+                }
+                let keep = rand(n + 1);
+                layer.release(keep);
+                for i in 0..keep {
+                    let (k, v) = (row(t + i, salt, dim), row(t + i, 1.0 + salt, dim));
+                    kept.append(&k, &v, t + i);
+                }
+                t += keep;
+                assert_eq!(layer.hold_bytes(), 0, "{ctx}");
+                assert_eq!(
+                    snapshot(&layer),
+                    snapshot(&kept),
+                    "{ctx}: keep={keep} of {n}"
+                );
+                // Plain decoding's corrected token, appended outside a hold.
+                if rand(2) == 0 {
+                    layer.append(&row(t, 5.0, dim), &row(t, 6.0, dim), t);
+                    kept.append(&row(t, 5.0, dim), &row(t, 6.0, dim), t);
+                    t += 1;
+                }
+            }
+            assert!(t > 300, "{}: only {t} rows kept", ctx_of(&kv));
+        }
+    }
+
+    /// `hold()` copies nothing: right after it, `hold_bytes()` is the same small constant
+    /// for an empty layer and for one of thousands of stored rows; after `n` held appends
+    /// it is bounded by `n` rows' worth (plus one KIVI group), far below the cache.
+    #[test]
+    fn hold_does_not_copy_the_cache() {
+        let (kv_heads, hd) = (2usize, 64usize);
+        let dim = kv_heads * hd;
+        let shapes = [(32usize, 4usize, Some(508usize), 16usize), (32, 0, None, 0)];
+        for kv in configs(&shapes) {
+            let ctx = ctx_of(&kv);
+            let mut empty = LayerKv::new(&kv, kv_heads, hd);
+            empty.hold();
+            let at_hold = empty.hold_bytes();
+            assert!(
+                at_hold > 0 && at_hold <= 256,
+                "{ctx}: {at_hold} bytes at hold"
+            );
+            let mut layer = LayerKv::new(&kv, kv_heads, hd);
+            for t in 0..2000 {
+                layer.append(&row(t, 0.0, dim), &row(t, 1.0, dim), t);
+            }
+            layer.hold();
+            assert_eq!(
+                layer.hold_bytes(),
+                at_hold,
+                "{ctx}: hold() copied something"
+            );
+            // Per append at most two f32 K + V rows' worth (the rows it overwrites, a KIVI
+            // V row it quantises, per-write bookkeeping), plus one KIVI K group's worth
+            // (a group completed by the first held append saves its codes).
+            let f32_row = 2 * dim * 4;
+            let group = kv.group_size * f32_row;
+            for n in [1usize, 5, 40] {
+                let mut l = layer.clone();
+                for t in 2000..2000 + n {
+                    l.append(&row(t, 0.0, dim), &row(t, 1.0, dim), t);
+                }
+                let bound = at_hold + group + n * 2 * f32_row;
+                let got = l.hold_bytes();
+                assert!(got <= bound, "{ctx} n={n}: {got} > {bound}");
+                if n == 1 {
+                    let cache = layer.bytes();
+                    assert!(
+                        got < cache / 8,
+                        "{ctx}: {got} bytes to hold one row of {cache}"
+                    );
+                }
+            }
+        }
     }
 }

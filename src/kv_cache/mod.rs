@@ -300,7 +300,7 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
             p.1.extend_from_slice(v);
         }
         if let Some(h) = self.held.as_deref_mut() {
-            h.record(k, v, pos);
+            h.record(&self.policy);
         }
         let t = self.policy.appended();
         let slot = self.policy.append();
@@ -325,7 +325,7 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
             )
         };
         if let Some(s) = slot {
-            storage_set(pos_buf, s, pos);
+            hold::set_position(self.held.as_deref_mut(), t >= p, pos_buf, s, pos);
         }
         vs.append(b, slot, v, &at);
         ks.append(b, slot, k, &at);
@@ -538,15 +538,6 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
             + self.body_k.bytes(&body)
             + self.body_v.bytes(&body)
     }
-}
-
-/// `buf[i] = x`, growing `buf` if needed.
-#[inline]
-fn storage_set(buf: &mut Vec<usize>, i: usize, x: usize) {
-    if buf.len() <= i {
-        buf.resize(i + 1, 0);
-    }
-    buf[i] = x;
 }
 
 /// The whole cache: one [`LayerKv`] per layer that holds K/V.

@@ -19,10 +19,12 @@
 //! `g % (ceil(window / G) + 1)` (or `g` without a window), and stay valid for every row
 //! of the group that is still stored, whatever was evicted around it. Group slots in a
 //! ring assume the region evicts oldest first (at most `ceil(window / G) + 1` groups
-//! have a stored row), which StreamingLLM guarantees.
+//! have a stored row), which StreamingLLM guarantees. Writes go through the store's
+//! hold journal (`journal.rs`), which saves what a held append overwrites.
 
+use super::journal::{restore, Journal};
 use super::plain::PlainRun;
-use super::{ensure, KeyRun, KeyStore, Region, RowStore, Shape};
+use super::{KeyRun, KeyStore, Region, RowStore, Shape};
 use crate::kivi::{self, Bits, KvKernel};
 use half::{f16, slice::HalfFloatSliceExt};
 use std::ops::Range;
@@ -49,7 +51,16 @@ pub(crate) struct ChannelQuant {
     /// per KV head: (R + G, head_dim), body row `b` of a group not yet quantised in ring
     /// slot `b % (R + G)`
     residual: Vec<Vec<f32>>,
+    /// hold bookkeeping, empty when not holding (`journal.rs`): fields [`CODES`],
+    /// [`SCALE`], [`ZERO`], [`RESIDUAL`]
+    journal: Journal,
 }
+
+/// Journal field ids of [`ChannelQuant`]'s buffers.
+const CODES: u8 = 0;
+const SCALE: u8 = 1;
+const ZERO: u8 = 2;
+const RESIDUAL: u8 = 3;
 
 impl ChannelQuant {
     pub(crate) fn new(bits: Bits, s: Shape) -> Self {
@@ -67,6 +78,7 @@ impl ChannelQuant {
             scale: vec![Vec::new(); kv_heads],
             zero: vec![Vec::new(); kv_heads],
             residual: vec![Vec::new(); kv_heads],
+            journal: Journal::default(),
         }
     }
 
@@ -88,9 +100,14 @@ impl ChannelQuant {
     fn write_residual(&mut self, b: usize, row: &[f32]) {
         let hd = self.head_dim;
         let r = b % self.res_cap;
-        for (buf, src) in self.residual.iter_mut().zip(row.chunks_exact(hd)) {
-            ensure(buf, (r + 1) * hd);
-            buf[r * hd..(r + 1) * hd].copy_from_slice(src);
+        for (h, (buf, src)) in self
+            .residual
+            .iter_mut()
+            .zip(row.chunks_exact(hd))
+            .enumerate()
+        {
+            let dst = self.journal.write(RESIDUAL, h, buf, r * hd..(r + 1) * hd);
+            dst.copy_from_slice(src);
         }
     }
 
@@ -120,24 +137,27 @@ impl ChannelQuant {
                     hi[c] = hi[c].max(x);
                 }
             }
-            ensure(&mut self.scale[h], (group_slot + 1) * hd);
-            ensure(&mut self.zero[h], (group_slot + 1) * hd);
+            let params = group_slot * hd..(group_slot + 1) * hd;
+            let scale = self
+                .journal
+                .write(SCALE, h, &mut self.scale[h], params.clone());
+            let zero = self.journal.write(ZERO, h, &mut self.zero[h], params);
             for c in 0..hd {
                 let (s, z) = kivi::params(lo[c], hi[c], self.bits);
-                self.scale[h][group_slot * hd + c] = s;
-                self.zero[h][group_slot * hd + c] = z;
+                scale[c] = s;
+                zero[c] = z;
                 s32[c] = s.to_f32();
                 z32[c] = z.to_f32();
             }
             for &(b, slot) in rows {
                 let r = b % cap;
-                ensure(&mut self.codes[h], (slot + 1) * p);
                 kivi::quantize_channels(
                     &res[r * hd..(r + 1) * hd],
                     &s32,
                     &z32,
                     self.bits,
-                    &mut self.codes[h][slot * p..(slot + 1) * p],
+                    self.journal
+                        .write(CODES, h, &mut self.codes[h], slot * p..(slot + 1) * p),
                 );
             }
         }
@@ -223,6 +243,7 @@ impl ChannelQuant {
 
 impl RowStore for ChannelQuant {
     fn append(&mut self, b: usize, slot: Option<usize>, row: &[f32], at: &Region<'_>) {
+        self.journal.mark();
         let g = self.group_size;
         if slot.is_some() {
             self.write_residual(b, row);
@@ -272,6 +293,30 @@ impl RowStore for ChannelQuant {
         } else {
             end.min((b / self.res_cap + 1) * self.res_cap)
         }
+    }
+
+    fn hold(&mut self) {
+        self.journal.hold();
+    }
+
+    fn release(&mut self, keep: usize) {
+        let (codes, scale, zero, residual) = (
+            &mut self.codes,
+            &mut self.scale,
+            &mut self.zero,
+            &mut self.residual,
+        );
+        self.journal
+            .release(keep, |field, h, at, old, len| match field {
+                CODES => restore(&mut codes[h], at, old, len),
+                SCALE => restore(&mut scale[h], at, old, len),
+                ZERO => restore(&mut zero[h], at, old, len),
+                _ => restore(&mut residual[h], at, old, len),
+            });
+    }
+
+    fn hold_bytes(&self) -> usize {
+        self.journal.bytes()
     }
 
     fn bytes(&self, at: &Region<'_>) -> usize {

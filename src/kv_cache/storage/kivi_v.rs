@@ -9,10 +9,12 @@
 //!
 //! A row is quantised when it leaves the newest R rows (at append for R = 0); until then
 //! it waits in the f32 residual ring and is quantised from there, into its own slot,
-//! just before its ring slot is reused (if it is still stored).
+//! just before its ring slot is reused (if it is still stored). Writes (the residual
+//! ring's too) go through the store's hold journal (`journal.rs`).
 
+use super::journal::{restore, Journal};
 use super::plain::{PlainRun, Rows};
-use super::{ensure, Region, RowStore, Shape, ValueRun, ValueStore};
+use super::{Region, RowStore, Shape, ValueRun, ValueStore};
 use crate::kivi::{self, Bits, KvKernel};
 use half::f16;
 use std::ops::Range;
@@ -37,7 +39,16 @@ pub(crate) struct TokenQuant {
     scale: Vec<Vec<f16>>,
     /// per KV head: (slots)
     zero: Vec<Vec<f16>>,
+    /// hold bookkeeping, empty when not holding (`journal.rs`): fields [`CODES`],
+    /// [`SCALE`], [`ZERO`], [`RESIDUAL`] (the ring `res`, journaled here)
+    journal: Journal,
 }
+
+/// Journal field ids of [`TokenQuant`]'s buffers.
+const CODES: u8 = 0;
+const SCALE: u8 = 1;
+const ZERO: u8 = 2;
+const RESIDUAL: u8 = 3;
 
 impl TokenQuant {
     pub(crate) fn new(bits: Bits, s: Shape) -> Self {
@@ -53,6 +64,7 @@ impl TokenQuant {
             codes: vec![Vec::new(); kv_heads],
             scale: vec![Vec::new(); kv_heads],
             zero: vec![Vec::new(); kv_heads],
+            journal: Journal::default(),
         }
     }
 
@@ -66,14 +78,11 @@ impl TokenQuant {
 
     /// Quantises KV head `h`'s slice of a row (`head_dim` values) into `slot`.
     fn write_head(&mut self, h: usize, slot: usize, src: &[f32]) {
-        let p = self.packed;
-        ensure(&mut self.codes[h], (slot + 1) * p);
-        ensure(&mut self.scale[h], slot + 1);
-        ensure(&mut self.zero[h], slot + 1);
-        let (s, z) =
-            kivi::quantize_token(src, self.bits, &mut self.codes[h][slot * p..(slot + 1) * p]);
-        self.scale[h][slot] = s;
-        self.zero[h][slot] = z;
+        let (p, j) = (self.packed, &mut self.journal);
+        let codes = j.write(CODES, h, &mut self.codes[h], slot * p..(slot + 1) * p);
+        let (s, z) = kivi::quantize_token(src, self.bits, codes);
+        j.write(SCALE, h, &mut self.scale[h], slot..slot + 1)[0] = s;
+        j.write(ZERO, h, &mut self.zero[h], slot..slot + 1)[0] = z;
     }
 
     #[inline]
@@ -180,6 +189,7 @@ impl ValueRun for TokenRun<'_> {
 
 impl RowStore for TokenQuant {
     fn append(&mut self, b: usize, slot: Option<usize>, row: &[f32], at: &Region<'_>) {
+        self.journal.mark();
         let Some(mut res) = self.res.take() else {
             if let Some(slot) = slot {
                 self.write(slot, row);
@@ -205,9 +215,38 @@ impl RowStore for TokenQuant {
             }
         }
         if slot.is_some() {
-            res.write(b % cap, row);
+            res.write_in(&mut self.journal, RESIDUAL, b % cap, row);
         }
         self.res = Some(res);
+    }
+
+    fn hold(&mut self) {
+        self.journal.hold();
+    }
+
+    fn release(&mut self, keep: usize) {
+        let (codes, scale, zero, res) = (
+            &mut self.codes,
+            &mut self.scale,
+            &mut self.zero,
+            &mut self.res,
+        );
+        self.journal
+            .release(keep, |field, h, at, old, len| match field {
+                CODES => restore(&mut codes[h], at, old, len),
+                SCALE => restore(&mut scale[h], at, old, len),
+                ZERO => restore(&mut zero[h], at, old, len),
+                // RESIDUAL: journaled only by a store with a ring.
+                _ => {
+                    if let Some(res) = res.as_mut() {
+                        res.restore(h, at, old, len)
+                    }
+                }
+            });
+    }
+
+    fn hold_bytes(&self) -> usize {
+        self.journal.bytes()
     }
 
     fn read(&self, h: usize, b: usize, at: &Region<'_>, out: &mut [f32]) {

@@ -19,13 +19,17 @@
 //! Every buffer is split per KV head so one head's rows are contiguous (what a fused
 //! attention kernel streams over); a *slot* is a row index inside these buffers.
 //! Buffers grow lazily up to the slot written, so a bounded ring allocates at most
-//! `window` slots and an unbounded cache grows amortised O(1) per row.
+//! `window` slots and an unbounded cache grows amortised O(1) per row. Every write to a
+//! buffer goes through the store's [`journal::Journal`], which, while a hold runs
+//! (`kv_cache/hold.rs`), saves what the write overwrites so [`RowStore::release`] can
+//! undo it.
 //!
 //! Code packing: `packed(n)` is `n` bytes for int8, `ceil(n / 2)` for int4, whose
 //! element `2j` is the **low** nibble of byte `j` and element `2j + 1` the **high**
 //! nibble, and `ceil(n / 4)` for int2, element `4j + i` in bits `2i..2i + 2` of byte `j`
 //! (see [`crate::kivi`]). Codes are never handed out: every read dequantises into f32.
 
+pub(crate) mod journal;
 pub(crate) mod kivi_k;
 pub(crate) mod kivi_v;
 pub(crate) mod plain;
@@ -56,7 +60,9 @@ pub(crate) struct Shape {
 /// its storage**: a new precision is one store type (implementing [`KeyStore`] and/or
 /// [`ValueStore`]) plus one arm here (and its arm in [`Precision`]).
 pub(crate) fn stores_for(p: Precision, s: Shape) -> (Box<dyn KeyStore>, Box<dyn ValueStore>) {
-    fn plain<E: Elem + Debug>(s: Shape) -> (Box<dyn KeyStore>, Box<dyn ValueStore>) {
+    fn plain<E: Elem + bytemuck::Pod + Debug>(
+        s: Shape,
+    ) -> (Box<dyn KeyStore>, Box<dyn ValueStore>) {
         (
             Box::new(plain::Rows::<E>::new(s.kv_heads, s.head_dim)),
             Box::new(plain::Rows::<E>::new(s.kv_heads, s.head_dim)),
@@ -143,6 +149,15 @@ pub(crate) trait RowStore: Debug + Send + Sync {
     fn run_end(&self, b: usize, end: usize, at: &Region<'_>) -> usize;
     /// Bytes held for the region's stored rows (data, scales, zeros, f32 residual rows).
     fn bytes(&self, at: &Region<'_>) -> usize;
+    /// Hold bookkeeping (docs/design.md §3.2): from now on, journal what each append
+    /// overwrites ([`journal::Journal`]; a running hold is committed first).
+    fn hold(&mut self);
+    /// Ends the hold, keeping the first `keep` appends this store saw since
+    /// [`RowStore::hold`] and undoing the later ones, newest first: every buffer is
+    /// then byte for byte as it was after the kept appends. Not holding, does nothing.
+    fn release(&mut self, keep: usize);
+    /// Bytes the running hold's journal keeps (0 without a hold).
+    fn hold_bytes(&self) -> usize;
 }
 
 /// A K store: runs are scored against queries.

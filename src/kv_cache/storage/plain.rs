@@ -9,11 +9,14 @@
 //! dims (256: Gemma 3) widen each row once for up to four queries of a group (scores) and
 //! sum the values in L1-sized row tiles with the accumulators in registers; every query's
 //! result keeps the order of the per-query kernels, bit for bit. A new
-//! plain element type is one `Elem` impl plus its arm in `stores_for`.
+//! plain element type is one `Elem` impl plus its arm in `stores_for`. Writes go through
+//! the store's hold journal (`journal.rs`).
 
-use super::{ensure, Elem, KeyRun, KeyStore, Region, RowStore, ValueRun, ValueStore};
+use super::journal::{self, Journal};
+use super::{Elem, KeyRun, KeyStore, Region, RowStore, ValueRun, ValueStore};
 use crate::kivi::KvKernel;
 use crate::ops::simd::reduce8;
+use bytemuck::Pod;
 use std::ops::Range;
 use wide::f32x8;
 
@@ -383,26 +386,51 @@ pub(crate) struct Rows<E> {
     head_dim: usize,
     /// per KV head: (slots, head_dim)
     data: Vec<Vec<E>>,
+    /// hold bookkeeping, empty when not holding (`journal.rs`)
+    journal: Journal,
 }
 
-impl<E: Elem> Rows<E> {
+impl<E: Elem + Pod> Rows<E> {
     pub(crate) fn new(kv_heads: usize, head_dim: usize) -> Self {
         Rows {
             head_dim,
             data: vec![Vec::new(); kv_heads],
+            journal: Journal::default(),
         }
     }
 
     /// Stores a `(kv_heads, head_dim)` row at `slot`.
     pub(crate) fn write(&mut self, slot: usize, row: &[f32]) {
-        let hd = self.head_dim;
-        debug_assert_eq!(row.len(), self.data.len() * hd);
-        for (buf, src) in self.data.iter_mut().zip(row.chunks_exact(hd)) {
-            ensure(buf, (slot + 1) * hd);
-            for (d, &s) in buf[slot * hd..(slot + 1) * hd].iter_mut().zip(src) {
+        let journal = &mut self.journal;
+        Self::write_to(&mut self.data, self.head_dim, journal, 0, slot, row);
+    }
+
+    /// [`Rows::write`] journaled in `journal` as field `field` (a store holding these
+    /// rows as one of its buffers: the KIVI V residual ring).
+    pub(crate) fn write_in(&mut self, journal: &mut Journal, field: u8, slot: usize, row: &[f32]) {
+        Self::write_to(&mut self.data, self.head_dim, journal, field, slot, row);
+    }
+
+    fn write_to(
+        data: &mut [Vec<E>],
+        hd: usize,
+        journal: &mut Journal,
+        field: u8,
+        slot: usize,
+        row: &[f32],
+    ) {
+        debug_assert_eq!(row.len(), data.len() * hd);
+        for (h, (buf, src)) in data.iter_mut().zip(row.chunks_exact(hd)).enumerate() {
+            let dst = journal.write(field, h, buf, slot * hd..(slot + 1) * hd);
+            for (d, &s) in dst.iter_mut().zip(src) {
                 *d = E::from_f32(s);
             }
         }
+    }
+
+    /// Undoes one journal entry of KV head `h`'s buffer ([`journal::restore`]).
+    pub(crate) fn restore(&mut self, h: usize, at: usize, old: &[u8], old_len: usize) {
+        journal::restore(&mut self.data[h], at, old, old_len);
     }
 
     /// KV head `h` of the row in `slot`, widened to f32.
@@ -429,11 +457,24 @@ impl<E: Elem> Rows<E> {
     }
 }
 
-impl<E: Elem + std::fmt::Debug> RowStore for Rows<E> {
+impl<E: Elem + Pod + std::fmt::Debug> RowStore for Rows<E> {
     fn append(&mut self, _b: usize, slot: Option<usize>, row: &[f32], _at: &Region<'_>) {
+        self.journal.mark();
         if let Some(slot) = slot {
             self.write(slot, row);
         }
+    }
+    fn hold(&mut self) {
+        self.journal.hold();
+    }
+    fn release(&mut self, keep: usize) {
+        let data = &mut self.data;
+        self.journal.release(keep, |_, h, at, old, len| {
+            journal::restore(&mut data[h], at, old, len)
+        });
+    }
+    fn hold_bytes(&self) -> usize {
+        self.journal.bytes()
     }
     fn read(&self, h: usize, b: usize, at: &Region<'_>, out: &mut [f32]) {
         self.read_slot(h, at.slot(b), out)
@@ -446,7 +487,7 @@ impl<E: Elem + std::fmt::Debug> RowStore for Rows<E> {
     }
 }
 
-impl<E: Elem + std::fmt::Debug> KeyStore for Rows<E> {
+impl<E: Elem + Pod + std::fmt::Debug> KeyStore for Rows<E> {
     fn clone_box(&self) -> Box<dyn KeyStore> {
         Box::new(self.clone())
     }
@@ -462,7 +503,7 @@ impl<E: Elem + std::fmt::Debug> KeyStore for Rows<E> {
     }
 }
 
-impl<E: Elem + std::fmt::Debug> ValueStore for Rows<E> {
+impl<E: Elem + Pod + std::fmt::Debug> ValueStore for Rows<E> {
     fn clone_box(&self) -> Box<dyn ValueStore> {
         Box::new(self.clone())
     }
@@ -635,7 +676,7 @@ mod tests {
     /// zero weights, several queries, every element type.
     #[test]
     fn plain_run_kernels_match_scalar_twins() {
-        fn check<E: Elem>(name: &str) {
+        fn check<E: Elem + Pod>(name: &str) {
             for hd in [2usize, 6, 18, 32, 34, 64, 128, 256] {
                 for rows in [1usize, 7, 8, 9, 19] {
                     for nq in [1usize, 3] {
