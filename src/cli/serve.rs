@@ -30,6 +30,12 @@ pub struct ServeArgs {
     /// whose cache does not fit is answered 429 with Retry-After.
     #[arg(long = "kv-budget", value_name = "BYTES", default_value_t = 1 << 30)]
     pub kv_budget: usize,
+    /// Most bytes of finished sequences' caches kept for reuse: a request whose prompt
+    /// starts with what a kept one computed (a chat's next turn) resumes from it and
+    /// prefills only the rest; least recently used dropped first (0: off; a request opts
+    /// out with "cache_prompt": false).
+    #[arg(long = "prompt-cache-bytes", value_name = "BYTES", default_value_t = 256 << 20)]
+    pub prompt_cache_bytes: usize,
     /// Weight dtype in memory: as stored (native), or converted at load.
     #[arg(long = "weights-dtype", value_enum)]
     pub weights_dtype: Option<WeightsArg>,
@@ -250,6 +256,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         allow_past_context: a.cache.allow_past_context,
         max_sequences: a.max_sequences,
         kv_budget: a.kv_budget,
+        prompt_cache_bytes: a.prompt_cache_bytes,
         model_name: model_name.clone(),
         prefill_tokens_per_step: PREFILL_TOKENS_PER_STEP,
         limits,

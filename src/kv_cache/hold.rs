@@ -17,6 +17,9 @@
 //! rows again (appends are deterministic in the rows and the state, so replaying them
 //! yields the same bits). Cost: one copy of the layer per hold, and `keep` appends per
 //! release that drops rows ([`LayerKv::hold_bytes`] counts what a hold keeps).
+//! [`LayerKv::released_copy`] does the same restore-and-replay on a copy, leaving the
+//! layer and its hold as they are (the server's prompt cache resumes a kept state this
+//! way and keeps the state for later requests).
 
 use super::{EvictionPolicy, LayerKv};
 
@@ -74,15 +77,34 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
         }
         let probe = self.probe.take();
         *self = held.base;
-        let d = self.kv_heads * self.head_dim;
-        for (i, &pos) in held.pos.iter().take(keep).enumerate() {
-            self.append(
-                &held.k[i * d..(i + 1) * d],
-                &held.v[i * d..(i + 1) * d],
-                pos,
-            );
-        }
+        self.replay(&held.k, &held.v, &held.pos[..keep]);
         self.probe = probe;
+    }
+
+    /// Appends the held rows `pos` (the first `pos.len()` of `k` and `v`) again.
+    fn replay(&mut self, k: &[f32], v: &[f32], pos: &[usize]) {
+        let d = self.kv_heads * self.head_dim;
+        for (i, &p) in pos.iter().enumerate() {
+            self.append(&k[i * d..(i + 1) * d], &v[i * d..(i + 1) * d], p);
+        }
+    }
+
+    /// A copy of the layer as [`release`](Self::release)`(keep)` would leave it, this
+    /// layer unchanged (its hold still running): the same restore-and-replay, on a copy
+    /// of the hold's base instead of this layer, so the layer and its hold are never
+    /// copied whole. Without a hold, a copy of the layer.
+    pub fn released_copy(&mut self, keep: usize) -> Self {
+        let held = self.held.take();
+        let copy = match held.as_deref() {
+            Some(h) if keep < h.pos.len() => {
+                let mut c = h.base.clone();
+                c.replay(&h.k, &h.v, &h.pos[..keep]);
+                c
+            }
+            _ => self.clone(),
+        };
+        self.held = held;
+        copy
     }
 
     /// Bytes a running hold keeps beside the stored rows (its copy of the layer and the
@@ -184,6 +206,10 @@ mod tests {
                             assert_eq!(held.held(), Some(n), "{ctx}");
                             assert!(held.hold_bytes() > 0, "{ctx}");
                             assert_eq!(snapshot(&held), snapshot(&all), "{ctx}: during the hold");
+                            let mut copy = held.released_copy(keep);
+                            assert_eq!(held.held(), Some(n), "{ctx}: the copy leaves the hold");
+                            assert_eq!(copy.held(), None, "{ctx}");
+                            assert_eq!(snapshot(&copy), snapshot(&kept), "{ctx}: released copy");
                             held.release(keep);
                             assert_eq!(held.held(), None, "{ctx}");
                             assert_eq!(held.hold_bytes(), 0, "{ctx}");
@@ -192,7 +218,9 @@ mod tests {
                             for t in from..from + 2 * window.unwrap_or(4) + g {
                                 held.append(&row(t, 2.0, dim), &row(t, 3.0, dim), t);
                                 kept.append(&row(t, 2.0, dim), &row(t, 3.0, dim), t);
+                                copy.append(&row(t, 2.0, dim), &row(t, 3.0, dim), t);
                                 assert_eq!(snapshot(&held), snapshot(&kept), "{ctx}: later t={t}");
+                                assert_eq!(snapshot(&copy), snapshot(&kept), "{ctx}: copy t={t}");
                             }
                         }
                     }

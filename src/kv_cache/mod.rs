@@ -616,6 +616,18 @@ impl KvCache {
     pub fn hold_bytes(&self) -> usize {
         self.layers.iter().map(LayerKv::hold_bytes).sum()
     }
+    /// The cache as [`release`](Self::release)`(keep)` would leave it, this one unchanged
+    /// ([`LayerKv::released_copy`]).
+    pub fn released_copy(&mut self, keep: usize) -> KvCache {
+        KvCache {
+            kv: self.kv.clone(),
+            layers: self
+                .layers
+                .iter_mut()
+                .map(|l| l.released_copy(keep))
+                .collect(),
+        }
+    }
 }
 
 #[cfg(test)]

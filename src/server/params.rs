@@ -23,6 +23,8 @@ pub(super) struct GenParams {
     pub(super) ignore_eos: bool,
     pub(super) stop: Vec<String>,
     pub(super) kv: KvConfig,
+    /// `cache_prompt` (llama-server's name; default true): use the prompt cache.
+    pub(super) cache_prompt: bool,
 }
 
 /// A `/v1/completions` body: its settings and its prompt as ids (`prompt`: a string, a
@@ -236,6 +238,7 @@ fn gen_params(s: &Shared, o: &Map<String, Value>) -> ApiResult<GenParams> {
         ignore_eos: get_bool(o, "ignore_eos")?.unwrap_or(false),
         stop,
         kv,
+        cache_prompt: get_bool(o, "cache_prompt")?.unwrap_or(true),
     })
 }
 
