@@ -19,6 +19,9 @@
 //! * **Bounded**: an entry costs the worst-case bytes admission counts for a cache of its
 //!   ids ([`super::worst_case_kv_bytes`]) plus [`KvCache::hold_bytes`]; the entries'
 //!   costs sum to at most `--prompt-cache-bytes`, the least recently used leaving first.
+//!   An entry is a copy of the finished cache (the running one's buffers grew by
+//!   doubling; the copy's hold what they count), so what it counts is what it holds,
+//!   but for the rows' positions (8 bytes a row and layer, not counted as in admission).
 //!   An entry that does not fit with its hold is kept without it (resumable at its end
 //!   only), or not at all. A running sequence's hold is bounded too ([`bound_hold`]): at
 //!   most [`HOLD_ROWS`] rows and the limit in bytes; past them it commits what it held
@@ -136,9 +139,9 @@ impl PromptCache {
     }
 
     /// Keeps a finished sequence's cache if it fits (dropping the least recently used
-    /// entries to make room, and the entries it makes useless). Returns the bytes of the
-    /// entries dropped (and of `f` itself when it is not kept), for the caller's decision
-    /// to give memory back.
+    /// entries to make room, and the entries it makes useless), as a copy the size of what
+    /// it holds. Returns the cache bytes freed (the entries dropped, and `f`'s own buffers),
+    /// for the caller's decision to give memory back.
     pub fn insert(&mut self, f: Finished) -> usize {
         let Finished {
             kv,
@@ -188,13 +191,19 @@ impl PromptCache {
             };
             dropped += self.remove(oldest);
         }
+        // Kept as a copy: a running cache's buffers grew by doubling, a copy's are the
+        // size of what they hold, so the entry holds what it counts (the running one's
+        // memory is freed here).
+        let kept = cache.clone();
+        dropped += cache.bytes() + cache.hold_bytes();
+        drop(cache);
         let used = self.tick();
         self.bytes += cost;
         self.entries.push(Entry {
             kv,
             ids,
             from,
-            cache,
+            cache: kept,
             cost,
             used,
             completion,
