@@ -34,9 +34,13 @@
 //! dequantising the cache.
 //!
 //! Positions are stored explicitly per row (`prefix_pos`, `body_pos`).
+//!
+//! `state.rs` writes a cache's contents and reads them back bit for bit (saved states,
+//! [`crate::state`]).
 
 mod hold;
 pub mod policy;
+mod state;
 pub(crate) mod storage;
 
 use crate::config::Config;
