@@ -91,7 +91,7 @@ fn run(
 }
 
 /// Offers a finished run to `pc` as the scheduler does.
-fn offer(pc: &mut PromptCache, model: &Model, kv: &KvConfig, prompt: &[u32], ran: Ran) -> usize {
+fn offer(pc: &mut PromptCache, model: &Model, kv: &KvConfig, prompt: &[u32], ran: Ran) -> bool {
     let ids = fed_ids(prompt, &ran.ids, &ran.session.cache).expect("a finished sequence");
     assert_eq!(ids.len(), prompt.len() + ran.ids.len() - 1);
     pc.insert(Finished {
@@ -101,6 +101,7 @@ fn offer(pc: &mut PromptCache, model: &Model, kv: &KvConfig, prompt: &[u32], ran
         cache: ran.session.cache,
         completion: "cmpl-test".into(),
     })
+    .kept
 }
 
 fn bits(x: &[f32]) -> Vec<u32> {
@@ -157,8 +158,11 @@ fn resume_equals_recompute(
     let mut a_ids = prompt.to_vec();
     a_ids.extend_from_slice(&a.ids[..gen - 1]);
     let from = a_ids.len() - a.session.cache.held().unwrap_or(0);
-    offer(&mut pc, model, kv, prompt, a);
-    assert_eq!(pc.len(), 1, "{kv:?}: the entry is kept");
+    assert!(
+        offer(&mut pc, model, kv, prompt, a),
+        "{kv:?}: the entry is kept"
+    );
+    assert_eq!(pc.len(), 1, "{kv:?}");
     for r in from..=a_ids.len() {
         let ctx = format!("{kv:?} r={r} (entry {from}..={})", a_ids.len());
         let mut b = a_ids[..r].to_vec();
@@ -424,12 +428,10 @@ fn lookup_rules_bound_and_lru() {
     let p2_longer = [&p2[..], &[5, 6, 7]].concat();
     assert!(pc.lookup(&kv, &p2_longer).is_none(), "the LRU entry left");
     // The same sequence again: the entry that offers every resume point stays alone.
-    offer(
-        &mut pc,
-        &model,
-        &kv,
-        &p1,
-        run(&model, &kv, &p1, None, 10, ROOMY),
+    let again = run(&model, &kv, &p1, None, 10, ROOMY);
+    assert!(
+        offer(&mut pc, &model, &kv, &p1, again),
+        "kept by the entry before"
     );
     assert_eq!(pc.len(), 2);
     // A longer run of the same prompt replaces the shorter one (it offers all its points).
@@ -446,13 +448,8 @@ fn lookup_rules_bound_and_lru() {
     assert_eq!(pc.lookup(&kv, &longer).map(|r| r.reused), Some(ids1.len()));
     // An entry larger than the whole limit is not kept.
     let mut small = PromptCache::new(c1 / 4);
-    offer(
-        &mut small,
-        &model,
-        &kv,
-        &p1,
-        run(&model, &kv, &p1, None, 10, ROOMY),
-    );
+    let a1 = run(&model, &kv, &p1, None, 10, ROOMY);
+    assert!(!offer(&mut small, &model, &kv, &p1, a1));
     assert!(small.is_empty());
     // A limit of 0 keeps nothing.
     let mut off = PromptCache::new(0);

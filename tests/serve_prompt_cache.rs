@@ -210,3 +210,117 @@ fn smollm2_chat_turns_resume_from_the_previous_turn() {
         }
     }
 }
+
+/// Saved states: a completion's kept cache saved by id to `--state-dir`, the server
+/// restarted, the state restored, and the next request resumes from it (all its tokens)
+/// and answers what recomputing answers. Names that are paths, unknown ids and files, a
+/// corrupted file, a state of another model or another cache configuration, and a server
+/// without `--state-dir` are refused, each saying why.
+#[test]
+fn saved_states_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let files = ModelFiles::open(None).unwrap();
+    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    let kv = KvConfig {
+        precision: Precision::Int4,
+        group_size: 8,
+        sink: 4,
+        window: Some(20),
+        ..KvConfig::default()
+    };
+    let fields = json!({"kv_quantize": "int4", "kv_group_size": 8, "streaming_llm_sink": 4,
+        "streaming_llm_window": 20});
+    let a = files.tokenizer.encode("import os\nimport sys\n").unwrap();
+    let g = greedy(&mut EngineRun::new(&model, &kv), &a, 24).ids;
+    let state_tokens = a.len() + 23;
+    let mut b = a.clone();
+    b.extend_from_slice(&g[..23]);
+    b.extend_from_slice(&[9, 11, 12]);
+    let id = {
+        let srv = Server::start(&["--state-dir", d]);
+        let first = complete(&srv, &a, 24, &fields, true);
+        let id = first["id"].as_str().unwrap().to_string();
+        for (name, param) in [
+            ("../x", "name"),
+            ("a/b", "name"),
+            (".hidden", "name"),
+            ("", "name"),
+        ] {
+            let (code, v) = srv.post("/v1/states/save", json!({"id": id, "name": name}));
+            assert_eq!(
+                (code, v["error"]["param"].as_str()),
+                (400, Some(param)),
+                "{name}: {v}"
+            );
+        }
+        let (code, v) = srv.post("/v1/states/save", json!({"id": "cmpl-999", "name": "x"}));
+        assert_eq!(code, 404, "{v}");
+        let (code, v) = srv.post("/v1/states/save", json!({"id": id, "name": "conv-1.state"}));
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(v["tokens"], state_tokens);
+        assert!(dir.path().join("conv-1.state").is_file());
+        id
+    };
+    assert!(id.starts_with("cmpl-"));
+    // A new server: nothing kept until the state is restored.
+    let srv = Server::start(&["--state-dir", d]);
+    let restore = |name: &str, extra: &Value| {
+        let mut body = json!({"name": name});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        srv.post("/v1/states/restore", body)
+    };
+    let (code, v) = restore("missing", &fields);
+    assert_eq!(code, 404, "{v}");
+    // Another cache configuration (the server's default, fp32 dense): refused, named.
+    let (code, v) = restore("conv-1.state", &json!({}));
+    assert_eq!(code, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("conv-1.state"),
+        "{v}"
+    );
+    assert_eq!(srv.metric("tinygpt_prompt_cache_entries"), 0.0);
+    let (code, v) = restore("conv-1.state", &fields);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["tokens"], state_tokens);
+    let resumed = complete(&srv, &b, 12, &fields, true);
+    let fresh = complete(&srv, &b, 12, &fields, false);
+    assert_eq!(cached(&resumed), state_tokens as u64);
+    assert_eq!(text(&resumed), text(&fresh));
+    // A corrupted copy: refused (checksum), nothing kept from it.
+    let mut bytes = std::fs::read(dir.path().join("conv-1.state")).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(dir.path().join("bad.state"), &bytes).unwrap();
+    let (code, v) = restore("bad.state", &fields);
+    assert_eq!(code, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap().to_lowercase();
+    assert!(msg.contains("bad.state") && msg.contains("checksum"), "{v}");
+    // Another model (the YOCO fixture) refuses it.
+    let yoco = fixtures().join("yoco");
+    let other = Server::start(&[yoco.to_str().unwrap(), "--state-dir", d]);
+    let mut body = fields.clone();
+    body["name"] = json!("conv-1.state");
+    let (code, v) = other.post("/v1/states/restore", body);
+    assert_eq!(code, 400, "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("model"),
+        "{v}"
+    );
+    // Without --state-dir: 404 saying so.
+    let none = Server::start(&[]);
+    let (code, v) = none.post("/v1/states/restore", json!({"name": "conv-1.state"}));
+    assert_eq!(code, 404, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--state-dir"),
+        "{v}"
+    );
+}

@@ -1,5 +1,6 @@
 //! The HTTP surface: OpenAI-shaped `/v1/completions` and `/v1/chat/completions`
-//! (server-sent events when `stream: true`), `/v1/models`, `/health`, `/metrics`.
+//! (server-sent events when `stream: true`), `/v1/models`, `/health`, `/metrics`, and
+//! `/v1/states/save` and `/v1/states/restore` ([`super::states`]).
 //!
 //! Request bodies are read as JSON values and checked field by field, so every 400 names
 //! the offending field (`param` in OpenAI's error object). Unknown fields are ignored, as
@@ -63,6 +64,8 @@ pub fn router(shared: AppState) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/states/save", post(states_save))
+        .route("/v1/states/restore", post(states_restore))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .with_state(shared)
@@ -120,7 +123,7 @@ async fn models(State(s): State<AppState>, headers: HeaderMap) -> Response {
 /// time, so that the runtime that accepts connections, answers `/health` and carries the
 /// streams never waits for it. After a large body, the memory it freed is given back, once
 /// the result is on its way.
-async fn prepare<T: Send + 'static>(
+pub(super) async fn prepare<T: Send + 'static>(
     s: &AppState,
     body: Bytes,
     work: fn(&Shared, &Bytes) -> ApiResult<T>,
@@ -136,6 +139,33 @@ async fn prepare<T: Send + 'static>(
         tokio::task::spawn_blocking(crate::memory::release_free_memory);
     }
     result
+}
+
+async fn states_save(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    states_call(s, headers, body, super::states::save).await
+}
+
+async fn states_restore(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    states_call(s, headers, body, super::states::restore).await
+}
+
+/// A `/v1/states/*` call ([`super::states`]): access rules, the body, then `work` on the
+/// blocking pool.
+async fn states_call(
+    s: AppState,
+    headers: HeaderMap,
+    body: Body,
+    work: fn(&Shared, &Bytes) -> ApiResult<Value>,
+) -> Response {
+    let run = async {
+        check_access(&s, &headers, true, true)?;
+        let body = read_body(&s, &headers, body).await?;
+        prepare(&s, body, work).await
+    };
+    match run.await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 fn shutting_down() -> ApiError {

@@ -45,6 +45,7 @@ pub mod net;
 mod params;
 pub mod prompt_cache;
 pub mod scheduler;
+mod states;
 
 use crate::config::Config;
 use crate::kv_cache::{KvCache, KvConfig, LayerKv};
@@ -76,6 +77,12 @@ pub struct ServerConfig {
     pub kv_budget: usize,
     /// Most bytes the prompt cache keeps (`--prompt-cache-bytes`; 0: no prompt cache).
     pub prompt_cache_bytes: usize,
+    /// Where `/v1/states/save` writes and `/v1/states/restore` reads (`--state-dir`;
+    /// `None`: those endpoints answer 404).
+    pub state_dir: Option<PathBuf>,
+    /// The served model's identity, recorded in and checked against saved states (set
+    /// with `state_dir`).
+    pub model_identity: Option<crate::state::ModelIdentity>,
     /// The id `/v1/models` reports.
     pub model_name: String,
     /// See [`PREFILL_TOKENS_PER_STEP`].

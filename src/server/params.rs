@@ -243,7 +243,7 @@ fn gen_params(s: &Shared, o: &Map<String, Value>) -> ApiResult<GenParams> {
 }
 
 /// The request's cache settings: the server's defaults with the request's overrides.
-fn request_kv(s: &Shared, o: &Map<String, Value>) -> ApiResult<KvConfig> {
+pub(super) fn request_kv(s: &Shared, o: &Map<String, Value>) -> ApiResult<KvConfig> {
     const MAX_ROWS: u64 = crate::kv_cache::MAX_CACHE_ROWS as u64;
     let mut kv = s.cfg.kv.clone();
     let precision = |field: &str| -> ApiResult<Option<Precision>> {

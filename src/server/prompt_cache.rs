@@ -73,6 +73,17 @@ pub struct Finished {
     pub completion: String,
 }
 
+/// What [`PromptCache::insert`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Inserted {
+    /// The ids can be resumed from the cache now (this entry, or one kept before that
+    /// offers every point this one would).
+    pub kept: bool,
+    /// Cache bytes freed (the entries dropped, and the offered cache's own buffers), for
+    /// the caller's decision to give memory back.
+    pub freed: usize,
+}
+
 /// A hit: the cache released to the resume point, and how many prompt ids it covers.
 pub struct Resume {
     pub cache: KvCache,
@@ -140,9 +151,8 @@ impl PromptCache {
 
     /// Keeps a finished sequence's cache if it fits (dropping the least recently used
     /// entries to make room, and the entries it makes useless), as a copy the size of what
-    /// it holds. Returns the cache bytes freed (the entries dropped, and `f`'s own buffers),
-    /// for the caller's decision to give memory back.
-    pub fn insert(&mut self, f: Finished) -> usize {
+    /// it holds.
+    pub fn insert(&mut self, f: Finished) -> Inserted {
         let Finished {
             kv,
             ids,
@@ -152,8 +162,12 @@ impl PromptCache {
         } = f;
         let appended = cache.layer(0).appended();
         let mut dropped = 0;
+        let refused = |cache: &KvCache, kept| Inserted {
+            kept,
+            freed: cache.bytes() + cache.hold_bytes(),
+        };
         if self.limit == 0 || ids.is_empty() || ids.len() != appended {
-            return cache.bytes() + cache.hold_bytes();
+            return refused(&cache, false);
         }
         let mut cost = worst_case + cache.hold_bytes();
         if cost > self.limit {
@@ -162,7 +176,7 @@ impl PromptCache {
             cost = worst_case;
         }
         if cost > self.limit {
-            return cache.bytes();
+            return refused(&cache, false);
         }
         let from = ids.len() - cache.held().unwrap_or(0);
         // An entry that offers every resume point of this one already: keep that one.
@@ -173,7 +187,7 @@ impl PromptCache {
             .find(|e| e.kv == kv && e.from <= from && e.ids.starts_with(&ids))
         {
             e.used = now;
-            return cache.bytes() + cache.hold_bytes();
+            return refused(&cache, true);
         }
         // Entries whose every resume point this one offers too.
         let mut i = 0;
@@ -208,7 +222,10 @@ impl PromptCache {
             used,
             completion,
         });
-        dropped
+        Inserted {
+            kept: true,
+            freed: dropped,
+        }
     }
 
     /// Drops entry `i`; returns the bytes its cache held.

@@ -439,7 +439,7 @@ fn offer(shared: &Shared, job: &Job, generated: &[u32], cache: KvCache) -> usize
         completion: job.id.clone(),
     };
     let mut pc = shared.prompt_cache();
-    let freed = pc.insert(finished);
+    let freed = pc.insert(finished).freed;
     shared.metrics.set_prompt_cache(&pc);
     freed
 }
