@@ -123,7 +123,7 @@ async fn models(State(s): State<AppState>, headers: HeaderMap) -> Response {
 /// time, so that the runtime that accepts connections, answers `/health` and carries the
 /// streams never waits for it. After a large body, the memory it freed is given back, once
 /// the result is on its way.
-pub(super) async fn prepare<T: Send + 'static>(
+async fn prepare<T: Send + 'static>(
     s: &AppState,
     body: Bytes,
     work: fn(&Shared, &Bytes) -> ApiResult<T>,

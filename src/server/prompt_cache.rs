@@ -238,6 +238,10 @@ impl PromptCache {
     /// The state the completion `completion` left, released to its end (no hold): its
     /// cache settings, ids and cache, for saving.
     pub fn state_of(&mut self, completion: &str) -> Option<(KvConfig, Vec<u32>, KvCache)> {
+        if completion.is_empty() {
+            // Restored entries have no completion id.
+            return None;
+        }
         let e = self
             .entries
             .iter_mut()
