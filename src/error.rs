@@ -46,6 +46,14 @@ pub enum Error {
     /// The run was stopped by SIGINT (ctrl-c) after printing its partial results.
     #[error("interrupted ({0})")]
     Interrupted(String),
+    /// A saved cache state ([`crate::state`]) that cannot be used here: `problem` says
+    /// which check refused it, `msg` what differs.
+    #[error("{path}: {msg}", path = .path.display())]
+    State {
+        path: PathBuf,
+        problem: crate::state::Problem,
+        msg: String,
+    },
 }
 
 /// An I/O error's description without the " (os error N)" suffix.

@@ -31,6 +31,11 @@ pub trait Engine {
     fn positions(&self, l: usize) -> Vec<usize>;
     /// Empties the cache (a new sequence).
     fn reset(&mut self);
+    /// The optimised engine's session (its cache and logits), to save or resume a state;
+    /// `None` for an engine that has none (the reference).
+    fn session(&mut self) -> Option<&mut Session> {
+        None
+    }
     /// Runs a run of prompt tokens starting at `start`; returns the last token's logits.
     /// Engines with a batched path override this; the result must equal stepping
     /// through [`forward`](Self::forward).
@@ -118,6 +123,9 @@ impl<M: Deref<Target = Model>> Engine for EngineRun<M> {
     }
     fn release(&mut self, keep: usize) {
         self.session.cache.release(keep);
+    }
+    fn session(&mut self) -> Option<&mut Session> {
+        Some(&mut self.session)
     }
     fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<&[f32]> {
         // Bounded batches keep the activation buffers small for long prompts.
@@ -317,6 +325,9 @@ pub struct GenerateResult {
     pub text: String,
     pub prefill_secs: f64,
     pub decode_secs: f64,
+    /// Prompt tokens whose rows a loaded state already held (not prefilled;
+    /// [`Generation::resume`]).
+    pub prompt_tokens_reused: usize,
     /// Tokens whose forward pass was timed in the decode phase.
     pub decode_steps: usize,
     pub stored_tokens: usize,
@@ -330,8 +341,12 @@ pub struct GenerateResult {
 }
 
 impl GenerateResult {
+    /// Prompt tokens prefilled (those a loaded state held not counted) per second.
     pub fn prefill_tok_s(&self) -> f64 {
-        rate(self.prompt_ids.len(), self.prefill_secs)
+        rate(
+            self.prompt_ids.len() - self.prompt_tokens_reused,
+            self.prefill_secs,
+        )
     }
     pub fn decode_tok_s(&self) -> f64 {
         rate(self.decode_steps, self.decode_secs)
@@ -492,7 +507,20 @@ pub fn generate_with(
     keep: bool,
     on_text: &mut dyn FnMut(&str) -> Result<()>,
 ) -> Result<GenerateResult> {
-    let mut gen = Generation::new(prompt_ids, opts)?;
+    let gen = Generation::new(prompt_ids, opts)?;
+    generate_from(engine, tok, prompt_ids, gen, keep, on_text)
+}
+
+/// [`generate_with`] for a generation its caller built from `prompt_ids` (e.g. one
+/// resuming a loaded state: [`Generation::resume`]).
+pub fn generate_from(
+    engine: &mut dyn Engine,
+    tok: &Tokenizer,
+    prompt_ids: &[u32],
+    mut gen: Generation,
+    keep: bool,
+    on_text: &mut dyn FnMut(&str) -> Result<()>,
+) -> Result<GenerateResult> {
     gen.prefill(engine)?;
     let mut generated = Vec::new();
     let mut interrupted = false;
@@ -526,6 +554,7 @@ pub fn generate_with(
         text,
         prefill_secs: gen.prefill_secs(),
         decode_secs,
+        prompt_tokens_reused: gen.reused,
         decode_steps: gen.decode_steps(),
         stored_tokens: engine.stored_tokens(),
         current_length: gen.current_length(),
@@ -560,6 +589,10 @@ pub struct Generation {
     stream: StreamDecoder,
     /// The prompt, until it is prefilled.
     prompt: Vec<u32>,
+    /// Prompt tokens whose rows the cache already holds ([`Generation::resume`]).
+    reused: usize,
+    /// The logits after the prompt's last token, when the cache holds the whole prompt.
+    resume_logits: Option<Vec<f32>>,
     max_tokens: usize,
     ignore_eos: bool,
     /// Tokens in the cache (the prompt's length once prefilled, then one more per step).
@@ -595,6 +628,8 @@ impl Generation {
             sampler: Sampler::new(opts.sampler.clone()),
             stream: StreamDecoder::new(),
             prompt: prompt_ids.to_vec(),
+            reused: 0,
+            resume_logits: None,
             max_tokens: opts.max_tokens,
             ignore_eos: opts.ignore_eos,
             pos: 0,
@@ -611,16 +646,49 @@ impl Generation {
         })
     }
 
-    /// Runs the prompt through `engine` (a fresh cache) and samples the first token, unless
-    /// that was done already. An error ends the generation.
+    /// This generation resuming a cache that already holds the rows of the prompt's first
+    /// `reused` tokens (a loaded state whose ids are that prefix): the prefill runs only
+    /// the rest, at positions from `reused` on, which gives the bits a run of the whole
+    /// prompt gives (prefill equals token-by-token decoding, docs/design.md §2.1). When the
+    /// cache holds the whole prompt, nothing is run and the first token is sampled from
+    /// `logits`, the logits after the prompt's last token (saved with the state; an
+    /// error without them).
+    pub fn resume(mut self, reused: usize, logits: Option<Vec<f32>>) -> Result<Generation> {
+        if reused > self.prompt.len() {
+            return Err(Error::Generate(format!(
+                "cannot resume after {reused} tokens of a {}-token prompt",
+                self.prompt.len()
+            )));
+        }
+        if reused == self.prompt.len() && logits.is_none() {
+            return Err(Error::Generate(
+                "the cache holds the whole prompt and no logits after it: \
+                 the prompt must add at least one token"
+                    .into(),
+            ));
+        }
+        self.reused = reused;
+        self.resume_logits = logits;
+        Ok(self)
+    }
+
+    /// Runs the prompt (the part the cache does not hold yet) through `engine` and samples
+    /// the first token, unless that was done already. An error ends the generation.
     pub fn prefill(&mut self, engine: &mut dyn Engine) -> Result<()> {
         if self.finished || self.next.is_some() || self.last.is_some() {
             return Ok(());
         }
         let t0 = Instant::now();
-        let r = engine.prefill(&self.prompt, 0).and_then(|logits| {
-            check_finite(logits, self.prompt.len() - 1)?;
-            Ok(self.sampler.sample(logits))
+        let (last, start) = (self.prompt.len() - 1, self.reused);
+        let r = match self.resume_logits.take() {
+            Some(logits) if start == self.prompt.len() => Ok(logits),
+            _ => engine
+                .prefill(&self.prompt[start..], start)
+                .map(|l| l.to_vec()),
+        }
+        .and_then(|logits| {
+            check_finite(&logits, last)?;
+            Ok(self.sampler.sample(&logits))
         });
         self.prefill_secs = t0.elapsed().as_secs_f64();
         match r {

@@ -15,7 +15,8 @@
 //! [`ops`] (float operations and the matrix products, SIMD and rayon; their weight kernels,
 //! one table of weight types laid out by instruction set, are [`wkernels`]) → [`sampler`] →
 //! [`generate`] (prefill/decode loop, stats) → [`cli`];
-//! [`server`] runs many sequences at once behind an OpenAI-shaped HTTP API.
+//! [`server`] runs many sequences at once behind an OpenAI-shaped HTTP API; [`state`] saves
+//! one sequence's cache to a file and loads it back (`sample --save-state/--load-state`).
 
 pub mod attention;
 pub mod chat;
@@ -38,6 +39,7 @@ pub mod rope;
 pub mod sampler;
 pub mod server;
 pub mod speculate;
+pub mod state;
 pub mod threads;
 pub mod tokenizer;
 pub mod weights;

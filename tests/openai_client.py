@@ -2,7 +2,8 @@
 """`tinygpt-cpu serve` spoken to by the official `openai` Python package.
 
 Starts the release binary on an ephemeral loopback port, then: /v1/models; completions and
-chat completions, streaming and not; greedy output equal to `sample --temperature 0`;
+chat completions, streaming and not; greedy output equal to `sample --temperature 0`; a
+second chat turn resumed from the prompt cache (`usage.prompt_tokens_details`);
 8 concurrent requests; a 400 for a bad field; SIGTERM drains and exits 0.
 
     python tests/openai_client.py [--bin target/release/tinygpt-cpu] [--model GGUF]
@@ -75,6 +76,8 @@ def run_checks(client, binary, model, flags):
     want = sample(binary, model, prompt, 24, flags, chat=False)
     assert c.choices[0].text == want, (c.choices[0].text, want)
     assert c.usage.completion_tokens <= 24 and c.choices[0].finish_reason in ("stop", "length")
+    # The prompt cache's usage field, as the client parses it (nothing kept before).
+    assert c.usage.prompt_tokens_details.cached_tokens == 0, c.usage
     print(f"ok: completion (greedy) == sample: {want!r}")
 
     # Streaming completion == non-streaming with the same seed.
@@ -99,6 +102,17 @@ def run_checks(client, binary, model, flags):
         text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
         assert text == want, (text, want)
         print("ok: streamed chat == non-streamed")
+        # The next turn resumes from the kept cache, and answers what recomputing answers.
+        turn2 = msgs + [{"role": "assistant", "content": want},
+                        {"role": "user", "content": "And of Germany?"}]
+        r2 = client.chat.completions.create(model=mid, messages=turn2, max_tokens=24, temperature=0)
+        fresh = client.chat.completions.create(model=mid, messages=turn2, max_tokens=24, temperature=0,
+                                               extra_body={"cache_prompt": False})
+        cached = r2.usage.prompt_tokens_details.cached_tokens
+        assert 0 < cached < r2.usage.prompt_tokens, r2.usage
+        assert fresh.usage.prompt_tokens_details.cached_tokens == 0, fresh.usage
+        assert r2.choices[0].message.content == fresh.choices[0].message.content
+        print(f"ok: second turn resumed {cached} of {r2.usage.prompt_tokens} prompt tokens, same reply")
     else:
         print("skip: chat (the bundled model has no chat template; set TINYGPT_SMOLLM2)")
 

@@ -2,9 +2,10 @@
 
 use super::common::{human_bytes, open_model, CacheArgs, EngineArgs, EngineKind, Loaded};
 use crate::error::Error;
-use crate::generate::{generate_with, GenerateOptions, GenerateResult};
+use crate::generate::{generate_from, Engine, GenerateOptions, GenerateResult, Generation};
 use crate::kv_cache::KvConfig;
 use crate::sampler::SamplerConfig;
+use crate::state::{self, ModelIdentity, SavedState};
 use crate::weights::ModelFiles;
 use crate::{errln, outln};
 use clap::Args;
@@ -53,6 +54,14 @@ pub struct SampleArgs {
     /// sampled output has the same distribution (docs/design.md §3.3).
     #[arg(long, value_name = "ngram[:K]")]
     pub speculate: Option<String>,
+    /// After the run, save the cache (the rows of the prompt and of every generated token
+    /// fed through it, with the logits after the last) to FILE, for --load-state.
+    #[arg(long = "save-state", value_name = "FILE")]
+    pub save_state: Option<PathBuf>,
+    /// Resume from a state saved by --save-state with the same model and cache flags: its
+    /// tokens must be the start of this prompt's, and only the rest is prefilled.
+    #[arg(long = "load-state", value_name = "FILE")]
+    pub load_state: Option<PathBuf>,
 }
 
 pub fn run(a: SampleArgs) -> anyhow::Result<()> {
@@ -73,6 +82,11 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
     check_kv_fits(&a, &files, &kv, prompt_ids.len())?;
     let wdtype = a.engine.weights_dtype(files.format);
     crate::memory::check_weights_fit(&files, wdtype, a.engine.engine == EngineKind::Reference)?;
+    let identity = state_identity(&a, &files, wdtype)?;
+    let resume = match (&a.load_state, &identity) {
+        (Some(path), Some(id)) => Some(load_state(path, id, &kv, &files, &prompt_ids)?),
+        _ => None,
+    };
 
     let json = a.json;
     let mut on_text = |s: &str| -> crate::Result<()> {
@@ -98,14 +112,19 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
     }
     let mut run = loaded.run(&kv);
     let layers_with_kv = run.layers_with_kv();
-    let res = generate_with(
+    let gen = resumed(Generation::new(&prompt_ids, &opts)?, &mut *run, resume)?;
+    let keep = json || a.save_state.is_some();
+    let res = generate_from(
         &mut *run,
         &files.tokenizer,
         &prompt_ids,
-        &opts,
-        json,
+        gen,
+        keep,
         &mut on_text,
     )?;
+    if let (Some(path), Some(id)) = (&a.save_state, &identity) {
+        save_state(path, id, &kv, &res, &mut *run)?;
+    }
     if json {
         let v = json_report(&res, &kv, layers_with_kv, files.config.head_dim);
         outln!("{}", serde_json::to_string(&v)?)?;
@@ -132,6 +151,73 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
         .into());
     }
     Ok(())
+}
+
+/// The model's identity when `a` saves or loads a state (the optimised engine only).
+fn state_identity(
+    a: &SampleArgs,
+    files: &ModelFiles,
+    wdtype: crate::model::WeightsDType,
+) -> crate::Result<Option<ModelIdentity>> {
+    let flag = match (&a.load_state, &a.save_state) {
+        (Some(_), _) => "--load-state",
+        (None, Some(_)) => "--save-state",
+        (None, None) => return Ok(None),
+    };
+    if a.engine.engine == EngineKind::Reference {
+        return Err(Error::flag(flag, "needs --engine optimized"));
+    }
+    Ok(Some(ModelIdentity::of(files)?.with_weights(wdtype)))
+}
+
+/// The state of `path`, refused unless made by this model and cache configuration and
+/// its ids start `prompt_ids`.
+fn load_state(
+    path: &std::path::Path,
+    id: &ModelIdentity,
+    kv: &KvConfig,
+    files: &ModelFiles,
+    prompt_ids: &[u32],
+) -> crate::Result<SavedState> {
+    let st = state::load(path, id, kv, &files.config)?;
+    state::check_prefix_of(path, &st.ids, prompt_ids)?;
+    Ok(st)
+}
+
+/// `gen` resuming the state `st` (its cache and logits moved into `run`'s session).
+fn resumed(
+    gen: Generation,
+    run: &mut dyn Engine,
+    st: Option<SavedState>,
+) -> crate::Result<Generation> {
+    let Some(st) = st else { return Ok(gen) };
+    let s = run
+        .session()
+        .ok_or_else(|| Error::flag("--load-state", "needs --engine optimized"))?;
+    s.cache = st.cache;
+    if let Some(l) = &st.logits {
+        s.logits.clone_from(l);
+    }
+    gen.resume(st.ids.len(), st.logits)
+}
+
+/// Saves the state after `res`: the ids of the tokens fed through the cache (the prompt,
+/// then every generated token but the last, which was never fed), the cache, and the
+/// logits after the last of them.
+fn save_state(
+    path: &std::path::Path,
+    id: &ModelIdentity,
+    kv: &KvConfig,
+    res: &GenerateResult,
+    run: &mut dyn Engine,
+) -> crate::Result<()> {
+    let fed = res.current_length - res.prompt_ids.len();
+    let mut ids = res.prompt_ids.clone();
+    ids.extend_from_slice(&res.generated_ids[..fed]);
+    let s = run
+        .session()
+        .ok_or_else(|| Error::flag("--save-state", "needs --engine optimized"))?;
+    state::save_with_logits(path, id, kv, &ids, &s.cache, Some(&s.logits))
 }
 
 /// The generation settings `a` asks for on `files` through `kv` (the sampler validated),
@@ -241,6 +327,7 @@ pub fn json_report(
 ) -> serde_json::Value {
     serde_json::json!({
         "prompt_ids": res.prompt_ids,
+        "prompt_tokens_reused": res.prompt_tokens_reused,
         "generated_ids": res.generated_ids,
         "text": res.text,
         "kv": kv_json(
@@ -308,8 +395,12 @@ fn report(
     } else {
         format!("seed {seed}")
     };
+    let reused = match res.prompt_tokens_reused {
+        0 => String::new(),
+        n => format!(" ({n} reused from the state)"),
+    };
     errln!(
-        "[{model}] load {:.2}s | prompt {} tok, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s{} | {sampling}",
+        "[{model}] load {:.2}s | prompt {} tok{reused}, prefill {:.1} tok/s | generated {} tok, decode {:.1} tok/s{} | {sampling}",
         load_secs,
         res.prompt_ids.len(),
         res.prefill_tok_s(),

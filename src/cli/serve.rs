@@ -30,6 +30,17 @@ pub struct ServeArgs {
     /// whose cache does not fit is answered 429 with Retry-After.
     #[arg(long = "kv-budget", value_name = "BYTES", default_value_t = 1 << 30)]
     pub kv_budget: usize,
+    /// Most bytes of finished sequences' caches kept for reuse: a request whose prompt
+    /// starts with what a kept one computed (a chat's next turn) resumes from it and
+    /// prefills only the rest; least recently used dropped first (0: off; a request opts
+    /// out with "cache_prompt": false).
+    #[arg(long = "prompt-cache-bytes", value_name = "BYTES", default_value_t = 256 << 20)]
+    pub prompt_cache_bytes: usize,
+    /// Directory of saved conversation states: POST /v1/states/save {"id", "name"}
+    /// writes the cache a completion left in the prompt cache to DIR/name, and
+    /// /v1/states/restore {"name"} loads one back (without it: 404).
+    #[arg(long = "state-dir", value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
     /// Weight dtype in memory: as stored (native), or converted at load.
     #[arg(long = "weights-dtype", value_enum)]
     pub weights_dtype: Option<WeightsArg>,
@@ -229,6 +240,13 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             );
         }
     }
+    if let Some(d) = &a.state_dir {
+        if !d.is_dir() {
+            return Err(
+                Error::flag("--state-dir", format!("{} is not a directory", d.display())).into(),
+            );
+        }
+    }
     let files = open_model(&a.model)?;
     crate::kv_cache::validate(&kv, &files.config)?;
     let wdtype = match a.weights_dtype {
@@ -238,6 +256,10 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     };
     // The server runs batches of sequences on the whole pool: no adaptive choice.
     let model = Model::load_opts(&files, wdtype, &a.exec.options(a.threads, false))?;
+    let model_identity = match &a.state_dir {
+        Some(_) => Some(crate::state::ModelIdentity::of(&files)?.with_weights(wdtype)),
+        None => None,
+    };
     let model_name = match &a.model {
         Some(p) => p
             .file_stem()
@@ -250,6 +272,9 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         allow_past_context: a.cache.allow_past_context,
         max_sequences: a.max_sequences,
         kv_budget: a.kv_budget,
+        prompt_cache_bytes: a.prompt_cache_bytes,
+        state_dir: a.state_dir.clone(),
+        model_identity,
         model_name: model_name.clone(),
         prefill_tokens_per_step: PREFILL_TOKENS_PER_STEP,
         limits,

@@ -38,6 +38,11 @@
 //! `release(keep)` is O(what the dropped appends overwrote), committing (`keep ≥ held`) is
 //! O(1) apart from freeing the journals; never O(cache). [`LayerKv::hold_bytes`] counts the
 //! journals and snapshots.
+//!
+//! [`LayerKv::released_copy`] gives a copy of the layer as `release(keep)` would leave it,
+//! the layer and its hold unchanged (the server's prompt cache resumes a kept state this
+//! way and keeps the state, hold included, for later requests): a copy, then a release
+//! on the copy.
 
 use super::storage::journal::{self, Journal};
 use super::{EvictionPolicy, LayerKv};
@@ -138,6 +143,15 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
         if keep < policies.len() {
             self.policy = policies.swap_remove(keep);
         }
+    }
+
+    /// A copy of the layer as [`release`](Self::release)`(keep)` would leave it, this
+    /// layer unchanged (its hold still running): the layer is copied (with its journals)
+    /// and the copy released. Without a hold, a copy of the layer.
+    pub fn released_copy(&mut self, keep: usize) -> Self {
+        let mut copy = self.clone();
+        copy.release(keep);
+        copy
     }
 
     /// Bytes a running hold keeps beside the stored rows: the stores' and positions'
@@ -247,6 +261,10 @@ mod tests {
                             assert_eq!(held.held(), Some(n), "{ctx}");
                             assert!(held.hold_bytes() > 0, "{ctx}");
                             assert_eq!(snapshot(&held), snapshot(&all), "{ctx}: during the hold");
+                            let mut copy = held.released_copy(keep);
+                            assert_eq!(held.held(), Some(n), "{ctx}: the copy leaves the hold");
+                            assert_eq!(copy.held(), None, "{ctx}");
+                            assert_eq!(snapshot(&copy), snapshot(&kept), "{ctx}: released copy");
                             held.release(keep);
                             assert_eq!(held.held(), None, "{ctx}");
                             assert_eq!(held.hold_bytes(), 0, "{ctx}");
@@ -255,7 +273,9 @@ mod tests {
                             for t in from..from + 2 * window.unwrap_or(4) + g {
                                 held.append(&row(t, 2.0, dim), &row(t, 3.0, dim), t);
                                 kept.append(&row(t, 2.0, dim), &row(t, 3.0, dim), t);
+                                copy.append(&row(t, 2.0, dim), &row(t, 3.0, dim), t);
                                 assert_eq!(snapshot(&held), snapshot(&kept), "{ctx}: later t={t}");
+                                assert_eq!(snapshot(&copy), snapshot(&kept), "{ctx}: copy t={t}");
                             }
                         }
                     }

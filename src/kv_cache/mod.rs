@@ -34,9 +34,13 @@
 //! dequantising the cache.
 //!
 //! Positions are stored explicitly per row (`prefix_pos`, `body_pos`).
+//!
+//! `state.rs` writes a cache's contents and reads them back bit for bit (saved states,
+//! [`crate::state`]).
 
 mod hold;
 pub mod policy;
+mod state;
 pub(crate) mod storage;
 
 use crate::config::Config;
@@ -606,6 +610,18 @@ impl KvCache {
     /// Bytes the running hold keeps beside the stored rows ([`LayerKv::hold_bytes`]).
     pub fn hold_bytes(&self) -> usize {
         self.layers.iter().map(LayerKv::hold_bytes).sum()
+    }
+    /// The cache as [`release`](Self::release)`(keep)` would leave it, this one unchanged
+    /// ([`LayerKv::released_copy`]).
+    pub fn released_copy(&mut self, keep: usize) -> KvCache {
+        KvCache {
+            kv: self.kv.clone(),
+            layers: self
+                .layers
+                .iter_mut()
+                .map(|l| l.released_copy(keep))
+                .collect(),
+        }
     }
 }
 

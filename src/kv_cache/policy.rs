@@ -89,6 +89,12 @@ impl StreamingLlm {
         }
     }
 
+    /// The policy after `appended` appends (a cache loaded from a saved state: the
+    /// policy's only counter).
+    pub(crate) fn set_appended(&mut self, appended: usize) {
+        self.appended = appended;
+    }
+
     /// Sink rows stored.
     #[inline]
     pub fn sinks_stored(&self) -> usize {

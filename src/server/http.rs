@@ -1,5 +1,6 @@
 //! The HTTP surface: OpenAI-shaped `/v1/completions` and `/v1/chat/completions`
-//! (server-sent events when `stream: true`), `/v1/models`, `/health`, `/metrics`.
+//! (server-sent events when `stream: true`), `/v1/models`, `/health`, `/metrics`, and
+//! `/v1/states/save` and `/v1/states/restore` ([`super::states`]).
 //!
 //! Request bodies are read as JSON values and checked field by field, so every 400 names
 //! the offending field (`param` in OpenAI's error object). Unknown fields are ignored, as
@@ -7,7 +8,9 @@
 //! settings `streaming_llm_sink`, `streaming_llm_window`, `streaming_llm_positions`,
 //! `kv_quantize`, `kv_quantize_k`, `kv_quantize_v`, `kv_group_size`, `kv_residual`,
 //! `kv_key_rope`, `kv_rotation` (the `sample` flags' names with underscores; they override the server's
-//! defaults for this request).
+//! defaults for this request), and llama-server's `cache_prompt` (default true; false: this
+//! request neither resumes from nor feeds the prompt cache). `usage` carries OpenAI's
+//! `prompt_tokens_details.cached_tokens`: the prompt tokens resumed from the prompt cache.
 //!
 //! Before a body is read, `access::check_access` applies the server's access rules: the Host
 //! header must name an allowed host (the loopback names when bound to loopback, against
@@ -61,6 +64,8 @@ pub fn router(shared: AppState) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/states/save", post(states_save))
+        .route("/v1/states/restore", post(states_restore))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .with_state(shared)
@@ -85,7 +90,7 @@ async fn metrics(State(s): State<AppState>, headers: HeaderMap) -> Response {
     if let Err(e) = check_access(&s, &headers, false, false) {
         return e.into_response();
     }
-    let text = s.metrics.render(&s.budget);
+    let text = s.metrics.render(&s.budget, s.cfg.prompt_cache_bytes);
     (
         [(
             header::CONTENT_TYPE,
@@ -136,6 +141,33 @@ async fn prepare<T: Send + 'static>(
     result
 }
 
+async fn states_save(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    states_call(s, headers, body, super::states::save).await
+}
+
+async fn states_restore(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    states_call(s, headers, body, super::states::restore).await
+}
+
+/// A `/v1/states/*` call ([`super::states`]): access rules, the body, then `work` on the
+/// blocking pool.
+async fn states_call(
+    s: AppState,
+    headers: HeaderMap,
+    body: Body,
+    work: fn(&Shared, &Bytes) -> ApiResult<Value>,
+) -> Response {
+    let run = async {
+        check_access(&s, &headers, true, true)?;
+        let body = read_body(&s, &headers, body).await?;
+        prepare(&s, body, work).await
+    };
+    match run.await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
 fn shutting_down() -> ApiError {
     ApiError::status(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -147,6 +179,7 @@ fn shutting_down() -> ApiError {
 /// after waiting in the queue); returns the job's channels.
 async fn admit(
     s: &Shared,
+    id: &str,
     p: GenParams,
     prompt_ids: Vec<u32>,
     default_max: usize,
@@ -229,12 +262,14 @@ async fn admit(
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     Ok((
         Job {
+            id: id.to_string(),
             prompt_ids,
             kv: p.kv,
             sampler: p.sampler,
             max_tokens,
             ignore_eos: p.ignore_eos,
             stop: p.stop,
+            cache_prompt: p.cache_prompt,
             reservation,
             events: tx,
             deadline: limits
@@ -266,19 +301,13 @@ fn next_id(prefix: &str) -> String {
     format!("{prefix}-{}", N.fetch_add(1, Ordering::Relaxed))
 }
 
-/// Waits for the whole completion: (text, finish reason, prompt tokens, completion tokens).
-async fn collect(
-    mut rx: UnboundedReceiver<Event>,
-) -> ApiResult<(String, FinishReason, usize, usize)> {
+/// Waits for the whole completion: its text, finish reason and usage.
+async fn collect(mut rx: UnboundedReceiver<Event>) -> ApiResult<(String, FinishReason, Value)> {
     let mut text = String::new();
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Text(t) => text.push_str(&t),
-            Event::Done {
-                reason,
-                prompt_tokens,
-                completion_tokens,
-            } => return Ok((text, reason, prompt_tokens, completion_tokens)),
+            done @ Event::Done { reason, .. } => return Ok((text, reason, usage(&done))),
             Event::Error(e) => return Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e)),
         }
     }
@@ -288,8 +317,18 @@ async fn collect(
     ))
 }
 
-fn usage(p: usize, c: usize) -> Value {
-    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+/// OpenAI's `usage` of a `Done` event (`null` for any other).
+fn usage(done: &Event) -> Value {
+    match *done {
+        Event::Done {
+            prompt_tokens: p,
+            completion_tokens: c,
+            cached_tokens,
+            ..
+        } => json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}),
+        _ => Value::Null,
+    }
 }
 
 /// An SSE response: `chunk(event)` turns each scheduler event into zero or one JSON
@@ -326,10 +365,11 @@ async fn completions_inner(s: AppState, headers: HeaderMap, body: Body) -> ApiRe
     check_access(&s, &headers, true, true)?;
     let body = read_body(&s, &headers, body).await?;
     let (p, prompt_ids) = prepare(&s, body, params::completion_request).await?;
+    let id = next_id("cmpl");
     // OpenAI's default for /v1/completions.
-    let (job, rx, stream) = admit(&s, p, prompt_ids, 16).await?;
+    let (job, rx, stream) = admit(&s, &id, p, prompt_ids, 16).await?;
     submit(&s, job)?;
-    let (id, created, model) = (next_id("cmpl"), now_secs(), s.cfg.model_name.clone());
+    let (created, model) = (now_secs(), s.cfg.model_name.clone());
     let obj = move |text: &str, finish: Option<&str>| {
         json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
@@ -339,21 +379,17 @@ async fn completions_inner(s: AppState, headers: HeaderMap, body: Body) -> ApiRe
     if stream {
         return Ok(sse_response(rx, Vec::new(), move |ev| match ev {
             Event::Text(t) => Some(obj(t, None)),
-            Event::Done {
-                reason,
-                prompt_tokens,
-                completion_tokens,
-            } => {
+            done @ Event::Done { reason, .. } => {
                 let mut v = obj("", Some(reason.name()));
-                v["usage"] = usage(*prompt_tokens, *completion_tokens);
+                v["usage"] = usage(done);
                 Some(v)
             }
             Event::Error(_) => None,
         }));
     }
-    let (text, reason, pt, ct) = collect(rx).await?;
+    let (text, reason, usage) = collect(rx).await?;
     let mut v = obj(&text, Some(reason.name()));
-    v["usage"] = usage(pt, ct);
+    v["usage"] = usage;
     Ok(Json(v).into_response())
 }
 
@@ -374,9 +410,10 @@ async fn chat_inner(s: AppState, headers: HeaderMap, body: Body) -> ApiResult<Re
         .max_position_embeddings
         .saturating_sub(prompt_ids.len())
         .max(1);
-    let (job, rx, stream) = admit(&s, p, prompt_ids, default_max).await?;
+    let id = next_id("chatcmpl");
+    let (job, rx, stream) = admit(&s, &id, p, prompt_ids, default_max).await?;
     submit(&s, job)?;
-    let (id, created, model) = (next_id("chatcmpl"), now_secs(), s.cfg.model_name.clone());
+    let (created, model) = (now_secs(), s.cfg.model_name.clone());
     if stream {
         let chunk = move |delta: Value, finish: Option<&str>| {
             json!({
@@ -387,19 +424,15 @@ async fn chat_inner(s: AppState, headers: HeaderMap, body: Body) -> ApiResult<Re
         let first = vec![chunk(json!({"role": "assistant", "content": ""}), None)];
         return Ok(sse_response(rx, first, move |ev| match ev {
             Event::Text(t) => Some(chunk(json!({"content": t}), None)),
-            Event::Done {
-                reason,
-                prompt_tokens,
-                completion_tokens,
-            } => {
+            done @ Event::Done { reason, .. } => {
                 let mut v = chunk(json!({}), Some(reason.name()));
-                v["usage"] = usage(*prompt_tokens, *completion_tokens);
+                v["usage"] = usage(done);
                 Some(v)
             }
             Event::Error(_) => None,
         }));
     }
-    let (text, reason, pt, ct) = collect(rx).await?;
+    let (text, reason, usage) = collect(rx).await?;
     Ok(Json(json!({
         "id": id, "object": "chat.completion", "created": created, "model": model,
         "choices": [{
@@ -408,7 +441,7 @@ async fn chat_inner(s: AppState, headers: HeaderMap, body: Body) -> ApiResult<Re
             "logprobs": null,
             "finish_reason": reason.name(),
         }],
-        "usage": usage(pt, ct),
+        "usage": usage,
     }))
     .into_response())
 }

@@ -24,6 +24,17 @@ pub struct Metrics {
     pub decode_tok_s: AtomicU64,
     /// Bytes the active sequences' caches hold now (counted from their buffers).
     pub kv_bytes_in_use: AtomicU64,
+    /// Requests that looked in the prompt cache and resumed from an entry.
+    pub prompt_cache_hits: AtomicU64,
+    /// Requests that looked in the prompt cache and found no entry to resume from.
+    pub prompt_cache_misses: AtomicU64,
+    /// Prompt tokens resumed from the prompt cache instead of prefilled.
+    pub prompt_cache_reused_tokens: AtomicU64,
+    /// What the prompt cache's entries count against `--prompt-cache-bytes`.
+    pub prompt_cache_bytes: AtomicU64,
+    pub prompt_cache_entries: AtomicU64,
+    /// Bytes the running sequences' holds keep beside their caches.
+    pub prompt_cache_hold_bytes: AtomicU64,
 }
 
 impl Metrics {
@@ -31,8 +42,17 @@ impl Metrics {
         self.decode_tok_s.store(v.to_bits(), Ordering::Relaxed);
     }
 
+    /// The prompt cache's gauges, from `pc`.
+    pub fn set_prompt_cache(&self, pc: &super::prompt_cache::PromptCache) {
+        self.prompt_cache_bytes
+            .store(pc.bytes() as u64, Ordering::Relaxed);
+        self.prompt_cache_entries
+            .store(pc.len() as u64, Ordering::Relaxed);
+    }
+
     /// The exposition text, with the admission state of `admission`.
-    pub fn render(&self, admission: &super::Budget) -> String {
+    pub fn render(&self, admission: &super::Budget, prompt_cache_limit: usize) -> String {
+        let limit = prompt_cache_limit;
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let reserved = admission.used();
         let (max_sequences, budget) = (admission.max_sequences, admission.max_bytes);
@@ -142,12 +162,64 @@ impl Metrics {
             ),
         ];
         let mut out = String::new();
-        for (name, kind, help, value) in rows {
+        for (name, kind, help, value) in rows.into_iter().chain(self.prompt_cache_rows(limit)) {
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
             );
         }
         out
+    }
+
+    /// The prompt cache's rows of [`render`](Self::render); `limit`: `--prompt-cache-bytes`.
+    fn prompt_cache_rows(
+        &self,
+        limit: usize,
+    ) -> [(&'static str, &'static str, &'static str, String); 7] {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        [
+            (
+                "tinygpt_prompt_cache_hits_total",
+                "counter",
+                "Requests resumed from a kept cache (prompt cache).",
+                g(&self.prompt_cache_hits).to_string(),
+            ),
+            (
+                "tinygpt_prompt_cache_misses_total",
+                "counter",
+                "Requests that looked in the prompt cache and found nothing to resume from.",
+                g(&self.prompt_cache_misses).to_string(),
+            ),
+            (
+                "tinygpt_prompt_cache_reused_tokens_total",
+                "counter",
+                "Prompt tokens resumed from the prompt cache instead of prefilled.",
+                g(&self.prompt_cache_reused_tokens).to_string(),
+            ),
+            (
+                "tinygpt_prompt_cache_bytes",
+                "gauge",
+                "Bytes the prompt cache's entries count (worst-case cache bytes plus holds).",
+                g(&self.prompt_cache_bytes).to_string(),
+            ),
+            (
+                "tinygpt_prompt_cache_entries",
+                "gauge",
+                "Finished sequences' caches kept in the prompt cache.",
+                g(&self.prompt_cache_entries).to_string(),
+            ),
+            (
+                "tinygpt_prompt_cache_limit_bytes",
+                "gauge",
+                "--prompt-cache-bytes.",
+                limit.to_string(),
+            ),
+            (
+                "tinygpt_prompt_cache_hold_bytes",
+                "gauge",
+                "Bytes the running sequences hold for the prompt cache beside their caches.",
+                g(&self.prompt_cache_hold_bytes).to_string(),
+            ),
+        ]
     }
 }

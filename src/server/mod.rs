@@ -32,8 +32,10 @@
 //!
 //! The work of one request that is not generation (parsing, tokenising) is bounded by its
 //! limits and runs off the runtime's thread, so one request never stalls another's stream
-//! or `/health`. The server keeps no state between requests, so replicas scale behind any
-//! HTTP load balancer.
+//! or `/health`. Each request carries its whole prompt, so replicas scale behind any
+//! HTTP load balancer; the one thing kept between requests is an optimisation, the
+//! [`prompt_cache`] (finished sequences' caches, from which a later request whose prompt
+//! starts with the same ids resumes, with the same bits).
 
 mod access;
 mod api;
@@ -41,7 +43,9 @@ pub mod http;
 pub mod metrics;
 pub mod net;
 mod params;
+pub mod prompt_cache;
 pub mod scheduler;
+mod states;
 
 use crate::config::Config;
 use crate::kv_cache::{KvCache, KvConfig, LayerKv};
@@ -71,6 +75,14 @@ pub struct ServerConfig {
     pub max_sequences: usize,
     /// Most worst-case KV bytes admitted at once (`--kv-budget`).
     pub kv_budget: usize,
+    /// Most bytes the prompt cache keeps (`--prompt-cache-bytes`; 0: no prompt cache).
+    pub prompt_cache_bytes: usize,
+    /// Where `/v1/states/save` writes and `/v1/states/restore` reads (`--state-dir`;
+    /// `None`: those endpoints answer 404).
+    pub state_dir: Option<PathBuf>,
+    /// The served model's identity, recorded in and checked against saved states (set
+    /// with `state_dir`).
+    pub model_identity: Option<crate::state::ModelIdentity>,
     /// The id `/v1/models` reports.
     pub model_name: String,
     /// See [`PREFILL_TOKENS_PER_STEP`].
@@ -387,6 +399,8 @@ pub struct Shared {
     jobs: Mutex<Option<std::sync::mpsc::Sender<scheduler::Job>>>,
     /// Memo of [`worst_case_kv_bytes`] by (cache settings, length).
     estimates: Mutex<HashMap<(String, usize), usize>>,
+    /// Finished sequences' caches ([`prompt_cache`]).
+    prompt_cache: Mutex<prompt_cache::PromptCache>,
 }
 
 /// A flag that can be awaited.
@@ -451,6 +465,11 @@ impl Shared {
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::SeqCst)
     }
+
+    /// The prompt cache, locked.
+    pub fn prompt_cache(&self) -> std::sync::MutexGuard<'_, prompt_cache::PromptCache> {
+        self.prompt_cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// Requests whose CPU work may run at once: half the cores, at least one.
@@ -477,6 +496,7 @@ pub fn serve(
         None => None,
     };
     let (tx, rx) = std::sync::mpsc::channel();
+    let cfg_prompt_cache_bytes = cfg.prompt_cache_bytes;
     let shared = Arc::new(Shared {
         budget: Budget::new(cfg.max_sequences, cfg.kv_budget),
         model_cfg: model.cfg.clone(),
@@ -490,6 +510,7 @@ pub fn serve(
         prep: tokio::sync::Semaphore::new(prep_turns()),
         jobs: Mutex::new(Some(tx)),
         estimates: Mutex::new(HashMap::new()),
+        prompt_cache: Mutex::new(prompt_cache::PromptCache::new(cfg_prompt_cache_bytes)),
     });
     let mut pool = rayon::ThreadPoolBuilder::new().thread_name(|i| format!("compute-{i}"));
     if let Some(n) = threads {

@@ -23,6 +23,8 @@ pub(super) struct GenParams {
     pub(super) ignore_eos: bool,
     pub(super) stop: Vec<String>,
     pub(super) kv: KvConfig,
+    /// `cache_prompt` (llama-server's name; default true): use the prompt cache.
+    pub(super) cache_prompt: bool,
 }
 
 /// A `/v1/completions` body: its settings and its prompt as ids (`prompt`: a string, a
@@ -236,11 +238,12 @@ fn gen_params(s: &Shared, o: &Map<String, Value>) -> ApiResult<GenParams> {
         ignore_eos: get_bool(o, "ignore_eos")?.unwrap_or(false),
         stop,
         kv,
+        cache_prompt: get_bool(o, "cache_prompt")?.unwrap_or(true),
     })
 }
 
 /// The request's cache settings: the server's defaults with the request's overrides.
-fn request_kv(s: &Shared, o: &Map<String, Value>) -> ApiResult<KvConfig> {
+pub(super) fn request_kv(s: &Shared, o: &Map<String, Value>) -> ApiResult<KvConfig> {
     const MAX_ROWS: u64 = crate::kv_cache::MAX_CACHE_ROWS as u64;
     let mut kv = s.cfg.kv.clone();
     let precision = |field: &str| -> ApiResult<Option<Precision>> {

@@ -1,7 +1,9 @@
 //! The continuous-batching step loop (runs on its own thread, inside the compute pool).
 //!
 //! Each step:
-//! 1. new jobs join (they were admitted by the handler, so their cache fits);
+//! 1. new jobs join (they were admitted by the handler, so their cache fits), each
+//!    resumed from the prompt cache when it holds a match ([`super::prompt_cache`]: the
+//!    kept cache released to the match, and the prompt prefilled from there);
 //! 2. sequences whose client went away (event receiver dropped) leave;
 //! 3. every decoding sequence contributes its last sampled token, and sequences still
 //!    reading their prompt share [`ServerConfig::prefill_tokens_per_step`] prompt tokens
@@ -10,8 +12,14 @@
 //! 4. one [`Model::forward_sequences`] runs them all;
 //! 5. every sequence that produced logits samples its next token with its own sampler
 //!    (the sequences in parallel), and finished sequences (EOS, `max_tokens`, a stop string) leave;
-//!    when one whose cache held 16 MiB or more leaves, the memory it
-//!    freed is given back to the system ([`crate::memory::release_free_memory`]).
+//!    when 16 MiB or more of cache is freed as one leaves, the memory is given back to
+//!    the system ([`crate::memory::release_free_memory`]).
+//!
+//! With the prompt cache on (`--prompt-cache-bytes`, and the request's `cache_prompt`), a
+//! sequence holds its cache's rows from the end of its prompt on ([`KvCache::hold`], within
+//! [`prompt_cache::bound_hold`]'s bounds), and when it leaves for any reason but an error
+//! (finished, timed out, or its client went away) its cache is offered to the prompt
+//! cache before its admission is given back and its client told.
 //!
 //! A sequence past its deadline (`--request-timeout`) leaves at the start of a step with
 //! finish reason `length`; when the drain times out (`Shared::abort`) every sequence
@@ -19,12 +27,14 @@
 //!
 //! Per sequence, this is exactly `generate`'s loop (prefill, sample, feed back), and the
 //! batched forward is bit-identical to the solo one, so a greedy request returns what
-//! `sample --temperature 0` prints.
+//! `sample --temperature 0` prints; a resumed one too, since its cache is bit for bit the
+//! cache of the rows it skips (docs/design.md §3.2).
 //!
 //! [`ServerConfig::prefill_tokens_per_step`]: super::ServerConfig::prefill_tokens_per_step
 
+use super::prompt_cache::{self, Finished};
 use super::{Reservation, Shared};
-use crate::kv_cache::KvConfig;
+use crate::kv_cache::{KvCache, KvConfig};
 use crate::model::{Model, SeqStep, Session};
 use crate::sampler::{Sampler, SamplerConfig};
 use crate::tokenizer::StreamDecoder;
@@ -36,12 +46,17 @@ use tokio::sync::mpsc::UnboundedSender;
 
 /// A validated, tokenized, admitted request.
 pub struct Job {
+    /// The completion's id (`cmpl-N`, `chatcmpl-N`): a kept cache is found by it.
+    pub id: String,
     pub prompt_ids: Vec<u32>,
     pub kv: KvConfig,
     pub sampler: SamplerConfig,
     pub max_tokens: usize,
     pub ignore_eos: bool,
     pub stop: Vec<String>,
+    /// The request's `cache_prompt` (default true): resume from the prompt cache and
+    /// keep this sequence's cache in it (when the server has one).
+    pub cache_prompt: bool,
     pub reservation: Reservation,
     pub events: UnboundedSender<Event>,
     /// `--request-timeout` after admission: the sequence ends then with `length`.
@@ -76,6 +91,8 @@ pub enum Event {
         reason: FinishReason,
         prompt_tokens: usize,
         completion_tokens: usize,
+        /// Prompt tokens resumed from the prompt cache instead of prefilled.
+        cached_tokens: usize,
     },
     Error(String),
 }
@@ -85,8 +102,13 @@ struct Seq {
     job: Job,
     session: Session,
     sampler: Sampler,
-    /// Prompt tokens already run.
+    /// Prompt tokens already run (or resumed from the prompt cache).
     prefilled: usize,
+    /// Prompt tokens resumed from the prompt cache.
+    reused: usize,
+    /// Whether this sequence holds its generated rows and is offered to the prompt cache
+    /// when it ends.
+    keep: bool,
     /// Position of the next token fed to the model.
     pos: usize,
     /// The token sampled last, to be fed at `pos` (decoding sequences).
@@ -107,26 +129,26 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
         if seqs.is_empty() {
             gauges.idle(m);
             match jobs.recv() {
-                Ok(j) => seqs.push(start(model, j)),
+                Ok(j) => seqs.push(start(model, shared, j)),
                 Err(_) => return,
             }
         }
         while let Ok(j) = jobs.try_recv() {
-            seqs.push(start(model, j));
+            seqs.push(start(model, shared, j));
         }
-        seqs.retain(|s| {
-            let gone = s.job.events.is_closed();
-            if gone {
+        let mut i = 0;
+        while i < seqs.len() {
+            if seqs[i].job.events.is_closed() {
                 m.requests_cancelled.fetch_add(1, Ordering::Relaxed);
+                leave(shared, seqs.remove(i), None);
+            } else {
+                i += 1;
             }
-            !gone
-        });
+        }
         if shared.abort.load(Ordering::SeqCst) {
             for s in seqs.drain(..) {
-                leave(
-                    s,
-                    Event::Error("the server is shutting down and its drain timeout passed".into()),
-                );
+                let e = "the server is shutting down and its drain timeout passed";
+                leave(shared, s, Some(Event::Error(e.into())));
             }
             continue;
         }
@@ -160,8 +182,9 @@ fn expire(seqs: &mut Vec<Seq>, shared: &Shared) {
                 reason: FinishReason::Length,
                 prompt_tokens: s.job.prompt_ids.len(),
                 completion_tokens: s.generated.len(),
+                cached_tokens: s.reused,
             };
-            leave(s, done);
+            leave(shared, s, Some(done));
         } else {
             i += 1;
         }
@@ -201,8 +224,17 @@ fn step(model: &Model, shared: &Shared, seqs: &mut Vec<Seq>) -> Option<usize> {
                 continue;
             }
             s.pos = prompt_len;
+            if s.keep {
+                // What it generates from here is held, so that a later request can
+                // resume from any point of it (prompt_cache).
+                s.session.cache.hold();
+                prompt_cache::bound_hold(&mut s.session.cache, shared.cfg.prompt_cache_bytes);
+            }
         } else {
             s.pos += 1;
+            if s.keep {
+                prompt_cache::bound_hold(&mut s.session.cache, shared.cfg.prompt_cache_bytes);
+            }
         }
         sample_now[i] = true;
     }
@@ -303,12 +335,10 @@ fn sample(seqs: &mut Vec<Seq>, now: &[bool], shared: &Shared) -> usize {
         }
     }
     // Leave the batch, give the admission back, then tell the client: a client that
-    // sends its next request on seeing the end finds the slot free.
+    // sends its next request on seeing the end finds the slot free (and its cache kept).
     let mut large = false;
     for (i, last) in finished.into_iter().rev() {
-        let s = seqs.remove(i);
-        large |= s.session.cache.bytes() >= TRIM_AFTER_CACHE_BYTES;
-        leave(s, last);
+        large |= leave(shared, seqs.remove(i), Some(last)) >= TRIM_AFTER_CACHE_BYTES;
     }
     if large {
         crate::memory::release_free_memory();
@@ -330,6 +360,7 @@ impl Gauges {
         m.active.store(0, Ordering::Relaxed);
         m.prefilling.store(0, Ordering::Relaxed);
         m.kv_bytes_in_use.store(0, Ordering::Relaxed);
+        m.prompt_cache_hold_bytes.store(0, Ordering::Relaxed);
         self.recent.clear();
     }
 
@@ -360,26 +391,86 @@ impl Gauges {
             .store((seqs.len() - prefilling) as u64, Ordering::Relaxed);
         let bytes: usize = seqs.iter().map(|s| s.session.cache.bytes()).sum();
         m.kv_bytes_in_use.store(bytes as u64, Ordering::Relaxed);
+        let held: usize = seqs.iter().map(|s| s.session.cache.hold_bytes()).sum();
+        m.prompt_cache_hold_bytes
+            .store(held as u64, Ordering::Relaxed);
     }
 }
 
-/// A sequence leaves the batch: its admission is given back, then the client is told
-/// `last` (so a client that sends its next request on seeing the end finds the slot free).
-fn leave(s: Seq, last: Event) {
+/// A sequence leaves the batch: unless it ends with an error, its cache is offered to
+/// the prompt cache; its admission is given back; then the client is told `last`, if
+/// still there (so a client that sends its next request on seeing the end finds the
+/// slot free and the cache kept). Returns the cache bytes freed.
+fn leave(shared: &Shared, s: Seq, last: Option<Event>) -> usize {
+    let Seq {
+        job,
+        session,
+        generated,
+        keep,
+        ..
+    } = s;
+    let freed = match keep && !matches!(last, Some(Event::Error(_))) {
+        true => offer(shared, &job, &generated, session.cache),
+        false => session.cache.bytes() + session.cache.hold_bytes(),
+    };
     let Job {
         events,
         reservation,
         ..
-    } = s.job;
+    } = job;
     drop(reservation);
-    let _ = events.send(last);
+    if let Some(last) = last {
+        let _ = events.send(last);
+    }
+    freed
 }
 
-fn start(model: &Model, job: Job) -> Seq {
+/// Offers a finished sequence's cache to the prompt cache; returns the bytes freed (the
+/// entries it displaced, or this cache when it is not kept).
+fn offer(shared: &Shared, job: &Job, generated: &[u32], cache: KvCache) -> usize {
+    let Some(ids) = prompt_cache::fed_ids(&job.prompt_ids, generated, &cache) else {
+        return cache.bytes() + cache.hold_bytes();
+    };
+    let finished = Finished {
+        kv: job.kv.clone(),
+        worst_case: shared.worst_case_bytes(&job.kv, ids.len()),
+        ids,
+        cache,
+        completion: job.id.clone(),
+    };
+    let mut pc = shared.prompt_cache();
+    let freed = pc.insert(finished).freed;
+    shared.metrics.set_prompt_cache(&pc);
+    freed
+}
+
+/// A new sequence: resumed from the prompt cache when it holds a match, else empty.
+fn start(model: &Model, shared: &Shared, job: Job) -> Seq {
+    let mut session = model.session(&job.kv);
+    let keep = job.cache_prompt && shared.cfg.prompt_cache_bytes > 0;
+    let mut reused = 0;
+    if keep {
+        let m = &shared.metrics;
+        let hit = shared.prompt_cache().lookup(&job.kv, &job.prompt_ids);
+        match hit {
+            Some(r) => {
+                session.cache = r.cache;
+                reused = r.reused;
+                m.prompt_cache_hits.fetch_add(1, Ordering::Relaxed);
+                m.prompt_cache_reused_tokens
+                    .fetch_add(reused as u64, Ordering::Relaxed);
+            }
+            None => {
+                m.prompt_cache_misses.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
     Seq {
-        session: model.session(&job.kv),
+        session,
         sampler: Sampler::new(job.sampler.clone()),
-        prefilled: 0,
+        prefilled: reused,
+        reused,
+        keep,
         pos: 0,
         next: 0,
         generated: Vec::new(),
@@ -398,6 +489,7 @@ fn accept(s: &mut Seq, t: u32, tok: &crate::tokenizer::Tokenizer) -> Option<Even
         reason,
         prompt_tokens: s.job.prompt_ids.len(),
         completion_tokens: s.generated.len(),
+        cached_tokens: s.reused,
     };
     if tok.is_eos(t) && !s.job.ignore_eos {
         flush_final(s, tok, true);

@@ -24,8 +24,11 @@
 
 use super::journal::{restore, Journal};
 use super::plain::PlainRun;
+use super::{clip, load_heads, ring_needed, slots_needed};
 use super::{KeyRun, KeyStore, Region, RowStore, Shape};
+use crate::error::Result;
 use crate::kivi::{self, Bits, KvKernel};
+use crate::state::{Reader, Writer};
 use half::{f16, slice::HalfFloatSliceExt};
 use std::ops::Range;
 
@@ -330,6 +333,54 @@ impl RowStore for ChannelQuant {
         quant_rows * self.code_row_bytes()
             + residual_rows * self.residual_row_bytes()
             + live_groups * self.group_bytes()
+    }
+
+    fn save(&self, w: &mut Writer) {
+        self.codes.iter().for_each(|v| w.vec(v));
+        self.scale.iter().for_each(|v| w.vec(v));
+        self.zero.iter().for_each(|v| w.vec(v));
+        self.residual.iter().for_each(|v| w.vec(v));
+    }
+
+    /// Stored rows of complete groups need their codes' slots and their groups'
+    /// parameter slots (all of them up to the last complete group without a group ring:
+    /// a run spans groups); the others, their residual ring slots.
+    fn load(
+        &mut self,
+        r: &mut Reader<'_>,
+        at: &Region<'_>,
+        stored: &[Range<usize>],
+        what: &str,
+    ) -> Result<()> {
+        let (g, hd, heads, n) = (
+            self.group_size,
+            self.head_dim,
+            self.codes.len(),
+            at.appended(),
+        );
+        let done = self.groups_done(at);
+        let quant = clip(stored, 0, done * g);
+        let waiting = clip(stored, done * g, usize::MAX);
+        let groups: Vec<Range<usize>> = quant
+            .iter()
+            .map(|q| q.start / g..(q.end - 1) / g + 1)
+            .collect();
+        let (need_groups, max_groups) = match self.group_ring {
+            Some(m) => (ring_needed(&groups, m), m.min(done)),
+            None => (groups.iter().map(|x| x.end).max().unwrap_or(0), done),
+        };
+        let need_codes = slots_needed(at, &quant);
+        let packed = self.packed;
+        self.codes = load_heads(r, heads, packed, need_codes, n, &|| format!("{what} codes"))?;
+        let params = |name: &str| format!("{what} {name}s");
+        self.scale = load_heads(r, heads, hd, need_groups, max_groups, &|| params("scale"))?;
+        self.zero = load_heads(r, heads, hd, need_groups, max_groups, &|| params("zero"))?;
+        let need_res = ring_needed(&waiting, self.res_cap);
+        let max_res = self.res_cap.min(n);
+        self.residual = load_heads(r, heads, hd, need_res, max_res, &|| {
+            format!("{what} residual")
+        })?;
+        Ok(())
     }
 }
 

@@ -14,8 +14,11 @@
 
 use super::journal::{restore, Journal};
 use super::plain::{PlainRun, Rows};
+use super::{clip, load_heads, ring_needed, slots_needed};
 use super::{Region, RowStore, Shape, ValueRun, ValueStore};
+use crate::error::Result;
 use crate::kivi::{self, Bits, KvKernel};
+use crate::state::{Reader, Writer};
 use half::f16;
 use std::ops::Range;
 
@@ -277,6 +280,45 @@ impl RowStore for TokenQuant {
             None => (0, 0),
         };
         (rows - res_rows) * self.row_bytes() + res_rows * res_row_bytes
+    }
+
+    fn save(&self, w: &mut Writer) {
+        self.codes.iter().for_each(|v| w.vec(v));
+        self.scale.iter().for_each(|v| w.vec(v));
+        self.zero.iter().for_each(|v| w.vec(v));
+        if let Some(res) = &self.res {
+            res.save_rows(w);
+        }
+    }
+
+    /// Stored rows that have left the residual need their slots' codes and parameters;
+    /// the others, their residual ring slots.
+    fn load(
+        &mut self,
+        r: &mut Reader<'_>,
+        at: &Region<'_>,
+        stored: &[Range<usize>],
+        what: &str,
+    ) -> Result<()> {
+        let (heads, n) = (self.codes.len(), at.appended());
+        let left = match self.res {
+            Some(_) => self.left(at),
+            None => usize::MAX,
+        };
+        let quant = clip(stored, 0, left);
+        let need = slots_needed(at, &quant);
+        let p = self.packed;
+        self.codes = load_heads(r, heads, p, need, n, &|| format!("{what} codes"))?;
+        self.scale = load_heads(r, heads, 1, need, n, &|| format!("{what} scales"))?;
+        self.zero = load_heads(r, heads, 1, need, n, &|| format!("{what} zeros"))?;
+        if let Some(res) = &mut self.res {
+            let waiting = clip(stored, left, usize::MAX);
+            let cap = self.res_cap;
+            res.load_rows(r, ring_needed(&waiting, cap), cap.min(n), &|| {
+                format!("{what} residual")
+            })?;
+        }
+        Ok(())
     }
 }
 

@@ -35,8 +35,10 @@ pub(crate) mod kivi_v;
 pub(crate) mod plain;
 
 use super::policy::EvictionPolicy;
+use crate::error::Result;
 use crate::kivi::{Bits, KvKernel};
 use crate::kv_cache::Precision;
+use crate::state::{refuse, Problem, Reader, Wire, Writer};
 use half::{bf16, f16};
 use std::fmt::Debug;
 use std::ops::Range;
@@ -60,7 +62,7 @@ pub(crate) struct Shape {
 /// its storage**: a new precision is one store type (implementing [`KeyStore`] and/or
 /// [`ValueStore`]) plus one arm here (and its arm in [`Precision`]).
 pub(crate) fn stores_for(p: Precision, s: Shape) -> (Box<dyn KeyStore>, Box<dyn ValueStore>) {
-    fn plain<E: Elem + bytemuck::Pod + Debug>(
+    fn plain<E: Elem + bytemuck::Pod + Debug + Wire>(
         s: Shape,
     ) -> (Box<dyn KeyStore>, Box<dyn ValueStore>) {
         (
@@ -158,6 +160,100 @@ pub(crate) trait RowStore: Debug + Send + Sync {
     fn release(&mut self, keep: usize);
     /// Bytes the running hold's journal keeps (0 without a hold).
     fn hold_bytes(&self) -> usize;
+    /// Writes the store's buffers, exactly as held (a saved state, docs/design.md §5).
+    fn save(&self, w: &mut Writer);
+    /// Reads what [`RowStore::save`] wrote into a store fresh from [`stores_for`] for the
+    /// same configuration, whose region `at` has had its appends replayed in the policy.
+    /// `stored`: the region rows `at` stores, in runs of consecutive slots. Every buffer's
+    /// length is checked against what the configuration allows and what reading the
+    /// stored rows (and every later append) needs, so nothing indexes out of bounds later;
+    /// floats must be finite. `what` names the store in errors.
+    fn load(
+        &mut self,
+        r: &mut Reader<'_>,
+        at: &Region<'_>,
+        stored: &[Range<usize>],
+        what: &str,
+    ) -> Result<()>;
+}
+
+/// One past the highest slot of the rows in `rows` (runs of region rows in consecutive
+/// slots); 0 when there are none.
+pub(crate) fn slots_needed(at: &Region<'_>, rows: &[Range<usize>]) -> usize {
+    rows.iter()
+        .filter(|r| !r.is_empty())
+        .map(|r| at.slot(r.start) + r.len())
+        .max()
+        .unwrap_or(0)
+}
+
+/// One past the highest `b % cap` over the rows `b` in `rows` (`cap > 0`).
+pub(crate) fn ring_needed(rows: &[Range<usize>], cap: usize) -> usize {
+    rows.iter()
+        .filter(|r| !r.is_empty())
+        .map(|r| {
+            let (s, e) = (r.start % cap, (r.end - 1) % cap);
+            if r.len() >= cap || s > e {
+                cap
+            } else {
+                e + 1
+            }
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// `rows` cut to `lo..hi` (empty runs dropped).
+pub(crate) fn clip(rows: &[Range<usize>], lo: usize, hi: usize) -> Vec<Range<usize>> {
+    rows.iter()
+        .map(|r| r.start.max(lo)..r.end.min(hi))
+        .filter(|r| !r.is_empty())
+        .collect()
+}
+
+/// Reads one buffer per KV head (as [`RowStore::save`] wrote them): each the same length,
+/// a whole number of `unit`-element rows, at least `need` and at most `max` rows.
+pub(crate) fn load_heads<T: Wire>(
+    r: &mut Reader<'_>,
+    heads: usize,
+    unit: usize,
+    need: usize,
+    max: usize,
+    what: &dyn Fn() -> String,
+) -> Result<Vec<Vec<T>>> {
+    if need > max {
+        return Err(refuse(
+            Problem::Inconsistent,
+            format!(
+                "{}: the stored rows need {need} slots, more than the {max} this store can hold",
+                what()
+            ),
+        ));
+    }
+    let mut out: Vec<Vec<T>> = Vec::with_capacity(heads);
+    for h in 0..heads {
+        let v = r.vec::<T>(max.saturating_mul(unit), &|| {
+            format!("{} (KV head {h})", what())
+        })?;
+        let rows = v.len() / unit.max(1);
+        let bad = if !v.len().is_multiple_of(unit.max(1)) {
+            Some(format!("{} values, not whole rows of {unit}", v.len()))
+        } else if rows < need {
+            Some(format!("{rows} rows, but the stored rows need {need}"))
+        } else if out.first().is_some_and(|f| f.len() != v.len()) {
+            Some(format!("{rows} rows, unlike KV head 0"))
+        } else {
+            None
+        };
+        if let Some(msg) = bad {
+            return Err(refuse(
+                Problem::Inconsistent,
+                format!("{} (KV head {h}) holds {msg}", what()),
+            ));
+        }
+        out.push(v);
+    }
+    Ok(out)
 }
 
 /// A K store: runs are scored against queries.

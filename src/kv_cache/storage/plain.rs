@@ -13,9 +13,12 @@
 //! the store's hold journal (`journal.rs`).
 
 use super::journal::{self, Journal};
+use super::{load_heads, slots_needed};
 use super::{Elem, KeyRun, KeyStore, Region, RowStore, ValueRun, ValueStore};
+use crate::error::Result;
 use crate::kivi::KvKernel;
 use crate::ops::simd::reduce8;
+use crate::state::{Reader, Wire, Writer};
 use bytemuck::Pod;
 use std::ops::Range;
 use wide::f32x8;
@@ -457,7 +460,26 @@ impl<E: Elem + Pod> Rows<E> {
     }
 }
 
-impl<E: Elem + Pod + std::fmt::Debug> RowStore for Rows<E> {
+impl<E: Wire> Rows<E> {
+    /// Writes every head's slots (a saved state).
+    pub(crate) fn save_rows(&self, w: &mut Writer) {
+        self.data.iter().for_each(|d| w.vec(d));
+    }
+
+    /// Reads what [`Rows::save_rows`] wrote: at least `need` and at most `max` slots.
+    pub(crate) fn load_rows(
+        &mut self,
+        r: &mut Reader<'_>,
+        need: usize,
+        max: usize,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        self.data = load_heads(r, self.data.len(), self.head_dim, need, max, what)?;
+        Ok(())
+    }
+}
+
+impl<E: Elem + Pod + std::fmt::Debug + Wire> RowStore for Rows<E> {
     fn append(&mut self, _b: usize, slot: Option<usize>, row: &[f32], _at: &Region<'_>) {
         self.journal.mark();
         if let Some(slot) = slot {
@@ -485,9 +507,23 @@ impl<E: Elem + Pod + std::fmt::Debug> RowStore for Rows<E> {
     fn bytes(&self, at: &Region<'_>) -> usize {
         at.stored() * self.row_bytes()
     }
+    fn save(&self, w: &mut Writer) {
+        self.save_rows(w)
+    }
+    /// Slots: every stored row's, at most one per row appended.
+    fn load(
+        &mut self,
+        r: &mut Reader<'_>,
+        at: &Region<'_>,
+        stored: &[Range<usize>],
+        what: &str,
+    ) -> Result<()> {
+        let need = slots_needed(at, stored);
+        self.load_rows(r, need, at.appended(), &|| format!("{what} rows"))
+    }
 }
 
-impl<E: Elem + Pod + std::fmt::Debug> KeyStore for Rows<E> {
+impl<E: Elem + Pod + std::fmt::Debug + Wire> KeyStore for Rows<E> {
     fn clone_box(&self) -> Box<dyn KeyStore> {
         Box::new(self.clone())
     }
@@ -503,7 +539,7 @@ impl<E: Elem + Pod + std::fmt::Debug> KeyStore for Rows<E> {
     }
 }
 
-impl<E: Elem + Pod + std::fmt::Debug> ValueStore for Rows<E> {
+impl<E: Elem + Pod + std::fmt::Debug + Wire> ValueStore for Rows<E> {
     fn clone_box(&self) -> Box<dyn ValueStore> {
         Box::new(self.clone())
     }
