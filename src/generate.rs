@@ -65,6 +65,10 @@ pub trait Engine {
     }
     /// Ends the hold keeping its first `keep` rows ([`KvCache::release`](crate::kv_cache::KvCache::release)).
     fn release(&mut self, _keep: usize) {}
+    /// After a release: `logits` (one row of a multi-token pass) are the logits after the
+    /// last kept row, which the engine reports from now on as its last logits (a saved
+    /// state stores them).
+    fn keep_logits(&mut self, _logits: &[f32]) {}
 }
 
 /// The optimised engine with one session. `M` is how the run holds the model: borrowed
@@ -123,6 +127,9 @@ impl<M: Deref<Target = Model>> Engine for EngineRun<M> {
     }
     fn release(&mut self, keep: usize) {
         self.session.cache.release(keep);
+    }
+    fn keep_logits(&mut self, logits: &[f32]) {
+        self.session.logits.copy_from_slice(logits);
     }
     fn session(&mut self) -> Option<&mut Session> {
         Some(&mut self.session)
@@ -526,7 +533,9 @@ pub fn generate_from(
     let mut interrupted = false;
     let t1 = Instant::now();
     loop {
-        if crate::interrupt::requested() {
+        // Tokens a verification pass already fed are given out first (they cost nothing
+        // and the cache holds their rows).
+        if crate::interrupt::requested() && gen.queued() == 0 {
             interrupted = !gen.finished();
             break;
         }
@@ -810,6 +819,8 @@ impl Generation {
             }
         };
         engine.release(out.len());
+        let vocab = self.all_logits.len() / (draft.len() + 1);
+        engine.keep_logits(&self.all_logits[(out.len() - 1) * vocab..out.len() * vocab]);
         self.pos += out.len();
         self.decode_steps += out.len();
         if let Some(s) = self.spec.as_mut() {
@@ -850,6 +861,12 @@ impl Generation {
             }
         }
         Ok((out, accepted))
+    }
+
+    /// Tokens a verification pass produced (and fed through the cache, all but the last)
+    /// that [`step`](Self::step) has not returned yet.
+    pub fn queued(&self) -> usize {
+        self.spec.as_ref().map_or(0, |s| s.queue.len())
     }
 
     /// Speculative decoding's counts so far (all 0 without `--speculate`).

@@ -426,3 +426,42 @@ fn cli_speculate_gives_the_same_ids_and_reports_counts() {
         assert!(err.contains("--speculate"), "{bad}: {err}");
     }
 }
+
+/// A state saved after a speculative run is the plain run's state, byte for byte: the
+/// same rows and the same logits after the last fed token (the logits of a verification
+/// pass's last kept row, not of its last drafted one).
+#[test]
+fn a_saved_state_after_drafts_is_the_plain_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompt = "one two three four five six. one two three four five six. one two three";
+    let mut files = Vec::new();
+    for (i, extra) in [&[][..], &["--speculate", "ngram:5"][..]]
+        .iter()
+        .enumerate()
+    {
+        let path = dir.path().join(format!("s{i}.state"));
+        let out = cli()
+            .args([
+                "sample",
+                "--prompt",
+                prompt,
+                "--tokens",
+                "40",
+                "--temperature",
+                "0",
+            ])
+            .args(["--ignore-eos", "--json", "--kv-quantize", "int4"])
+            .args(["--streaming-llm-sink", "4", "--streaming-llm-window", "20"])
+            .arg("--save-state")
+            .arg(&path)
+            .args(*extra)
+            .output()
+            .unwrap();
+        let v = json_of(&out);
+        if i == 1 {
+            assert!(v["timing"]["accepted"].as_u64().unwrap() > 0, "{v}");
+        }
+        files.push(std::fs::read(&path).unwrap());
+    }
+    assert!(files[0] == files[1], "the saved states differ");
+}

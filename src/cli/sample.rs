@@ -213,7 +213,16 @@ fn save_state(
 ) -> crate::Result<()> {
     let fed = res.current_length - res.prompt_ids.len();
     let mut ids = res.prompt_ids.clone();
-    ids.extend_from_slice(&res.generated_ids[..fed]);
+    let generated = res.generated_ids.get(..fed).ok_or_else(|| {
+        Error::flag(
+            "--save-state",
+            format!(
+                "the cache holds {fed} generated tokens, {} were returned",
+                res.generated_ids.len()
+            ),
+        )
+    })?;
+    ids.extend_from_slice(generated);
     let s = run
         .session()
         .ok_or_else(|| Error::flag("--save-state", "needs --engine optimized"))?;
