@@ -210,7 +210,8 @@ pub fn encode(id: &ModelIdentity, kv: &KvConfig, ids: &[u32], cache: &KvCache) -
 
 /// Encodes the state of a cache built with `kv` ([`crate::model::new_cache`]) that has
 /// appended the rows of `ids` (every layer `ids.len()` rows), and, if given, the logits
-/// after the last id (what a resume whose prompt is exactly `ids` samples from). Refuses a
+/// after the last id (`vocab_size` values: what a resume whose prompt is exactly `ids`
+/// samples from). Refuses a
 /// cache that is holding rows ([`Problem::Busy`]), one built with another `kv` or whose
 /// layers appended another count than `ids.len()`, and non-finite logits.
 pub fn encode_with_logits(
@@ -247,6 +248,9 @@ pub fn encode_with_logits(
             Problem::Malformed,
             "the logits hold a non-finite value",
         ));
+    }
+    if logits.is_some() && ids.is_empty() {
+        return Err(refuse(Problem::Inconsistent, "logits after no token"));
     }
     let head_dim = match cache.n_layers() {
         0 => 0,
