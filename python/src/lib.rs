@@ -45,6 +45,7 @@ pub(crate) fn py_err(e: Error) -> PyErr {
         | Error::Tensor { .. }
         | Error::Tokenizer { .. }
         | Error::Flag { .. }
+        | Error::State { .. }
         | Error::Generate(_) => PyValueError::new_err(msg),
     }
 }
