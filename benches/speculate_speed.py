@@ -3,10 +3,11 @@
 
     python3 benches/speculate_speed.py MODEL [--bin target/release/tinygpt-cpu]
         [--prompts fixtures/speculate/prompts.json] [--tokens 200] [--threads 1]
-        [--rounds 3] [--speculate ngram] [--idle-load 1.0]
+        [--rounds 3] [--speculate ngram] [--idle-load 1.0] [--no-chat]
 
-For each prompt of the set (through the model's chat template, greedy, stopping at the
-model's end-of-sequence token or after --tokens), runs `tinygpt-cpu sample --json` without
+For each prompt of the set (through the model's chat template, or as plain text with
+--no-chat for a model without one such as the PyPI Gemma 3 270M file; greedy, stopping at
+the model's end-of-sequence token or after --tokens), runs `tinygpt-cpu sample --json` without
 and with `--speculate`, alternating the two in each of --rounds rounds (a host whose speed
 drifts favours neither), and prints per prompt the median decode tok/s of each, their ratio
 with the per-round ratios as the spread, the acceptance rate and tokens per step. It checks
@@ -30,8 +31,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run(args, model: str, prompt: str, spec: bool) -> dict:
-    cmd = [args.bin, "sample", model, "--prompt", prompt, "--chat", "--tokens",
-           str(args.tokens), "--temperature", "0", "--threads", str(args.threads), "--json"]
+    cmd = [args.bin, "sample", model, "--prompt", prompt, "--tokens", str(args.tokens),
+           "--temperature", "0", "--threads", str(args.threads), "--json"]
+    if not args.no_chat:
+        cmd.append("--chat")
     if spec:
         cmd += ["--speculate", args.speculate]
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -56,10 +59,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--speculate", default="ngram")
     ap.add_argument("--idle-load", type=float, default=1.0)
+    ap.add_argument("--no-chat", action="store_true",
+                    help="send the prompts as plain text (a model without a chat template)")
     args = ap.parse_args()
     prompts = json.loads(Path(args.prompts).read_text())["prompts"]
     print(f"# {Path(args.model).name}, {args.threads} thread(s), --speculate {args.speculate}, "
-          f"{args.rounds} alternating rounds, host {os.uname().machine}")
+          f"{args.rounds} alternating rounds, {'plain prompts' if args.no_chat else 'chat template'}, "
+          f"host {os.uname().machine}")
     print("| prompt | kind | tokens | plain tok/s | speculate tok/s | ratio (rounds) | accepted | tokens/step |")
     print("|---|---|---:|---:|---:|---|---:|---:|")
     for p in prompts:
