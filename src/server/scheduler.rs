@@ -140,7 +140,7 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
         while i < seqs.len() {
             if seqs[i].job.events.is_closed() {
                 m.requests_cancelled.fetch_add(1, Ordering::Relaxed);
-                leave(shared, seqs.remove(i), None);
+                freed(leave(shared, seqs.remove(i), None));
             } else {
                 i += 1;
             }
@@ -148,7 +148,7 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
         if shared.abort.load(Ordering::SeqCst) {
             for s in seqs.drain(..) {
                 let e = "the server is shutting down and its drain timeout passed";
-                leave(shared, s, Some(Event::Error(e.into())));
+                freed(leave(shared, s, Some(Event::Error(e.into()))));
             }
             continue;
         }
@@ -163,9 +163,30 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
     }
 }
 
-/// Caches at least this large give their memory back to the system when their sequence
-/// leaves ([`crate::memory::release_free_memory`]).
-const TRIM_AFTER_CACHE_BYTES: usize = 16 << 20;
+/// Once sequences leaving (and the prompt-cache entries they displace) have freed this
+/// much cache memory since the last time, the free pages go back to the system
+/// ([`crate::memory::release_free_memory`], a millisecond or so). Counted over many small
+/// caches too: a prompt cache that evicts a 3 MiB entry per request otherwise leaves the
+/// freed pages resident, scattered over the allocator's arenas (docs/eval/prompt-cache.md:
+/// RSS 20–25 MiB above the entries and the running sequences after 200 requests).
+const TRIM_AFTER_CACHE_BYTES: usize = 4 << 20;
+
+thread_local! {
+    /// Cache bytes freed on this scheduler thread since the last trim.
+    static FREED_SINCE_TRIM: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts `bytes` of cache memory freed; past [`TRIM_AFTER_CACHE_BYTES`] since the last
+/// trim, gives the free pages back.
+fn freed(bytes: usize) {
+    let total = FREED_SINCE_TRIM.with(|f| f.get()).saturating_add(bytes);
+    if total >= TRIM_AFTER_CACHE_BYTES {
+        FREED_SINCE_TRIM.with(|f| f.set(0));
+        crate::memory::release_free_memory();
+    } else {
+        FREED_SINCE_TRIM.with(|f| f.set(total));
+    }
+}
 
 /// Sequences past their deadline (`--request-timeout`) leave with finish reason `length`.
 fn expire(seqs: &mut Vec<Seq>, shared: &Shared) {
@@ -184,7 +205,7 @@ fn expire(seqs: &mut Vec<Seq>, shared: &Shared) {
                 completion_tokens: s.generated.len(),
                 cached_tokens: s.reused,
             };
-            leave(shared, s, Some(done));
+            freed(leave(shared, s, Some(done)));
         } else {
             i += 1;
         }
@@ -336,12 +357,8 @@ fn sample(seqs: &mut Vec<Seq>, now: &[bool], shared: &Shared) -> usize {
     }
     // Leave the batch, give the admission back, then tell the client: a client that
     // sends its next request on seeing the end finds the slot free (and its cache kept).
-    let mut large = false;
     for (i, last) in finished.into_iter().rev() {
-        large |= leave(shared, seqs.remove(i), Some(last)) >= TRIM_AFTER_CACHE_BYTES;
-    }
-    if large {
-        crate::memory::release_free_memory();
+        freed(leave(shared, seqs.remove(i), Some(last)));
     }
     produced
 }
