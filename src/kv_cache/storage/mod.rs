@@ -154,10 +154,19 @@ pub(crate) trait RowStore: Debug + Send + Sync {
     /// Hold bookkeeping (docs/design.md §3.2): from now on, journal what each append
     /// overwrites ([`journal::Journal`]; a running hold is committed first).
     fn hold(&mut self);
+    /// Undoes the appends after the first `keep` this store saw since [`RowStore::hold`],
+    /// newest first, and holds on: every buffer is then byte for byte as it was after the
+    /// kept appends, and the journal records those only. Not holding, does nothing.
+    fn rewind(&mut self, keep: usize);
+    /// Ends the hold keeping every append (empties the journal).
+    fn stop_holding(&mut self);
     /// Ends the hold, keeping the first `keep` appends this store saw since
-    /// [`RowStore::hold`] and undoing the later ones, newest first: every buffer is
-    /// then byte for byte as it was after the kept appends. Not holding, does nothing.
-    fn release(&mut self, keep: usize);
+    /// [`RowStore::hold`] and undoing the later ones ([`RowStore::rewind`]). Not holding,
+    /// does nothing.
+    fn release(&mut self, keep: usize) {
+        self.rewind(keep);
+        self.stop_holding();
+    }
     /// Bytes the running hold's journal keeps (0 without a hold).
     fn hold_bytes(&self) -> usize;
     /// Writes the store's buffers, exactly as held (a saved state, docs/design.md §5).
