@@ -278,6 +278,7 @@ fn forward(
                 session,
                 tokens: &job.prompt_ids[*prefilled..*prefilled + take],
                 start: *prefilled,
+                all_logits: None,
             });
             ran.push((i, take));
         } else {
@@ -285,6 +286,7 @@ fn forward(
                 session,
                 tokens: std::slice::from_ref(next),
                 start: *pos,
+                all_logits: None,
             });
             ran.push((i, 1));
         }
