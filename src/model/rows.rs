@@ -293,7 +293,7 @@ fn every_logits(
     cap: Option<f32>,
 ) -> Result<()> {
     let (n, hd) = (b.n, norm.len());
-    if let [st] = steps {
+    if let [st] = &mut *steps {
         if let Some(all) = st.all_logits.as_deref_mut() {
             // One sequence: one product over every row.
             norm_rows(&b.x, norm, eps, &mut b.h);
