@@ -178,13 +178,7 @@ fn resuming_a_speculated_sequence_answers_what_recomputing_answers() {
         (
             json!({"kv_quantize": "int4", "streaming_llm_sink": 4, "streaming_llm_window": 20,
                 "kv_group_size": 8}),
-            KvConfig {
-                precision: Precision::Int4,
-                group_size: 8,
-                sink: 4,
-                window: Some(20),
-                ..KvConfig::default()
-            },
+            int4_window(),
         ),
     ];
     for (fields, kv) in &modes {
@@ -392,13 +386,7 @@ fn admission_bounds_what_a_pass_holds() {
             group_size: 8,
             ..KvConfig::default()
         },
-        KvConfig {
-            precision: Precision::Int4,
-            group_size: 8,
-            sink: 4,
-            window: Some(20),
-            ..KvConfig::default()
-        },
+        int4_window(),
     ];
     let (k, n) = (8usize, 90usize);
     for kv in modes {

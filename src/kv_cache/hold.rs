@@ -339,6 +339,20 @@ mod tests {
         assert_eq!(snapshot(&layer), snapshot(&want));
     }
 
+    /// `(G, sink, window, residual)` of the many-cycle tests.
+    const CYCLE_SHAPES: [(usize, usize, Option<usize>, usize); 3] =
+        [(4, 2, Some(7), 3), (3, 0, None, 4), (2, 1, Some(3), 0)];
+
+    /// A seeded xorshift: `rand(m)` is in `0..m` (so a failure reproduces).
+    fn xorshift(mut state: u64) -> impl FnMut(usize) -> usize {
+        move |m| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % m as u64) as usize
+        }
+    }
+
     /// Every precision pair (K = V, and two K ≠ V) under `(G, sink, window, residual)`.
     fn configs(shapes: &[(usize, usize, Option<usize>, usize)]) -> Vec<KvConfig> {
         let sides = Precision::ALL.iter().map(|&p| (p, None)).chain([
@@ -422,19 +436,8 @@ mod tests {
     fn repeated_hold_release_cycles() {
         let (kv_heads, hd) = (2usize, 8usize);
         let dim = kv_heads * hd;
-        let shapes = [
-            (4usize, 2usize, Some(7usize), 3usize),
-            (3, 0, None, 4),
-            (2, 1, Some(3), 0),
-        ];
-        for kv in configs(&shapes) {
-            let mut state = 0x9E37_79B9_7F4A_7C15u64;
-            let mut rand = |m: usize| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state % m as u64) as usize
-            };
+        for kv in configs(&CYCLE_SHAPES) {
+            let mut rand = xorshift(0x9E37_79B9_7F4A_7C15u64);
             let mut layer = LayerKv::new(&kv, kv_heads, hd);
             let mut kept = LayerKv::new(&kv, kv_heads, hd);
             let mut t = 0usize;
@@ -620,19 +623,8 @@ mod tests {
     #[test]
     fn repeated_rewinds_inside_one_hold() {
         let dim = 2 * 8;
-        let shapes = [
-            (4usize, 2usize, Some(7usize), 3usize),
-            (3, 0, None, 4),
-            (2, 1, Some(3), 0),
-        ];
-        for kv in configs(&shapes) {
-            let mut state = 0x2545_F491_4F6C_DD1Du64;
-            let mut rand = |m: usize| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state % m as u64) as usize
-            };
+        for kv in configs(&CYCLE_SHAPES) {
+            let mut rand = xorshift(0x2545_F491_4F6C_DD1Du64);
             let a = 5;
             let mut seq = rows(0, a, 0.0, dim);
             let mut layer = given(&kv, &seq);

@@ -159,24 +159,30 @@ pub(crate) fn restore<T: Pod>(buf: &mut Vec<T>, at: usize, old: &[u8], old_len: 
 mod tests {
     use super::*;
 
+    /// Five appends writing two buffers in overlapping ranges, growing and overwriting:
+    /// per append, (buffer, range, value written).
+    const WRITES: [&[(u8, Range<usize>, u16)]; 5] = [
+        &[(0, 0..3, 1)],
+        &[(0, 2..5, 2), (1, 0..2, 3)],
+        &[(0, 1..2, 4), (0, 1..4, 5)],
+        &[(1, 4..6, 6)],
+        &[(0, 0..6, 7), (1, 1..3, 8)],
+    ];
+
+    /// One append: its writes through `j`.
+    fn apply(j: &mut Journal, bufs: &mut [Vec<u16>; 2], w: &[(u8, Range<usize>, u16)]) {
+        j.mark();
+        for (f, r, x) in w {
+            j.write(*f, 0, &mut bufs[*f as usize], r.clone()).fill(*x);
+        }
+    }
+
     /// Two buffers written in overlapping ranges over several appends (growing and
     /// overwriting); releasing at every split point gives back exactly the buffers as
     /// they were after the kept appends, lengths included.
     #[test]
     fn release_restores_every_earlier_state() {
-        let writes: [&[(u8, Range<usize>, u16)]; 5] = [
-            &[(0, 0..3, 1)],
-            &[(0, 2..5, 2), (1, 0..2, 3)],
-            &[(0, 1..2, 4), (0, 1..4, 5)],
-            &[(1, 4..6, 6)],
-            &[(0, 0..6, 7), (1, 1..3, 8)],
-        ];
-        let apply = |j: &mut Journal, bufs: &mut [Vec<u16>; 2], w: &[(u8, Range<usize>, u16)]| {
-            j.mark();
-            for (f, r, x) in w {
-                j.write(*f, 0, &mut bufs[*f as usize], r.clone()).fill(*x);
-            }
-        };
+        let writes = WRITES;
         for before in 0..writes.len() {
             for keep in 0..=writes.len() - before + 1 {
                 let mut bufs = [Vec::new(), Vec::new()];
@@ -209,19 +215,7 @@ mod tests {
     /// number of the appends it now records gives back the buffers after them.
     #[test]
     fn rewind_holds_on() {
-        let writes: [&[(u8, Range<usize>, u16)]; 5] = [
-            &[(0, 0..3, 1)],
-            &[(0, 2..5, 2), (1, 0..2, 3)],
-            &[(0, 1..2, 4), (0, 1..4, 5)],
-            &[(1, 4..6, 6)],
-            &[(0, 0..6, 7), (1, 1..3, 8)],
-        ];
-        let apply = |j: &mut Journal, bufs: &mut [Vec<u16>; 2], w: &[(u8, Range<usize>, u16)]| {
-            j.mark();
-            for (f, r, x) in w {
-                j.write(*f, 0, &mut bufs[*f as usize], r.clone()).fill(*x);
-            }
-        };
+        let writes = WRITES;
         fn undo(bufs: &mut [Vec<u16>; 2]) -> impl FnMut(u8, usize, usize, &[u8], usize) + '_ {
             move |f, _, at, old, len| restore(&mut bufs[f as usize], at, old, len)
         }
