@@ -70,8 +70,10 @@ fn accepted(srv: &Server) -> f64 {
 }
 
 /// Per cache mode, every prompt twice at once, with drafts and with `"speculate": false`
-/// (six sequences batched, joining as they come): the same text, finish reason and
-/// token count, and drafts were accepted in that mode. `extra_args`: server flags.
+/// (six sequences batched, joining as they come; with the prompt cache on, so passes run
+/// under its hold and later requests may resume from earlier ones): the same text, finish
+/// reason and token count, and drafts were accepted in that mode. `extra_args`: server
+/// flags.
 fn greedy_equal_with_and_without(extra_args: &[&str], modes: &[Value], n: usize) {
     let mut args = vec!["--speculate", "ngram"];
     args.extend_from_slice(extra_args);
@@ -88,7 +90,7 @@ fn greedy_equal_with_and_without(extra_args: &[&str], modes: &[Value], n: usize)
                         let mut body = with(
                             fields,
                             json!({"prompt": prompt, "max_tokens": n, "temperature": 0,
-                                "ignore_eos": true, "cache_prompt": false}),
+                                "ignore_eos": true}),
                         );
                         if !spec {
                             body["speculate"] = json!(false);
