@@ -305,7 +305,7 @@ fn the_request_field_overrides_the_default_and_bad_values_are_refused() {
     post_ok(&plain, body(None));
     assert_eq!(passes(&plain), 0.0, "off without --speculate");
     let v = post_ok(&plain, body(Some(json!("ngram:4"))));
-    assert!(passes(&plain) > 0.0 && accepted(&plain) > 0.0);
+    assert!(passes(&plain) > 0.0, "on per request");
     assert_eq!(outcome(&v), outcome(&off));
 
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tinygpt-cpu"))

@@ -61,7 +61,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Prompt tokens prefilled per scheduler step, summed over all sequences that are still
-/// reading their prompt (decoding sequences always advance by one token as well).
+/// reading their prompt (decoding sequences always advance by one token as well); the
+/// drafted tokens of speculating sequences use what the prompts leave of it.
 pub const PREFILL_TOKENS_PER_STEP: usize = 64;
 
 /// Server-wide settings (`serve` flags).
