@@ -159,7 +159,11 @@ fn speculating_server_answers_the_plain_greedy_text() {
             &srv,
             json!({"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": true}),
         );
-        assert_eq!(outcome(&v).0, files.tokenizer.decode(&g).unwrap(), "{prompt:?}");
+        assert_eq!(
+            outcome(&v).0,
+            files.tokenizer.decode(&g).unwrap(),
+            "{prompt:?}"
+        );
     }
     assert!(accepted(&srv) > 0.0);
 }
@@ -238,10 +242,7 @@ fn a_bounded_cache_keeps_the_rows_it_keeps_without_drafts() {
             &srv,
             json!({"prompt": PROMPTS[1], "max_tokens": n, "temperature": 0, "ignore_eos": true}),
         );
-        let (code, saved) = srv.post(
-            "/v1/states/save",
-            json!({"id": v["id"], "name": name}),
-        );
+        let (code, saved) = srv.post("/v1/states/save", json!({"id": v["id"], "name": name}));
         assert_eq!(code, 200, "{saved}");
         if spec {
             assert!(accepted(&srv) > 0.0, "no draft accepted");
@@ -255,7 +256,12 @@ fn a_bounded_cache_keeps_the_rows_it_keeps_without_drafts() {
     assert_eq!(with_drafts, without);
     let a = std::fs::read(dir.path().join("spec.state")).unwrap();
     let b = std::fs::read(dir.path().join("plain.state")).unwrap();
-    assert!(a == b, "the saved states differ ({} and {} bytes)", a.len(), b.len());
+    assert!(
+        a == b,
+        "the saved states differ ({} and {} bytes)",
+        a.len(),
+        b.len()
+    );
 }
 
 /// `"speculate": false` and `"off"` turn the server's default off (no pass runs); a
@@ -299,7 +305,11 @@ fn the_request_field_overrides_the_default_and_bad_values_are_refused() {
         "/v1/chat/completions",
         json!({"messages": [{"role": "user", "content": "hi"}], "speculate": "ngram:"}),
     );
-    assert_eq!((code, v["error"]["param"].as_str()), (400, Some("speculate")), "{v}");
+    assert_eq!(
+        (code, v["error"]["param"].as_str()),
+        (400, Some("speculate")),
+        "{v}"
+    );
 
     let plain = Server::start(&[]);
     post_ok(&plain, body(None));

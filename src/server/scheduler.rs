@@ -311,7 +311,11 @@ fn forward(
             if take == 0 {
                 continue;
             }
-            (&job.prompt_ids[*prefilled..*prefilled + take], *prefilled, None)
+            (
+                &job.prompt_ids[*prefilled..*prefilled + take],
+                *prefilled,
+                None,
+            )
         } else if pass.is_empty() {
             (std::slice::from_ref(&*next), *pos, None)
         } else {
