@@ -39,8 +39,7 @@ fn modes() -> Vec<Value> {
     ]
 }
 
-fn with(fields: &Value, body: Value) -> Value {
-    let mut body = body;
+fn with(fields: &Value, mut body: Value) -> Value {
     for (k, v) in fields.as_object().unwrap() {
         body[k] = v.clone();
     }
