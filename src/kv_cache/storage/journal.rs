@@ -4,11 +4,11 @@
 //! A store writes its buffers through [`Journal::write`], which, while the journal holds,
 //! first saves the elements the write will overwrite (those that existed before it) and
 //! the buffer's length. [`Journal::mark`] opens each append's share of the journal;
-//! [`Journal::release`]`(keep)` hands the writes of the appends after the first `keep`
+//! [`Journal::rewind`]`(keep)` hands the writes of the appends after the first `keep`
 //! back, newest first, to the store, which puts the old bytes back and truncates the
-//! buffer to its old length ([`restore`]); [`Journal::rewind`]`(keep)` does the same and
-//! holds on, recording the first `keep` appends only. Undoing every write of an append, newest
-//! append first, leaves each buffer exactly (length and every element) as it was before
+//! buffer to its old length ([`restore`]), and holds on, recording the first `keep`
+//! appends only; [`Journal::stop`] ends the hold (a release is a rewind, then a stop).
+//! Undoing every write of an append, newest append first, leaves each buffer exactly (length and every element) as it was before
 //! that append: the first write of a slot saved the bytes from before the hold, a later
 //! write saved the bytes the earlier one left, and the undo runs in reverse.
 //!
@@ -117,17 +117,6 @@ impl Journal {
         self.marks.truncate(keep);
     }
 
-    /// Ends the hold keeping the first `keep` appends: [`rewind`](Self::rewind)`(keep)`,
-    /// then empties the journal. Not holding, does nothing.
-    pub(crate) fn release(
-        &mut self,
-        keep: usize,
-        restore: impl FnMut(u8, usize, usize, &[u8], usize),
-    ) {
-        self.rewind(keep, restore);
-        self.stop();
-    }
-
     /// Ends the hold keeping every append: empties the journal.
     pub(crate) fn stop(&mut self) {
         *self = Journal::default();
@@ -200,10 +189,11 @@ mod tests {
                     }
                 }
                 assert_eq!(j.appends(), writes.len() - before);
-                j.release(keep, |f, h, at, old, len| {
+                j.rewind(keep, |f, h, at, old, len| {
                     assert_eq!(h, 0);
                     restore(&mut bufs[f as usize], at, old, len)
                 });
+                j.stop();
                 assert_eq!(bufs, want, "before={before} keep={keep}");
                 assert_eq!(j.bytes(), 0);
             }
@@ -238,7 +228,8 @@ mod tests {
                 for w in order.iter().take(release) {
                     apply(&mut Journal::default(), &mut want, w);
                 }
-                j.release(release, undo(&mut bufs));
+                j.rewind(release, undo(&mut bufs));
+                j.stop();
                 assert_eq!(bufs, want, "keep={keep} release={release}");
                 assert_eq!(j.bytes(), 0);
             }

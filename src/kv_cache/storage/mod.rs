@@ -21,7 +21,7 @@
 //! Buffers grow lazily up to the slot written, so a bounded ring allocates at most
 //! `window` slots and an unbounded cache grows amortised O(1) per row. Every write to a
 //! buffer goes through the store's [`journal::Journal`], which, while a hold runs
-//! (`kv_cache/hold.rs`), saves what the write overwrites so [`RowStore::release`] can
+//! (`kv_cache/hold.rs`), saves what the write overwrites so [`RowStore::rewind`] can
 //! undo it.
 //!
 //! Code packing: `packed(n)` is `n` bytes for int8, `ceil(n / 2)` for int4, whose
@@ -158,15 +158,9 @@ pub(crate) trait RowStore: Debug + Send + Sync {
     /// newest first, and holds on: every buffer is then byte for byte as it was after the
     /// kept appends, and the journal records those only. Not holding, does nothing.
     fn rewind(&mut self, keep: usize);
-    /// Ends the hold keeping every append (empties the journal).
+    /// Ends the hold keeping every append (empties the journal); a release of the first
+    /// `keep` appends is a [`RowStore::rewind`]`(keep)`, then this.
     fn stop_holding(&mut self);
-    /// Ends the hold, keeping the first `keep` appends this store saw since
-    /// [`RowStore::hold`] and undoing the later ones ([`RowStore::rewind`]). Not holding,
-    /// does nothing.
-    fn release(&mut self, keep: usize) {
-        self.rewind(keep);
-        self.stop_holding();
-    }
     /// Bytes the running hold's journal keeps (0 without a hold).
     fn hold_bytes(&self) -> usize;
     /// Writes the store's buffers, exactly as held (a saved state, docs/design.md §5).
