@@ -395,10 +395,14 @@ fn settle(s: &mut Seq, taken: usize, produced: usize, accepted: usize, shared: &
     }
 }
 
+/// What a sequence's logits give this step: the tokens and how many drafts were accepted,
+/// or an error message.
+type Picked = Result<(Vec<u32>, usize), String>;
+
 /// The tokens a sequence's logits give this step, and how many drafts were accepted: a
 /// plain step samples its one row; a verification pass checks its draft
 /// ([`speculate::check`], as `sample` does).
-fn pick(s: &mut Seq, tok: &Tokenizer) -> Result<(Vec<u32>, usize), String> {
+fn pick(s: &mut Seq, tok: &Tokenizer) -> Picked {
     if s.pass.is_empty() {
         if s.session.logits.iter().any(|x| !x.is_finite()) {
             return Err(format!(
@@ -425,7 +429,7 @@ fn pick(s: &mut Seq, tok: &Tokenizer) -> Result<(Vec<u32>, usize), String> {
 fn sample(seqs: &mut Vec<Seq>, now: &[bool], shared: &Shared) -> usize {
     let m = &shared.metrics;
     let tok = &shared.tokenizer;
-    let picks: Vec<Option<Result<(Vec<u32>, usize), String>>> = seqs
+    let picks: Vec<Option<Picked>> = seqs
         .par_iter_mut()
         .zip(now)
         .map(|(s, &now)| now.then(|| pick(s, tok)))
