@@ -62,6 +62,7 @@ impl Batch {
                 session,
                 tokens: std::slice::from_ref(t),
                 start,
+                all_logits: None,
             })
             .collect();
         model.forward_sequences(&mut steps).unwrap();

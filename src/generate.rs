@@ -841,26 +841,10 @@ impl Generation {
         all: &mut Vec<f32>,
     ) -> Result<(Vec<u32>, usize)> {
         engine.forward_all(tokens, self.pos, all)?;
-        let vocab = all.len() / tokens.len();
-        let draft = &tokens[1..];
-        let mut out = Vec::with_capacity(tokens.len());
-        let mut accepted = 0;
-        for (i, row) in all.chunks_exact(vocab).enumerate() {
-            check_finite(row, self.pos + i)?;
-            let (t, ok) = match draft.get(i) {
-                Some(&d) => match self.sampler.verify(row, d) {
-                    None => (d, true),
-                    Some(t) => (t, false),
-                },
-                None => (self.sampler.sample(row), false),
-            };
-            out.push(t);
-            accepted += usize::from(ok);
-            if !ok || (tok.is_eos(t) && !self.ignore_eos) {
-                break;
-            }
-        }
-        Ok((out, accepted))
+        let ignore_eos = self.ignore_eos;
+        crate::speculate::check(&mut self.sampler, all, &tokens[1..], self.pos, |t| {
+            tok.is_eos(t) && !ignore_eos
+        })
     }
 
     /// Tokens a verification pass produced (and fed through the cache, all but the last)

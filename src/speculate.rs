@@ -28,6 +28,8 @@
 //!   choice depends only on accept counts (never on timing), so runs are reproducible.
 
 use crate::error::{Error, Result};
+use crate::generate::check_finite;
+use crate::sampler::Sampler;
 use std::collections::VecDeque;
 
 /// `--speculate` default draft length.
@@ -216,6 +218,43 @@ impl Speculator {
         self.stats.forwards += 1;
         self.stats.produced += n;
     }
+}
+
+/// Checks the drafts of a verification pass (docs/design.md §3.3) as plain decoding would
+/// have chosen each token: `all` holds the logits after each of `[last, draft…]`,
+/// `(draft.len() + 1, vocab)`, the first row at position `pos`. Draft `d_i` is accepted by
+/// [`Sampler::verify`] against the row before it (greedy: while it is the argmax); the
+/// first rejection's replacement, or after every draft the token sampled from the last
+/// row, ends the output, which is also cut after a token for which `ends` is true (an
+/// end-of-sequence token). Returns the output tokens and how many drafts were accepted.
+/// One function for `sample` ([`Generation`](crate::generate::Generation)) and `serve`
+/// (the scheduler), so they check a draft alike.
+pub(crate) fn check(
+    sampler: &mut Sampler,
+    all: &[f32],
+    draft: &[u32],
+    pos: usize,
+    ends: impl Fn(u32) -> bool,
+) -> Result<(Vec<u32>, usize)> {
+    let vocab = all.len() / (draft.len() + 1);
+    let mut out = Vec::with_capacity(draft.len() + 1);
+    let mut accepted = 0;
+    for (i, row) in all.chunks_exact(vocab).enumerate() {
+        check_finite(row, pos + i)?;
+        let (t, ok) = match draft.get(i) {
+            Some(&d) => match sampler.verify(row, d) {
+                None => (d, true),
+                Some(t) => (t, false),
+            },
+            None => (sampler.sample(row), false),
+        };
+        out.push(t);
+        accepted += usize::from(ok);
+        if !ok || ends(t) {
+            break;
+        }
+    }
+    Ok((out, accepted))
 }
 
 #[cfg(test)]

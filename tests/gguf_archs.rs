@@ -74,6 +74,7 @@ fn all_prompts_in_one_step(
             session,
             tokens,
             start: 0,
+            all_logits: None,
         })
         .collect();
     model.forward_sequences(&mut steps).unwrap();

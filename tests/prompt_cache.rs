@@ -61,6 +61,7 @@ fn run(
                 session: &mut session,
                 tokens,
                 start: done,
+                all_logits: None,
             }])
             .unwrap();
         done += take;
@@ -77,6 +78,7 @@ fn run(
                 session: &mut session,
                 tokens: &t,
                 start: pos,
+                all_logits: None,
             }])
             .unwrap();
         bound_hold(&mut session.cache, limit);
@@ -359,6 +361,7 @@ fn a_bounded_hold_resumes_from_its_last_start() {
                 session: &mut probe,
                 tokens: &t,
                 start: 0,
+                all_logits: None,
             }])
             .unwrap();
         probe.cache.hold_bytes()

@@ -75,6 +75,7 @@ fn batched_greedy(
                     session: s,
                     tokens: &p[done_prompt[i]..done_prompt[i] + take],
                     start: done_prompt[i],
+                    all_logits: None,
                 });
                 who.push((i, take));
             } else {
@@ -82,6 +83,7 @@ fn batched_greedy(
                     session: s,
                     tokens: std::slice::from_ref(&next[i]),
                     start: p.len() + out[i].ids.len() - 1,
+                    all_logits: None,
                 });
                 who.push((i, 1));
             }
@@ -174,6 +176,7 @@ fn batched_step_rejects_out_of_vocabulary_tokens() {
             session: &mut s,
             tokens: &bad,
             start: 0,
+            all_logits: None,
         }])
         .unwrap_err();
     assert!(

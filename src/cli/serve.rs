@@ -41,6 +41,12 @@ pub struct ServeArgs {
     /// /v1/states/restore {"name"} loads one back (without it: 404).
     #[arg(long = "state-dir", value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
+    /// Speculative decoding with prompt-lookup drafts for every request that does not set
+    /// "speculate" itself: `ngram`, or `ngram:K` for drafts of at most K tokens (default
+    /// 8); off when absent. Greedy output is bit-identical to plain decoding (docs/design.md
+    /// §3.3).
+    #[arg(long, value_name = "ngram[:K]")]
+    pub speculate: Option<String>,
     /// Weight dtype in memory: as stored (native), or converted at load.
     #[arg(long = "weights-dtype", value_enum)]
     pub weights_dtype: Option<WeightsArg>,
@@ -247,6 +253,11 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             );
         }
     }
+    let speculate = a
+        .speculate
+        .as_deref()
+        .map(|s| crate::speculate::SpecConfig::parse(s, "--speculate"))
+        .transpose()?;
     let files = open_model(&a.model)?;
     crate::kv_cache::validate(&kv, &files.config)?;
     let wdtype = match a.weights_dtype {
@@ -277,6 +288,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         model_identity,
         model_name: model_name.clone(),
         prefill_tokens_per_step: PREFILL_TOKENS_PER_STEP,
+        speculate,
         limits,
         access,
         tls: tls.clone(),

@@ -39,6 +39,15 @@
 //! O(1) apart from freeing the journals; never O(cache). [`LayerKv::hold_bytes`] counts the
 //! journals and snapshots.
 //!
+//! [`LayerKv::rewind`]`(keep)` undoes the same appends but holds on: the journals keep
+//! the first `keep` appends' shares (each journal is cut at the `keep`-th mark, the policy
+//! snapshots truncated), so the hold is then exactly the hold that only ever saw those
+//! rows, and a later `release(k)` / `released_copy(k)` with `k ≤ keep`, or more held
+//! appends, behave as if the dropped rows had never been appended. It lets speculative
+//! decoding verify a draft inside a hold that already runs (the server's prompt cache
+//! holds a kept sequence's generated rows, and holds do not nest): the draft's rows are
+//! appended under that hold and rewound to the rows held before plus the accepted ones.
+//!
 //! [`LayerKv::released_copy`] gives a copy of the layer as `release(keep)` would leave it,
 //! the layer and its hold unchanged (the server's prompt cache resumes a kept state this
 //! way and keeps the state, hold included, for later requests): a copy, then a release
@@ -113,26 +122,45 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
     /// [`held`](Self::held)): the layer is then bit for bit the layer that appended only
     /// the rows before the hold and those `keep`. Without a hold, does nothing.
     pub fn release(&mut self, keep: usize) {
-        let Some(held) = self.held.take() else {
+        if self.held.is_none() {
+            return;
+        }
+        self.rewind(keep);
+        self.held = None;
+        self.prefix_k.stop_holding();
+        self.prefix_v.stop_holding();
+        self.body_k.stop_holding();
+        self.body_v.stop_holding();
+    }
+
+    /// Drops the held rows after the first `keep` and **holds on**: the layer is then bit
+    /// for bit the layer that appended only the rows before the hold and those `keep`,
+    /// and its hold is the hold of those `keep` rows (`held()` is `keep`; a later
+    /// `release(k)` or `released_copy(k)` with `k ≤ keep` works as if the dropped rows
+    /// had never been appended, and so does appending more). What lets a draft be
+    /// verified inside a hold that is already running (the server's prompt cache holds a
+    /// kept sequence's generated rows; holds do not nest): append the draft's rows, then
+    /// rewind to the rows held before plus those accepted. Nothing when `keep` ≥
+    /// [`held`](Self::held), or without a hold.
+    pub fn rewind(&mut self, keep: usize) {
+        let Some(held) = self.held.as_deref_mut() else {
             return;
         };
-        let Held {
-            start,
-            mut policies,
-            mut pos,
-        } = *held;
-        let keep = keep.min(policies.len());
+        if keep >= held.policies.len() {
+            return;
+        }
         // Each store saw the held appends of its region: tokens [start, start + keep)
         // split at the prefix length P.
-        let (p, end) = (self.prefix, start + keep);
+        let (p, start) = (self.prefix, held.start);
+        let end = start + keep;
         let prefix_keep = end.min(p).saturating_sub(start);
         let body_keep = end.saturating_sub(start.max(p));
-        self.prefix_k.release(prefix_keep);
-        self.prefix_v.release(prefix_keep);
-        self.body_k.release(body_keep);
-        self.body_v.release(body_keep);
+        self.prefix_k.rewind(prefix_keep);
+        self.prefix_v.rewind(prefix_keep);
+        self.body_k.rewind(body_keep);
+        self.body_v.rewind(body_keep);
         let (prefix_pos, body_pos) = (&mut self.prefix_pos, &mut self.body_pos);
-        pos.release(keep, |field, _, at, old, len| {
+        held.pos.rewind(keep, |field, _, at, old, len| {
             let buf = if field == BODY_POS {
                 &mut *body_pos
             } else {
@@ -140,9 +168,8 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
             };
             journal::restore(buf, at, old, len)
         });
-        if keep < policies.len() {
-            self.policy = policies.swap_remove(keep);
-        }
+        self.policy = held.policies.swap_remove(keep);
+        held.policies.truncate(keep);
     }
 
     /// A copy of the layer as [`release`](Self::release)`(keep)` would leave it, this
@@ -312,6 +339,20 @@ mod tests {
         assert_eq!(snapshot(&layer), snapshot(&want));
     }
 
+    /// `(G, sink, window, residual)` of the many-cycle tests.
+    const CYCLE_SHAPES: [(usize, usize, Option<usize>, usize); 3] =
+        [(4, 2, Some(7), 3), (3, 0, None, 4), (2, 1, Some(3), 0)];
+
+    /// A seeded xorshift: `rand(m)` is in `0..m` (so a failure reproduces).
+    fn xorshift(mut state: u64) -> impl FnMut(usize) -> usize {
+        move |m| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % m as u64) as usize
+        }
+    }
+
     /// Every precision pair (K = V, and two K ≠ V) under `(G, sink, window, residual)`.
     fn configs(shapes: &[(usize, usize, Option<usize>, usize)]) -> Vec<KvConfig> {
         let sides = Precision::ALL.iter().map(|&p| (p, None)).chain([
@@ -395,19 +436,8 @@ mod tests {
     fn repeated_hold_release_cycles() {
         let (kv_heads, hd) = (2usize, 8usize);
         let dim = kv_heads * hd;
-        let shapes = [
-            (4usize, 2usize, Some(7usize), 3usize),
-            (3, 0, None, 4),
-            (2, 1, Some(3), 0),
-        ];
-        for kv in configs(&shapes) {
-            let mut state = 0x9E37_79B9_7F4A_7C15u64;
-            let mut rand = |m: usize| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state % m as u64) as usize
-            };
+        for kv in configs(&CYCLE_SHAPES) {
+            let mut rand = xorshift(0x9E37_79B9_7F4A_7C15u64);
             let mut layer = LayerKv::new(&kv, kv_heads, hd);
             let mut kept = LayerKv::new(&kv, kv_heads, hd);
             let mut t = 0usize;
@@ -495,5 +525,153 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A fixed sequence of distinct rows, appended in order (`salt` tells sequences
+    /// apart).
+    fn push(layer: &mut LayerKv, rows: &[(Vec<f32>, Vec<f32>)], from: usize) {
+        for (t, (k, v)) in rows.iter().enumerate() {
+            layer.append(k, v, from + t);
+        }
+    }
+
+    fn rows(from: usize, n: usize, salt: f32, dim: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
+        (from..from + n)
+            .map(|t| (row(t, salt, dim), row(t, salt + 1.0, dim)))
+            .collect()
+    }
+
+    /// A layer given exactly `seq` (positions from 0).
+    fn given(kv: &KvConfig, seq: &[(Vec<f32>, Vec<f32>)]) -> LayerKv {
+        let (kv_heads, hd) = (2usize, 8usize);
+        let mut l = LayerKv::new(kv, kv_heads, hd);
+        push(&mut l, seq, 0);
+        l
+    }
+
+    /// Speculation inside a running hold: hold after `a` rows, append `h` rows, append a
+    /// draft of `n` rows (window wraps and KIVI group completions among them for the
+    /// longer drafts), rewind to `h + x`. The layer then equals the layer that appended
+    /// only `a + h + x` rows and still holds those `h + x`; after `m` more appends,
+    /// `released_copy(k)` and `release(k)` for `k ≤ h + x + m` (both ends, the seams) equal never having
+    /// appended the dropped rows, and later appends stay equal.
+    #[test]
+    fn rewind_equals_never_having_appended() {
+        let dim = 2 * 8;
+        let shapes = [
+            (4usize, 0usize, None, 0usize),
+            (3, 0, None, 5),
+            (4, 2, Some(7), 0),
+            (4, 2, Some(7), 9),
+            (5, 6, Some(5), 4),
+            (2, 1, Some(1), 1),
+        ];
+        for kv in configs(&shapes) {
+            let (w, g) = (kv.window.unwrap_or(4), kv.group_size);
+            for a in [0usize, 3, 11] {
+                for h in [0usize, 2, w + 1] {
+                    for n in [1usize, 5, 3 * w + 2 * g] {
+                        for x in [0, 1, n / 2, n] {
+                            let ctx = format!("{} a={a} h={h} n={n} x={x}", ctx_of(&kv));
+                            let mut seq = rows(0, a + h, 0.0, dim);
+                            let draft = rows(a + h, n, 7.0, dim);
+                            let mut layer = given(&kv, &seq[..a]);
+                            layer.hold();
+                            push(&mut layer, &seq[a..], a);
+                            push(&mut layer, &draft, a + h);
+                            assert_eq!(layer.held(), Some(h + n), "{ctx}");
+                            layer.rewind(h + x);
+                            seq.extend_from_slice(&draft[..x]);
+                            assert_eq!(layer.held(), Some(h + x), "{ctx}");
+                            assert_eq!(
+                                snapshot(&layer),
+                                snapshot(&given(&kv, &seq)),
+                                "{ctx}: after rewind"
+                            );
+                            let m = 2 + g;
+                            let more = rows(seq.len(), m, 3.0, dim);
+                            push(&mut layer, &more, seq.len());
+                            seq.extend_from_slice(&more);
+                            assert_eq!(layer.held(), Some(h + x + m), "{ctx}");
+                            assert_eq!(snapshot(&layer), snapshot(&given(&kv, &seq)), "{ctx}");
+                            let top = h + x + m;
+                            for k in [0, 1, h, h + x / 2, h + x, h + x + 1, top - 1, top] {
+                                let want = given(&kv, &seq[..a + k]);
+                                let copy = layer.released_copy(k);
+                                assert_eq!(snapshot(&copy), snapshot(&want), "{ctx} k={k}");
+                            }
+                            let k = top / 2;
+                            layer.release(k);
+                            assert_eq!(layer.held(), None, "{ctx}");
+                            let mut want = given(&kv, &seq[..a + k]);
+                            assert_eq!(snapshot(&layer), snapshot(&want), "{ctx}: release");
+                            let later = rows(a + k, 2 * w + g, 5.0, dim);
+                            push(&mut layer, &later, a + k);
+                            push(&mut want, &later, a + k);
+                            assert_eq!(snapshot(&layer), snapshot(&want), "{ctx}: later");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The server's pattern: one long hold, hundreds of draft / rewind cycles inside it
+    /// (a random number of drafted rows, a random number kept, sometimes a plain row),
+    /// compared after every rewind with a layer given only the kept rows; at the end,
+    /// releasing at a random point equals that prefix.
+    #[test]
+    fn repeated_rewinds_inside_one_hold() {
+        let dim = 2 * 8;
+        for kv in configs(&CYCLE_SHAPES) {
+            let mut rand = xorshift(0x2545_F491_4F6C_DD1Du64);
+            let a = 5;
+            let mut seq = rows(0, a, 0.0, dim);
+            let mut layer = given(&kv, &seq);
+            let mut kept = given(&kv, &seq);
+            layer.hold();
+            for cycle in 0..120 {
+                let ctx = format!("{} cycle={cycle}", ctx_of(&kv));
+                let t = seq.len();
+                let n = 1 + rand(9);
+                let draft = rows(t, n, 10.0 + cycle as f32 * 0.01, dim);
+                push(&mut layer, &draft, t);
+                let x = rand(n + 1);
+                layer.rewind(t - a + x);
+                push(&mut kept, &draft[..x], t);
+                seq.extend_from_slice(&draft[..x]);
+                assert_eq!(layer.held(), Some(seq.len() - a), "{ctx}");
+                assert_eq!(snapshot(&layer), snapshot(&kept), "{ctx}: x={x} of {n}");
+                if rand(2) == 0 {
+                    let one = rows(seq.len(), 1, 20.0, dim);
+                    push(&mut layer, &one, seq.len());
+                    push(&mut kept, &one, seq.len());
+                    seq.extend_from_slice(&one);
+                }
+            }
+            let k = rand(seq.len() - a + 1);
+            let copy = layer.released_copy(k);
+            assert_eq!(snapshot(&copy), snapshot(&given(&kv, &seq[..a + k])));
+            layer.release(k);
+            assert_eq!(snapshot(&layer), snapshot(&given(&kv, &seq[..a + k])));
+        }
+    }
+
+    /// Rewinding without a hold, or to at least what is held, changes nothing.
+    #[test]
+    fn rewind_without_effect() {
+        let kv = configs(&[(4, 2, Some(6), 2)]).remove(3);
+        let seq = rows(0, 9, 0.0, 16);
+        let mut layer = given(&kv, &seq);
+        layer.rewind(0);
+        assert_eq!(layer.held(), None);
+        assert_eq!(snapshot(&layer), snapshot(&given(&kv, &seq)));
+        layer.hold();
+        push(&mut layer, &rows(9, 3, 1.0, 16), 9);
+        let before = snapshot(&layer);
+        layer.rewind(3);
+        layer.rewind(7);
+        assert_eq!(layer.held(), Some(3));
+        assert_eq!(snapshot(&layer), before);
     }
 }

@@ -607,6 +607,11 @@ impl KvCache {
     pub fn release(&mut self, keep: usize) {
         self.layers.iter_mut().for_each(|l| l.release(keep));
     }
+    /// Drops the held rows after the first `keep` in every layer and holds on
+    /// ([`LayerKv::rewind`]): speculative decoding inside a running hold.
+    pub fn rewind(&mut self, keep: usize) {
+        self.layers.iter_mut().for_each(|l| l.rewind(keep));
+    }
     /// Bytes the running hold keeps beside the stored rows ([`LayerKv::hold_bytes`]).
     pub fn hold_bytes(&self) -> usize {
         self.layers.iter().map(LayerKv::hold_bytes).sum()

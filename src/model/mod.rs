@@ -380,6 +380,7 @@ impl Model {
             session: s,
             tokens: &[token],
             start: pos,
+            all_logits: None,
         }];
         self.forward_sequences(&mut steps)
     }
@@ -407,8 +408,9 @@ impl Model {
             session: s,
             tokens,
             start,
+            all_logits,
         }];
-        threads::batch(adaptive, || rows::run(self, &mut steps, all_logits))
+        threads::batch(adaptive, || rows::run(self, &mut steps))
     }
 
     /// Continuous batching: advances several independent sequences in one forward pass.
@@ -418,7 +420,8 @@ impl Model {
     /// attention runs per sequence, token by token in order, against that sequence's cache
     /// at its own positions (sequences in parallel: they share nothing). The LM head is one
     /// product for every sequence's last token, written straight into each session's
-    /// `logits` ([`matmul_rows`]).
+    /// `logits` ([`matmul_rows`]), and for every token of a sequence whose
+    /// [`SeqStep::all_logits`] is set (a speculative verification pass in `serve`).
     ///
     /// Every value equals what [`forward`](Self::forward) gives for that sequence alone,
     /// token after token, bit for bit ([`matmul`] computes each token's row as [`matvec`]
@@ -427,7 +430,7 @@ impl Model {
     /// ([`threads::batch`]) when every session's [`Session::adaptive`] is on.
     pub fn forward_sequences(&self, steps: &mut [SeqStep<'_>]) -> Result<()> {
         let adaptive = !steps.is_empty() && steps.iter().all(|st| st.session.adaptive);
-        threads::batch(adaptive, || rows::run(self, steps, None))
+        threads::batch(adaptive, || rows::run(self, steps))
     }
 
     /// The forward pass, written once: every layer's stages in order, each run by the
@@ -531,6 +534,10 @@ pub struct SeqStep<'s> {
     pub session: &'s mut Session,
     pub tokens: &'s [u32],
     pub start: usize,
+    /// When set, receives every token's logits, `(tokens, vocab)` (a speculative
+    /// verification pass); `None`, only the last token's are computed, into
+    /// `session.logits` (which gets the last row in either case).
+    pub all_logits: Option<&'s mut Vec<f32>>,
 }
 
 /// Activations of a step: `n` tokens' rows of each buffer.

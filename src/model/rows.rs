@@ -15,20 +15,15 @@ use crate::error::{Error, Result};
 use crate::ops::{self, matmul, matmul_many, matmul_rows, Matrix};
 use rayon::prelude::*;
 
-/// Runs [`Model::step`] over the tokens of `steps`; `all_logits` (one sequence only)
-/// receives every token's logits.
-pub(super) fn run(
-    model: &Model,
-    steps: &mut [SeqStep<'_>],
-    all_logits: Option<&mut Vec<f32>>,
-) -> Result<()> {
+/// Runs [`Model::step`] over the tokens of `steps`; a step whose
+/// [`SeqStep::all_logits`] is set receives every one of its tokens' logits there.
+pub(super) fn run(model: &Model, steps: &mut [SeqStep<'_>]) -> Result<()> {
     let c = &model.cfg;
     if steps.iter().any(|st| st.tokens.is_empty()) {
         return Err(Error::Generate(
             "a sequence in a batched step has no token to run".into(),
         ));
     }
-    debug_assert!(all_logits.is_none() || steps.len() == 1);
     // Row offset of each sequence's first token in the stacked activations.
     let mut offsets = Vec::with_capacity(steps.len());
     let mut n = 0usize;
@@ -69,7 +64,6 @@ pub(super) fn run(
         offsets,
         b,
         replay,
-        all_logits,
     };
     let result = model.step(&mut rows);
     if rows.b.n == 1 {
@@ -93,7 +87,6 @@ struct Rows<'r, 's> {
     b: StepBufs,
     /// `replay[seq][l]`: what a shared layer needs to replay layer `l`'s appends.
     replay: Vec<Vec<Option<Replay>>>,
-    all_logits: Option<&'r mut Vec<f32>>,
 }
 
 impl Exec<'_> for Rows<'_, '_> {
@@ -253,21 +246,10 @@ impl Exec<'_> for Rows<'_, '_> {
 
     fn logits(&mut self, norm: &[f32], eps: f32, lm_head: &Matrix, cap: Option<f32>) -> Result<()> {
         let (c, b) = (self.c, &mut self.b);
-        let (n, hd, vocab) = (b.n, c.hidden_size, c.vocab_size);
-        if let Some(all) = self.all_logits.take() {
-            // One sequence: every token's logits.
-            let st = &mut self.steps[0];
-            norm_rows(&b.x, norm, eps, &mut b.h);
-            check_finite_hidden(&b.h, st.start)?;
-            all.resize(n * vocab, 0.0);
-            matmul(lm_head, &b.h, n, all);
-            if cap.is_some() {
-                all.par_chunks_mut(vocab).for_each(|r| soft_cap(r, cap));
-            }
-            st.session
-                .logits
-                .copy_from_slice(&all[(n - 1) * vocab..n * vocab]);
-            return Ok(());
+        let (hd, vocab) = (c.hidden_size, c.vocab_size);
+        if self.steps.iter().any(|st| st.all_logits.is_some()) {
+            let steps = &mut *self.steps;
+            return every_logits(steps, &self.offsets, b, vocab, norm, eps, lm_head, cap);
         }
         // Each sequence's last token only: (sequences, hidden) → (sequences, vocab), into
         // the sessions' own logits. `h` has a row per token, so at least one per sequence.
@@ -293,4 +275,74 @@ impl Exec<'_> for Rows<'_, '_> {
         }
         Ok(())
     }
+}
+
+/// The LM head when some sequences ask for every token's logits ([`SeqStep::all_logits`],
+/// a speculative verification pass): their every row, and the other sequences' last row,
+/// in one product (each row's values are [`matvec`](crate::ops::matvec)'s, whatever the
+/// batch); a sequence's own `logits` get its last row's, as without.
+#[allow(clippy::too_many_arguments)]
+fn every_logits(
+    steps: &mut [SeqStep<'_>],
+    offsets: &[usize],
+    b: &mut StepBufs,
+    vocab: usize,
+    norm: &[f32],
+    eps: f32,
+    lm_head: &Matrix,
+    cap: Option<f32>,
+) -> Result<()> {
+    let (n, hd) = (b.n, norm.len());
+    if let [st] = &mut *steps {
+        if let Some(all) = st.all_logits.as_deref_mut() {
+            // One sequence: one product over every row.
+            norm_rows(&b.x, norm, eps, &mut b.h);
+            check_finite_hidden(&b.h, st.start)?;
+            all.resize(n * vocab, 0.0);
+            matmul(lm_head, &b.h, n, all);
+            if cap.is_some() {
+                all.par_chunks_mut(vocab).for_each(|r| soft_cap(r, cap));
+            }
+            st.session
+                .logits
+                .copy_from_slice(&all[(n - 1) * vocab..n * vocab]);
+            return Ok(());
+        }
+    }
+    // (row in the step, position) of every row the head runs on, in sequence order.
+    let mut picked = Vec::with_capacity(steps.len());
+    for (st, &o) in steps.iter().zip(offsets) {
+        let len = st.tokens.len();
+        let from = if st.all_logits.is_some() { 0 } else { len - 1 };
+        picked.extend((from..len).map(|i| (o + i, st.start + i)));
+    }
+    let rows = &mut b.h[..picked.len() * hd];
+    for (&(r, pos), hr) in picked.iter().zip(rows.chunks_exact_mut(hd)) {
+        ops::rmsnorm(&b.x[r * hd..(r + 1) * hd], norm, eps, hr);
+        check_finite_hidden(hr, pos)?;
+    }
+    let mut outs: Vec<&mut [f32]> = Vec::with_capacity(picked.len());
+    for st in steps.iter_mut() {
+        match st.all_logits.as_deref_mut() {
+            Some(all) => {
+                all.resize(st.tokens.len() * vocab, 0.0);
+                outs.extend(all.chunks_exact_mut(vocab));
+            }
+            None => outs.push(&mut st.session.logits[..]),
+        }
+    }
+    matmul_rows(lm_head, rows, &mut outs);
+    if cap.is_some() {
+        outs.par_iter_mut().for_each(|r| soft_cap(r, cap));
+    }
+    drop(outs);
+    for st in steps.iter_mut() {
+        let len = st.tokens.len();
+        if let Some(all) = st.all_logits.as_deref() {
+            st.session
+                .logits
+                .copy_from_slice(&all[(len - 1) * vocab..len * vocab]);
+        }
+    }
+    Ok(())
 }

@@ -208,7 +208,7 @@ async fn admit(
     }
     opts.check_prompt_on(n, Surface::Http)
         .map_err(|e| super::api::from_flag_error(e, "max_tokens"))?;
-    let need = s.worst_case_bytes(&p.kv, n + max_tokens);
+    let need = s.admission_bytes(&p.kv, n + max_tokens, p.speculate);
     if need > s.budget.max_bytes {
         let param = if bounded {
             "streaming_llm_window"
@@ -270,6 +270,7 @@ async fn admit(
             ignore_eos: p.ignore_eos,
             stop: p.stop,
             cache_prompt: p.cache_prompt,
+            speculate: p.speculate,
             reservation,
             events: tx,
             deadline: limits

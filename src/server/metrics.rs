@@ -35,6 +35,12 @@ pub struct Metrics {
     pub prompt_cache_entries: AtomicU64,
     /// Bytes the running sequences' holds keep beside their caches.
     pub prompt_cache_hold_bytes: AtomicU64,
+    /// Draft tokens verified (speculative decoding, `speculate`).
+    pub speculate_drafted: AtomicU64,
+    /// Draft tokens accepted.
+    pub speculate_accepted: AtomicU64,
+    /// Verification passes (a decoding sequence's multi-token forward).
+    pub speculate_passes: AtomicU64,
 }
 
 impl Metrics {
@@ -162,13 +168,42 @@ impl Metrics {
             ),
         ];
         let mut out = String::new();
-        for (name, kind, help, value) in rows.into_iter().chain(self.prompt_cache_rows(limit)) {
+        let rows = rows
+            .into_iter()
+            .chain(self.prompt_cache_rows(limit))
+            .chain(self.speculate_rows());
+        for (name, kind, help, value) in rows {
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
             );
         }
         out
+    }
+
+    /// Speculative decoding's rows of [`render`](Self::render).
+    fn speculate_rows(&self) -> [(&'static str, &'static str, &'static str, String); 3] {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        [
+            (
+                "tinygpt_speculate_drafted_total",
+                "counter",
+                "Draft tokens verified (speculative decoding).",
+                g(&self.speculate_drafted).to_string(),
+            ),
+            (
+                "tinygpt_speculate_accepted_total",
+                "counter",
+                "Draft tokens accepted (speculative decoding).",
+                g(&self.speculate_accepted).to_string(),
+            ),
+            (
+                "tinygpt_speculate_passes_total",
+                "counter",
+                "Verification passes: decode steps that ran a draft (speculative decoding).",
+                g(&self.speculate_passes).to_string(),
+            ),
+        ]
     }
 
     /// The prompt cache's rows of [`render`](Self::render); `limit`: `--prompt-cache-bytes`.

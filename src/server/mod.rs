@@ -61,7 +61,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Prompt tokens prefilled per scheduler step, summed over all sequences that are still
-/// reading their prompt (decoding sequences always advance by one token as well).
+/// reading their prompt (decoding sequences always advance by one token as well); the
+/// drafted tokens of speculating sequences use what the prompts leave of it.
 pub const PREFILL_TOKENS_PER_STEP: usize = 64;
 
 /// Server-wide settings (`serve` flags).
@@ -87,6 +88,9 @@ pub struct ServerConfig {
     pub model_name: String,
     /// See [`PREFILL_TOKENS_PER_STEP`].
     pub prefill_tokens_per_step: usize,
+    /// Speculative decoding a request gets unless it sets `speculate` (`--speculate`;
+    /// `None`: off).
+    pub speculate: Option<crate::speculate::SpecConfig>,
     /// Connection, request and drain limits.
     pub limits: Limits,
     /// Who may call the server.
@@ -182,6 +186,36 @@ pub fn worst_case_kv_bytes(cfg: &Config, kv: &KvConfig, tokens: usize) -> usize 
     for t in 0..rows {
         layer.append(&zero, &zero, t);
         peak = peak.max(layer.bytes());
+    }
+    peak * KvCache::new(cfg, kv).n_layers()
+}
+
+/// Worst-case bytes a verification pass keeps in its hold beside the cache
+/// (docs/design.md §3.3): `rows` rows (a draft of `rows - 1` tokens and the token before
+/// it) appended under a hold, in a sequence of `tokens` tokens with cache settings `kv`.
+///
+/// Measured like [`worst_case_kv_bytes`]: one layer's real cache receives zero rows, and
+/// before each of them `rows` rows are held and dropped again (`release(0)`), the peak of
+/// [`hold_bytes`](LayerKv::hold_bytes) taken, times the layers that hold K/V. What a held
+/// append journals depends on the ring slots, the K group and the residual ring it
+/// writes, which repeat after `sink + window + group_size + residual` rows (without a
+/// window, `group_size + residual`), so twice that many starting points cover every case.
+pub fn worst_case_hold_bytes(cfg: &Config, kv: &KvConfig, tokens: usize, rows: usize) -> usize {
+    let g = kv.group_size.max(1);
+    let period = kv.sink + kv.window.unwrap_or(0) + g + kv.residual;
+    let points = tokens.min(2 * period + 4);
+    let kv_dim = cfg.n_kv_heads * cfg.head_dim;
+    let zero = vec![0.0f32; kv_dim];
+    let mut layer = LayerKv::new(kv, cfg.n_kv_heads, cfg.head_dim);
+    let mut peak = 0;
+    for t in 0..points {
+        layer.hold();
+        for i in 0..rows.min(tokens - t) {
+            layer.append(&zero, &zero, t + i);
+            peak = peak.max(layer.hold_bytes());
+        }
+        layer.release(0);
+        layer.append(&zero, &zero, t);
     }
     peak * KvCache::new(cfg, kv).n_layers()
 }
@@ -397,8 +431,9 @@ pub struct Shared {
     /// cores, at least one, so that generation keeps the rest.
     pub prep: tokio::sync::Semaphore,
     jobs: Mutex<Option<std::sync::mpsc::Sender<scheduler::Job>>>,
-    /// Memo of [`worst_case_kv_bytes`] by (cache settings, length).
-    estimates: Mutex<HashMap<(String, usize), usize>>,
+    /// Memo of [`worst_case_kv_bytes`] and [`worst_case_hold_bytes`] by (cache settings,
+    /// length, held rows; 0 for the former).
+    estimates: Mutex<HashMap<(String, usize, usize), usize>>,
     /// Finished sequences' caches ([`prompt_cache`]).
     prompt_cache: Mutex<prompt_cache::PromptCache>,
 }
@@ -436,7 +471,31 @@ impl Flag {
 impl Shared {
     /// [`worst_case_kv_bytes`], memoised.
     pub fn worst_case_bytes(&self, kv: &KvConfig, tokens: usize) -> usize {
-        let key = (format!("{kv:?}"), tokens);
+        self.memo(kv, tokens, 0)
+    }
+
+    /// What a sequence of `tokens` tokens with cache settings `kv` is admitted for: its
+    /// worst-case cache bytes, plus with speculation the worst-case bytes a verification
+    /// pass of a full draft holds beside them ([`worst_case_hold_bytes`]).
+    pub fn admission_bytes(
+        &self,
+        kv: &KvConfig,
+        tokens: usize,
+        spec: Option<crate::speculate::SpecConfig>,
+    ) -> usize {
+        let draft = spec.map_or(0, |c| c.max_draft);
+        let hold = if draft > 0 {
+            self.memo(kv, tokens, draft + 1)
+        } else {
+            0
+        };
+        self.worst_case_bytes(kv, tokens) + hold
+    }
+
+    /// [`worst_case_kv_bytes`] (`held` 0) or [`worst_case_hold_bytes`] of `held` rows,
+    /// memoised.
+    fn memo(&self, kv: &KvConfig, tokens: usize, held: usize) -> usize {
+        let key = (format!("{kv:?}"), tokens, held);
         if let Some(&b) = self
             .estimates
             .lock()
@@ -445,7 +504,10 @@ impl Shared {
         {
             return b;
         }
-        let b = worst_case_kv_bytes(&self.model_cfg, kv, tokens);
+        let b = match held {
+            0 => worst_case_kv_bytes(&self.model_cfg, kv, tokens),
+            _ => worst_case_hold_bytes(&self.model_cfg, kv, tokens, held),
+        };
         let mut m = self.estimates.lock().unwrap_or_else(|e| e.into_inner());
         if m.len() > 4096 {
             m.clear();

@@ -5,6 +5,7 @@ use super::Shared;
 use crate::generate::{GenerateOptions, Surface};
 use crate::kv_cache::{KeyRope, KvConfig, KvRotation, PositionsMode, Precision};
 use crate::sampler::SamplerConfig;
+use crate::speculate::SpecConfig;
 use crate::tokenizer::Bounded;
 use axum::body::Bytes;
 use axum::http::StatusCode;
@@ -25,6 +26,9 @@ pub(super) struct GenParams {
     pub(super) kv: KvConfig,
     /// `cache_prompt` (llama-server's name; default true): use the prompt cache.
     pub(super) cache_prompt: bool,
+    /// `speculate`: prompt-lookup drafts (`"ngram"`, `"ngram:K"`), off (`false`, `"off"`),
+    /// or when absent the server's `--speculate`.
+    pub(super) speculate: Option<SpecConfig>,
 }
 
 /// A `/v1/completions` body: its settings and its prompt as ids (`prompt`: a string, a
@@ -239,7 +243,25 @@ fn gen_params(s: &Shared, o: &Map<String, Value>) -> ApiResult<GenParams> {
         stop,
         kv,
         cache_prompt: get_bool(o, "cache_prompt")?.unwrap_or(true),
+        speculate: speculate(s, o)?,
     })
+}
+
+/// The request's `speculate` (`sample --speculate`'s values, and `false` or `"off"` to
+/// turn the server's default off), or the server's `--speculate` when absent or null.
+fn speculate(s: &Shared, o: &Map<String, Value>) -> ApiResult<Option<SpecConfig>> {
+    match field(o, "speculate") {
+        None => Ok(s.cfg.speculate),
+        Some(Value::Bool(false)) => Ok(None),
+        Some(Value::String(v)) if v == "off" => Ok(None),
+        Some(Value::String(v)) => SpecConfig::parse(v, "speculate")
+            .map(Some)
+            .map_err(|e| from_flag_error(e, "speculate")),
+        Some(v) => Err(ApiError::bad(
+            "speculate",
+            format!("must be \"ngram\", \"ngram:K\", \"off\" or false, got {v}"),
+        )),
+    }
 }
 
 /// The request's cache settings: the server's defaults with the request's overrides.

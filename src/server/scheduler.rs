@@ -5,10 +5,10 @@
 //!    resumed from the prompt cache when it holds a match ([`super::prompt_cache`]: the
 //!    kept cache released to the match, and the prompt prefilled from there);
 //! 2. sequences whose client went away (event receiver dropped) leave;
-//! 3. every decoding sequence contributes its last sampled token, and sequences still
-//!    reading their prompt share [`ServerConfig::prefill_tokens_per_step`] prompt tokens
-//!    (oldest first), so a long prompt is prefilled over several steps while the others
-//!    keep decoding;
+//! 3. every decoding sequence contributes its last sampled token (and a draft, see
+//!    below), and sequences still reading their prompt share
+//!    [`ServerConfig::prefill_tokens_per_step`] prompt tokens (oldest first), so a long
+//!    prompt is prefilled over several steps while the others keep decoding;
 //! 4. one [`Model::forward_sequences`] runs them all;
 //! 5. every sequence that produced logits samples its next token with its own sampler
 //!    (the sequences in parallel), and finished sequences (EOS, `max_tokens`, a stop string) leave;
@@ -20,6 +20,18 @@
 //! [`prompt_cache::bound_hold`]'s bounds), and when it leaves for any reason but an error
 //! (finished, timed out, or its client went away) its cache is offered to the prompt
 //! cache before its admission is given back and its client told.
+//!
+//! With speculative decoding on (`serve --speculate`, the request's `speculate`), a
+//! decoding sequence whose [`Speculator`] finds a draft worth verifying runs
+//! `[next, d1, …, dk]` in the same batched forward, asking for every row's logits
+//! ([`SeqStep::all_logits`]); its drafted rows come out of the step's prefill budget (what
+//! the prompts left). Its rows are held: under the prompt cache's hold when one runs, else
+//! a hold of their own (holds do not nest, docs/design.md §3.2). The drafts are checked as
+//! `sample --speculate` checks them ([`speculate::check`]); the output tokens go through
+//! [`accept`] one by one (EOS, stop strings and `max_tokens` end the sequence mid-output,
+//! nothing after the end is emitted), and the cache keeps exactly the rows plain decoding
+//! would have appended to emit the tokens taken (`rewind` of the prompt cache's hold to
+//! what it held before plus those, or `release` of the pass's own hold).
 //!
 //! A sequence past its deadline (`--request-timeout`) leaves at the start of a step with
 //! finish reason `length`; when the drain times out (`Shared::abort`) every sequence
@@ -37,7 +49,8 @@ use super::{Reservation, Shared};
 use crate::kv_cache::{KvCache, KvConfig};
 use crate::model::{Model, SeqStep, Session};
 use crate::sampler::{Sampler, SamplerConfig};
-use crate::tokenizer::StreamDecoder;
+use crate::speculate::{self, SpecConfig, Speculator};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
 use rayon::prelude::*;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -57,6 +70,8 @@ pub struct Job {
     /// The request's `cache_prompt` (default true): resume from the prompt cache and
     /// keep this sequence's cache in it (when the server has one).
     pub cache_prompt: bool,
+    /// The request's `speculate` (or the server's `--speculate`): prompt-lookup drafts.
+    pub speculate: Option<SpecConfig>,
     pub reservation: Reservation,
     pub events: UnboundedSender<Event>,
     /// `--request-timeout` after admission: the sequence ends then with `length`.
@@ -118,6 +133,15 @@ struct Seq {
     /// Text of `generated` so far, and how much of it was sent.
     text: String,
     sent: usize,
+    /// Drafting state when the request speculates ([`crate::speculate`]).
+    spec: Option<Speculator>,
+    /// This step's verification pass, `[next, d1, …, dk]` (empty: a plain step).
+    pass: Vec<u32>,
+    /// The pass's logits, `(k + 1, vocab)`.
+    pass_logits: Vec<f32>,
+    /// Rows the cache held when the pass began (the prompt cache's hold: the pass's rows
+    /// are held under it and rewound), or `None` (the pass holds its rows itself).
+    held_before: Option<usize>,
 }
 
 /// Runs until the job channel is closed and every sequence has finished.
@@ -251,12 +275,13 @@ fn step(model: &Model, shared: &Shared, seqs: &mut Vec<Seq>) -> Option<usize> {
                 s.session.cache.hold();
                 prompt_cache::bound_hold(&mut s.session.cache, shared.cfg.prompt_cache_bytes);
             }
-        } else {
+        } else if s.pass.is_empty() {
             s.pos += 1;
             if s.keep {
                 prompt_cache::bound_hold(&mut s.session.cache, shared.cfg.prompt_cache_bytes);
             }
         }
+        // A verification pass moves `pos` and settles its hold once checked (`settle`).
         sample_now[i] = true;
     }
     let produced = sample(seqs, &sample_now, shared);
@@ -266,10 +291,12 @@ fn step(model: &Model, shared: &Shared, seqs: &mut Vec<Seq>) -> Option<usize> {
     Some(produced)
 }
 
-/// Which tokens each sequence runs this step (decoding sequences their last sampled token;
-/// those still reading their prompt share the prefill budget, oldest first), run through
-/// one [`Model::forward_sequences`]. Returns (sequence index, tokens run) per sequence
-/// that ran, with the error if the forward failed.
+/// Which tokens each sequence runs this step, run through one
+/// [`Model::forward_sequences`]: sequences still reading their prompt share the prefill
+/// budget, oldest first; every decoding sequence runs its last sampled token, followed,
+/// when it speculates and a draft is worth it ([`plan_pass`]), by a draft whose tokens
+/// come out of what the prompts left of the budget. Returns (sequence index, tokens run)
+/// per sequence that ran, with the error if the forward failed.
 #[allow(clippy::type_complexity)]
 fn forward(
     model: &Model,
@@ -277,38 +304,51 @@ fn forward(
     seqs: &mut [Seq],
 ) -> Result<Vec<(usize, usize)>, (Vec<(usize, usize)>, crate::Error)> {
     let mut budget = shared.cfg.prefill_tokens_per_step.max(1);
+    let mut takes = vec![0usize; seqs.len()];
+    for (take, s) in takes.iter_mut().zip(seqs.iter()) {
+        let prompt_left = s.job.prompt_ids.len() - s.prefilled;
+        *take = prompt_left.min(budget);
+        budget -= *take;
+    }
+    for s in seqs.iter_mut() {
+        if s.prefilled == s.job.prompt_ids.len() {
+            plan_pass(s, &mut budget);
+        }
+    }
     let mut ran: Vec<(usize, usize)> = Vec::new();
     let mut steps: Vec<SeqStep<'_>> = Vec::new();
-    for (i, s) in seqs.iter_mut().enumerate() {
+    for (i, (s, &take)) in seqs.iter_mut().zip(&takes).enumerate() {
         let Seq {
             job,
             session,
             prefilled,
             pos,
             next,
+            pass,
+            pass_logits,
             ..
         } = s;
-        let prompt_left = job.prompt_ids.len() - *prefilled;
-        if prompt_left > 0 {
-            if budget == 0 {
+        let (tokens, start, all_logits) = if *prefilled < job.prompt_ids.len() {
+            if take == 0 {
                 continue;
             }
-            let take = prompt_left.min(budget);
-            budget -= take;
-            steps.push(SeqStep {
-                session,
-                tokens: &job.prompt_ids[*prefilled..*prefilled + take],
-                start: *prefilled,
-            });
-            ran.push((i, take));
+            (
+                &job.prompt_ids[*prefilled..*prefilled + take],
+                *prefilled,
+                None,
+            )
+        } else if pass.is_empty() {
+            (std::slice::from_ref(&*next), *pos, None)
         } else {
-            steps.push(SeqStep {
-                session,
-                tokens: std::slice::from_ref(next),
-                start: *pos,
-            });
-            ran.push((i, 1));
-        }
+            (&pass[..], *pos, Some(pass_logits))
+        };
+        ran.push((i, tokens.len()));
+        steps.push(SeqStep {
+            session,
+            tokens,
+            start,
+            all_logits,
+        });
     }
     match model.forward_sequences(&mut steps) {
         Ok(()) => Ok(ran),
@@ -316,39 +356,127 @@ fn forward(
     }
 }
 
-/// Every sequence in `now` checks and samples its logits (a pass or more over the
-/// vocabulary each: in parallel, they share nothing) and takes the token; finished
-/// sequences leave, and a large cache's memory is given back. Returns the tokens sampled.
+/// A decoding sequence that speculates: the draft its [`Speculator`] finds worth verifying
+/// now (within the tokens `max_tokens` leaves after the next one, and within `budget`, the
+/// step's prefill budget, which its drafted rows use up), as this step's pass
+/// `[next, draft…]`; its rows are held, under the hold already running (the prompt
+/// cache's) or a hold of their own. Nothing for a plain step.
+fn plan_pass(s: &mut Seq, budget: &mut usize) {
+    s.pass.clear();
+    let Some(spec) = s.spec.as_mut() else {
+        return;
+    };
+    let left = s.job.max_tokens.saturating_sub(s.generated.len() + 1);
+    let draft = match spec.draft_len(left.min(*budget)) {
+        0 => return,
+        k => spec.draft(k),
+    };
+    if draft.is_empty() {
+        return;
+    }
+    *budget -= draft.len();
+    s.pass.push(s.next);
+    s.pass.extend_from_slice(&draft);
+    s.held_before = s.session.cache.held();
+    if s.held_before.is_none() {
+        s.session.cache.hold();
+    }
+}
+
+/// After a verification pass whose first `taken` output tokens were accepted (the rest,
+/// if any, cut by the sequence's end): keeps the rows plain decoding would have appended
+/// to emit them (`next` and every taken token but the last), as `sample` does
+/// (docs/design.md §3.3), rewinding the prompt cache's hold or releasing the pass's own;
+/// counts the pass. The sequence's `logits` are those after the last kept row.
+fn settle(s: &mut Seq, taken: usize, produced: usize, accepted: usize, shared: &Shared) {
+    let drafted = s.pass.len() - 1;
+    let cache = &mut s.session.cache;
+    match s.held_before.take() {
+        Some(h) => cache.rewind(h + taken),
+        None => cache.release(taken),
+    }
+    let vocab = s.pass_logits.len() / s.pass.len();
+    s.session
+        .logits
+        .copy_from_slice(&s.pass_logits[(taken - 1) * vocab..taken * vocab]);
+    s.pos += taken;
+    s.pass.clear();
+    if let Some(spec) = s.spec.as_mut() {
+        spec.record(drafted, accepted);
+        spec.forward_done(produced);
+    }
+    let m = &shared.metrics;
+    m.speculate_drafted
+        .fetch_add(drafted as u64, Ordering::Relaxed);
+    m.speculate_accepted
+        .fetch_add(accepted as u64, Ordering::Relaxed);
+    m.speculate_passes.fetch_add(1, Ordering::Relaxed);
+    if s.keep {
+        prompt_cache::bound_hold(&mut s.session.cache, shared.cfg.prompt_cache_bytes);
+    }
+}
+
+/// What a sequence's logits give this step: the tokens and how many drafts were accepted,
+/// or an error message.
+type Picked = Result<(Vec<u32>, usize), String>;
+
+/// The tokens a sequence's logits give this step, and how many drafts were accepted: a
+/// plain step samples its one row; a verification pass checks its draft
+/// ([`speculate::check`], as `sample` does).
+fn pick(s: &mut Seq, tok: &Tokenizer) -> Picked {
+    if s.pass.is_empty() {
+        if s.session.logits.iter().any(|x| !x.is_finite()) {
+            return Err(format!(
+                "the model produced non-finite logits at position {}",
+                s.pos - 1
+            ));
+        }
+        if let Some(spec) = s.spec.as_mut() {
+            spec.forward_done(1);
+        }
+        return Ok((vec![s.sampler.sample(&s.session.logits)], 0));
+    }
+    let ignore_eos = s.job.ignore_eos;
+    let ends = |t| tok.is_eos(t) && !ignore_eos;
+    speculate::check(&mut s.sampler, &s.pass_logits, &s.pass[1..], s.pos, ends)
+        .map_err(|e| e.to_string())
+}
+
+/// Every sequence in `now` checks and samples its logits, or checks its verification
+/// pass's draft (a pass or more over the vocabulary each: in parallel, they share
+/// nothing), and takes the tokens in order until one ends it; a pass then keeps the rows
+/// of the tokens taken ([`settle`]); finished sequences leave, and a large cache's memory
+/// is given back. Returns the tokens taken.
 fn sample(seqs: &mut Vec<Seq>, now: &[bool], shared: &Shared) -> usize {
     let m = &shared.metrics;
     let tok = &shared.tokenizer;
-    let picks: Vec<Option<Result<u32, usize>>> = seqs
+    let picks: Vec<Option<Picked>> = seqs
         .par_iter_mut()
         .zip(now)
-        .map(|(s, &now)| {
-            now.then(|| {
-                if s.session.logits.iter().any(|x| !x.is_finite()) {
-                    Err(s.pos - 1)
-                } else {
-                    Ok(s.sampler.sample(&s.session.logits))
-                }
-            })
-        })
+        .map(|(s, &now)| now.then(|| pick(s, tok)))
         .collect();
     let mut produced = 0usize;
     let mut finished: Vec<(usize, Event)> = Vec::new();
     for (i, pick) in picks.into_iter().enumerate() {
         match pick {
             None => {}
-            Some(Err(pos)) => {
-                let e = Event::Error(format!(
-                    "the model produced non-finite logits at position {pos}"
-                ));
-                finished.push((i, e));
-            }
-            Some(Ok(t)) => {
-                produced += 1;
-                if let Some(done) = accept(&mut seqs[i], t, tok) {
+            Some(Err(e)) => finished.push((i, Event::Error(e))),
+            Some(Ok((out, accepted))) => {
+                let s = &mut seqs[i];
+                let mut taken = 0;
+                let mut done = None;
+                for &t in &out {
+                    taken += 1;
+                    done = accept(s, t, tok);
+                    if done.is_some() {
+                        break;
+                    }
+                }
+                produced += taken;
+                if !s.pass.is_empty() {
+                    settle(s, taken, out.len(), accepted, shared);
+                }
+                if let Some(done) = done {
                     m.requests_finished.fetch_add(1, Ordering::Relaxed);
                     finished.push((i, done));
                 }
@@ -494,14 +622,21 @@ fn start(model: &Model, shared: &Shared, job: Job) -> Seq {
         decoder: StreamDecoder::new(),
         text: String::new(),
         sent: 0,
+        spec: job.speculate.map(|c| Speculator::new(c, &job.prompt_ids)),
+        pass: Vec::new(),
+        pass_logits: Vec::new(),
+        held_before: None,
         job,
     }
 }
 
 /// Takes sampled token `t` as `generate` does; sends the new text. Returns the final
 /// event when the sequence is finished.
-fn accept(s: &mut Seq, t: u32, tok: &crate::tokenizer::Tokenizer) -> Option<Event> {
+fn accept(s: &mut Seq, t: u32, tok: &Tokenizer) -> Option<Event> {
     s.generated.push(t);
+    if let Some(spec) = s.spec.as_mut() {
+        spec.context.push(t);
+    }
     let done = |s: &Seq, reason| Event::Done {
         reason,
         prompt_tokens: s.job.prompt_ids.len(),
@@ -545,7 +680,7 @@ fn accept(s: &mut Seq, t: u32, tok: &crate::tokenizer::Tokenizer) -> Option<Even
 
 /// At the end, the text is the decoding of every generated id (EOS excluded), as
 /// `generate` returns it; sends whatever of it was not sent yet.
-fn flush_final(s: &mut Seq, tok: &crate::tokenizer::Tokenizer, eos_last: bool) {
+fn flush_final(s: &mut Seq, tok: &Tokenizer, eos_last: bool) {
     let ids = if eos_last {
         &s.generated[..s.generated.len() - 1]
     } else {

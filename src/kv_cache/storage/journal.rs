@@ -4,10 +4,11 @@
 //! A store writes its buffers through [`Journal::write`], which, while the journal holds,
 //! first saves the elements the write will overwrite (those that existed before it) and
 //! the buffer's length. [`Journal::mark`] opens each append's share of the journal;
-//! [`Journal::release`]`(keep)` hands the writes of the appends after the first `keep`
+//! [`Journal::rewind`]`(keep)` hands the writes of the appends after the first `keep`
 //! back, newest first, to the store, which puts the old bytes back and truncates the
-//! buffer to its old length ([`restore`]). Undoing every write of an append, newest
-//! append first, leaves each buffer exactly (length and every element) as it was before
+//! buffer to its old length ([`restore`]), and holds on, recording the first `keep`
+//! appends only; [`Journal::stop`] ends the hold (a release is a rewind, then a stop).
+//! Undoing every write of an append, newest append first, leaves each buffer exactly (length and every element) as it was before
 //! that append: the first write of a slot saved the bytes from before the hold, a later
 //! write saved the bytes the earlier one left, and the undo runs in reverse.
 //!
@@ -87,27 +88,37 @@ impl Journal {
         &mut buf[range]
     }
 
-    /// Ends the hold keeping the first `keep` appends: calls `restore(field, head, at,
-    /// old bytes, old_len)` for every write of the later ones, newest first (see
-    /// [`restore`]), then empties the journal. Not holding, does nothing.
-    pub(crate) fn release(
+    /// Undoes the appends after the first `keep` while holding on: calls
+    /// `restore(field, head, at, old bytes, old_len)` for every write of those appends,
+    /// newest first (see [`restore`]), and forgets them; the journal then records the
+    /// first `keep` appends only, as if the later ones had never happened. Nothing when
+    /// `keep` ≥ the appends recorded, or when not holding.
+    pub(crate) fn rewind(
         &mut self,
         keep: usize,
         mut restore: impl FnMut(u8, usize, usize, &[u8], usize),
     ) {
-        if let Some(&from) = self.marks.get(keep) {
-            let mut end = self.saved.len();
-            for e in self.entries[from..].iter().rev() {
-                restore(
-                    e.field,
-                    e.head as usize,
-                    e.at,
-                    &self.saved[e.saved..end],
-                    e.old_len,
-                );
-                end = e.saved;
-            }
+        let Some(&from) = self.marks.get(keep) else {
+            return;
+        };
+        let mut end = self.saved.len();
+        for e in self.entries[from..].iter().rev() {
+            restore(
+                e.field,
+                e.head as usize,
+                e.at,
+                &self.saved[e.saved..end],
+                e.old_len,
+            );
+            end = e.saved;
         }
+        self.saved.truncate(end);
+        self.entries.truncate(from);
+        self.marks.truncate(keep);
+    }
+
+    /// Ends the hold keeping every append: empties the journal.
+    pub(crate) fn stop(&mut self) {
         *self = Journal::default();
     }
 
@@ -137,24 +148,30 @@ pub(crate) fn restore<T: Pod>(buf: &mut Vec<T>, at: usize, old: &[u8], old_len: 
 mod tests {
     use super::*;
 
+    /// Five appends writing two buffers in overlapping ranges, growing and overwriting:
+    /// per append, (buffer, range, value written).
+    const WRITES: [&[(u8, Range<usize>, u16)]; 5] = [
+        &[(0, 0..3, 1)],
+        &[(0, 2..5, 2), (1, 0..2, 3)],
+        &[(0, 1..2, 4), (0, 1..4, 5)],
+        &[(1, 4..6, 6)],
+        &[(0, 0..6, 7), (1, 1..3, 8)],
+    ];
+
+    /// One append: its writes through `j`.
+    fn apply(j: &mut Journal, bufs: &mut [Vec<u16>; 2], w: &[(u8, Range<usize>, u16)]) {
+        j.mark();
+        for (f, r, x) in w {
+            j.write(*f, 0, &mut bufs[*f as usize], r.clone()).fill(*x);
+        }
+    }
+
     /// Two buffers written in overlapping ranges over several appends (growing and
     /// overwriting); releasing at every split point gives back exactly the buffers as
     /// they were after the kept appends, lengths included.
     #[test]
     fn release_restores_every_earlier_state() {
-        let writes: [&[(u8, Range<usize>, u16)]; 5] = [
-            &[(0, 0..3, 1)],
-            &[(0, 2..5, 2), (1, 0..2, 3)],
-            &[(0, 1..2, 4), (0, 1..4, 5)],
-            &[(1, 4..6, 6)],
-            &[(0, 0..6, 7), (1, 1..3, 8)],
-        ];
-        let apply = |j: &mut Journal, bufs: &mut [Vec<u16>; 2], w: &[(u8, Range<usize>, u16)]| {
-            j.mark();
-            for (f, r, x) in w {
-                j.write(*f, 0, &mut bufs[*f as usize], r.clone()).fill(*x);
-            }
-        };
+        let writes = WRITES;
         for before in 0..writes.len() {
             for keep in 0..=writes.len() - before + 1 {
                 let mut bufs = [Vec::new(), Vec::new()];
@@ -172,11 +189,48 @@ mod tests {
                     }
                 }
                 assert_eq!(j.appends(), writes.len() - before);
-                j.release(keep, |f, h, at, old, len| {
+                j.rewind(keep, |f, h, at, old, len| {
                     assert_eq!(h, 0);
                     restore(&mut bufs[f as usize], at, old, len)
                 });
+                j.stop();
                 assert_eq!(bufs, want, "before={before} keep={keep}");
+                assert_eq!(j.bytes(), 0);
+            }
+        }
+    }
+
+    /// Rewinding to every split point and then writing more: the buffers are those of
+    /// the kept appends plus the later ones, the journal still holds, and releasing any
+    /// number of the appends it now records gives back the buffers after them.
+    #[test]
+    fn rewind_holds_on() {
+        let writes = WRITES;
+        fn undo(bufs: &mut [Vec<u16>; 2]) -> impl FnMut(u8, usize, usize, &[u8], usize) + '_ {
+            move |f, _, at, old, len| restore(&mut bufs[f as usize], at, old, len)
+        }
+        for keep in 0..=writes.len() {
+            for release in 0..=keep + 2 {
+                let mut bufs = [vec![9u16; 2], Vec::new()];
+                let mut j = Journal::default();
+                j.hold();
+                for w in &writes {
+                    apply(&mut j, &mut bufs, w);
+                }
+                j.rewind(keep, undo(&mut bufs));
+                assert_eq!(j.appends(), keep);
+                // Later appends: the first two writes again.
+                for w in &writes[..2] {
+                    apply(&mut j, &mut bufs, w);
+                }
+                let order: Vec<_> = writes[..keep].iter().chain(&writes[..2]).collect();
+                let mut want = [vec![9u16; 2], Vec::new()];
+                for w in order.iter().take(release) {
+                    apply(&mut Journal::default(), &mut want, w);
+                }
+                j.rewind(release, undo(&mut bufs));
+                j.stop();
+                assert_eq!(bufs, want, "keep={keep} release={release}");
                 assert_eq!(j.bytes(), 0);
             }
         }

@@ -302,7 +302,11 @@ impl RowStore for ChannelQuant {
         self.journal.hold();
     }
 
-    fn release(&mut self, keep: usize) {
+    fn stop_holding(&mut self) {
+        self.journal.stop();
+    }
+
+    fn rewind(&mut self, keep: usize) {
         let (codes, scale, zero, residual) = (
             &mut self.codes,
             &mut self.scale,
@@ -310,7 +314,7 @@ impl RowStore for ChannelQuant {
             &mut self.residual,
         );
         self.journal
-            .release(keep, |field, h, at, old, len| match field {
+            .rewind(keep, |field, h, at, old, len| match field {
                 CODES => restore(&mut codes[h], at, old, len),
                 SCALE => restore(&mut scale[h], at, old, len),
                 ZERO => restore(&mut zero[h], at, old, len),

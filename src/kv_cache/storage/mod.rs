@@ -21,7 +21,7 @@
 //! Buffers grow lazily up to the slot written, so a bounded ring allocates at most
 //! `window` slots and an unbounded cache grows amortised O(1) per row. Every write to a
 //! buffer goes through the store's [`journal::Journal`], which, while a hold runs
-//! (`kv_cache/hold.rs`), saves what the write overwrites so [`RowStore::release`] can
+//! (`kv_cache/hold.rs`), saves what the write overwrites so [`RowStore::rewind`] can
 //! undo it.
 //!
 //! Code packing: `packed(n)` is `n` bytes for int8, `ceil(n / 2)` for int4, whose
@@ -154,10 +154,13 @@ pub(crate) trait RowStore: Debug + Send + Sync {
     /// Hold bookkeeping (docs/design.md §3.2): from now on, journal what each append
     /// overwrites ([`journal::Journal`]; a running hold is committed first).
     fn hold(&mut self);
-    /// Ends the hold, keeping the first `keep` appends this store saw since
-    /// [`RowStore::hold`] and undoing the later ones, newest first: every buffer is
-    /// then byte for byte as it was after the kept appends. Not holding, does nothing.
-    fn release(&mut self, keep: usize);
+    /// Undoes the appends after the first `keep` this store saw since [`RowStore::hold`],
+    /// newest first, and holds on: every buffer is then byte for byte as it was after the
+    /// kept appends, and the journal records those only. Not holding, does nothing.
+    fn rewind(&mut self, keep: usize);
+    /// Ends the hold keeping every append (empties the journal); a release of the first
+    /// `keep` appends is a [`RowStore::rewind`]`(keep)`, then this.
+    fn stop_holding(&mut self);
     /// Bytes the running hold's journal keeps (0 without a hold).
     fn hold_bytes(&self) -> usize;
     /// Writes the store's buffers, exactly as held (a saved state, docs/design.md §5).

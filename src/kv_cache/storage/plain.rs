@@ -489,9 +489,13 @@ impl<E: Elem + Pod + std::fmt::Debug + Wire> RowStore for Rows<E> {
     fn hold(&mut self) {
         self.journal.hold();
     }
-    fn release(&mut self, keep: usize) {
+    fn stop_holding(&mut self) {
+        self.journal.stop();
+    }
+
+    fn rewind(&mut self, keep: usize) {
         let data = &mut self.data;
-        self.journal.release(keep, |_, h, at, old, len| {
+        self.journal.rewind(keep, |_, h, at, old, len| {
             journal::restore(&mut data[h], at, old, len)
         });
     }
