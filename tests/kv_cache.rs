@@ -736,6 +736,115 @@ fn bytes_shrink_with_precision_at_2048_tokens() {
     assert!(get(Precision::Int4) <= 0.6 * get(Precision::Int8), "{b:?}");
 }
 
+/// Counts the bytes this thread holds on the heap, so a test can see what a copy of a
+/// cache really allocates (the oracle for [`KvCache::buffer_bytes`]).
+struct CountingAlloc;
+
+thread_local! {
+    static LIVE_BYTES: std::cell::Cell<isize> = const { std::cell::Cell::new(0) };
+}
+
+fn count(delta: isize) {
+    // During thread teardown the counter may be gone: nothing to count then.
+    let _ = LIVE_BYTES.try_with(|c| c.set(c.get() + delta));
+}
+
+// SAFETY: every call forwards to the system allocator unchanged; counting only reads
+// the layout.
+unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        let p = unsafe { std::alloc::System.alloc(l) };
+        if !p.is_null() {
+            count(l.size() as isize);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        unsafe { std::alloc::System.dealloc(p, l) };
+        count(-(l.size() as isize));
+    }
+}
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+/// Heap bytes that `f`'s result holds, as this thread's allocator saw them.
+fn heap_bytes_of<T>(f: impl FnOnce() -> T) -> (T, usize) {
+    let before = LIVE_BYTES.with(|c| c.get());
+    let out = f();
+    let after = LIVE_BYTES.with(|c| c.get());
+    (out, (after - before) as usize)
+}
+
+/// `buffer_bytes()` is what a copy of the cache (a kept prompt-cache entry) allocates
+/// beyond an empty cache's bookkeeping, to the byte, and never less than `bytes()`:
+/// every precision, KIVI residual, K != V, windows whose rings and group rings wrap, T
+/// at 1, at group and window boundaries and far past them.
+#[test]
+fn buffer_bytes_is_what_a_copy_allocates() {
+    let mut cfg = config(9, 3, 64, None);
+    cfg.n_layers = 2;
+    let mut modes = Vec::new();
+    for &precision in &Precision::ALL {
+        for (sink, window, g, residual) in [
+            (0usize, None, 32usize, 0usize),
+            (4, Some(252), 32, 0),
+            (4, Some(60), 32, 32),
+            (2, Some(7), 3, 0),
+            (0, Some(16), 8, 5),
+        ] {
+            let quantised = matches!(
+                precision,
+                Precision::Int8 | Precision::Int4 | Precision::Int2
+            );
+            if residual > 0 && !quantised {
+                continue;
+            }
+            modes.push(KvConfig {
+                precision,
+                group_size: g,
+                residual,
+                sink,
+                window,
+                ..KvConfig::default()
+            });
+        }
+    }
+    modes.push(KvConfig {
+        k_precision: Some(Precision::Int4),
+        v_precision: Some(Precision::Int2),
+        group_size: 32,
+        residual: 32,
+        sink: 4,
+        window: Some(252),
+        ..KvConfig::default()
+    });
+    let mut checked = 0;
+    for kv in &modes {
+        let empty = KvCache::new(&cfg, kv);
+        let (_copy, bookkeeping) = heap_bytes_of(|| empty.clone());
+        let mut cache = KvCache::new(&cfg, kv);
+        let mut inputs = Inputs::new(11, cfg.kv_dim());
+        let mut t = 0;
+        for until in [1usize, 3, 31, 32, 33, 256, 257, 300, 600] {
+            while t < until {
+                let (_, k, v) = inputs.token(cfg.kv_dim(), cfg.kv_dim());
+                for l in 0..cache.n_layers() {
+                    cache.layer_mut(l).append(&k, &v, t);
+                }
+                t += 1;
+            }
+            let (copy, took) = heap_bytes_of(|| cache.clone());
+            let ctx = format!("{kv:?} T={t}");
+            assert_eq!(took, bookkeeping + copy.buffer_bytes(), "{ctx}");
+            assert_eq!(copy.buffer_bytes(), cache.buffer_bytes(), "{ctx}");
+            assert!(copy.buffer_bytes() >= copy.bytes(), "{ctx}");
+            checked += 1;
+        }
+    }
+    assert!(checked > 100);
+}
+
 #[test]
 fn bytes_stop_growing_after_sink_plus_window() {
     let mut cfg = config(4, 2, 32, None);

@@ -399,7 +399,10 @@ fn lookup_rules_bound_and_lru() {
     let cost = |prompt: &[u32], gen: usize| {
         let a = run(&model, &kv, prompt, None, gen, ROOMY);
         let n = prompt.len() + gen - 1;
-        worst_case_kv_bytes(&model.cfg, &kv, n) + a.session.cache.hold_bytes()
+        // What an entry counts (docs/design.md §4, serve): the worst case or, if more,
+        // what its buffers take, plus its hold.
+        let c = &a.session.cache;
+        worst_case_kv_bytes(&model.cfg, &kv, n).max(c.buffer_bytes()) + c.hold_bytes()
     };
     let (c1, c2, c3) = (cost(&p1, 10), cost(&p2, 10), cost(&p3, 10));
     // Room for two of the three.

@@ -542,6 +542,18 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
             + self.body_k.bytes(&body)
             + self.body_v.bytes(&body)
     }
+
+    /// Bytes the layer's buffers take, whatever they hold: [`LayerKv::bytes`] plus ring
+    /// slots and KIVI group parameters holding no stored row, and the rows' positions
+    /// (not the hold's journal: [`LayerKv::hold_bytes`]). What a kept copy costs in memory.
+    pub fn buffer_bytes(&self) -> usize {
+        self.prefix_k.buffer_bytes()
+            + self.prefix_v.buffer_bytes()
+            + self.body_k.buffer_bytes()
+            + self.body_v.buffer_bytes()
+            + std::mem::size_of_val(self.prefix_pos.as_slice())
+            + std::mem::size_of_val(self.body_pos.as_slice())
+    }
 }
 
 /// The whole cache: one [`LayerKv`] per layer that holds K/V.
@@ -585,6 +597,10 @@ impl KvCache {
     /// Bytes held by every layer (see [`LayerKv::bytes`]).
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(LayerKv::bytes).sum()
+    }
+    /// Bytes every layer's buffers take (see [`LayerKv::buffer_bytes`]).
+    pub fn buffer_bytes(&self) -> usize {
+        self.layers.iter().map(LayerKv::buffer_bytes).sum()
     }
     /// Rows held by layer 0.
     pub fn stored_tokens(&self) -> usize {

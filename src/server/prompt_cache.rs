@@ -17,7 +17,8 @@
 //!   entry's `from` is no match. The resumed request then prefills its prompt from `r` on
 //!   the same path as any prompt, so it computes exactly what recomputing would.
 //! * **Bounded**: an entry costs the worst-case bytes admission counts for a cache of its
-//!   ids ([`super::worst_case_kv_bytes`]) plus [`KvCache::hold_bytes`]; the entries'
+//!   ids ([`super::worst_case_kv_bytes`]) or, if more, what its buffers take
+//!   ([`KvCache::buffer_bytes`]), plus [`KvCache::hold_bytes`]; the entries'
 //!   costs sum to at most `--prompt-cache-bytes`, the least recently used leaving first.
 //!   An entry is a copy of the finished cache (the running one's buffers grew by
 //!   doubling; the copy's hold what they count), so what it counts is what it holds,
@@ -164,16 +165,19 @@ impl PromptCache {
         let mut dropped = 0;
         let refused = |cache: &KvCache, kept| Inserted {
             kept,
-            freed: cache.bytes() + cache.hold_bytes(),
+            freed: cache.buffer_bytes() + cache.hold_bytes(),
         };
         if self.limit == 0 || ids.is_empty() || ids.len() != appended {
             return refused(&cache, false);
         }
-        let mut cost = worst_case + cache.hold_bytes();
+        // What the kept copy's buffers take may exceed the worst case admission counts
+        // (ring slots and KIVI group parameters that hold no stored row, row positions).
+        let buffers = worst_case.max(cache.buffer_bytes());
+        let mut cost = buffers + cache.hold_bytes();
         if cost > self.limit {
             // Without its hold it resumes at its end only, but may fit.
             cache.release(usize::MAX);
-            cost = worst_case;
+            cost = buffers;
         }
         if cost > self.limit {
             return refused(&cache, false);
@@ -209,7 +213,7 @@ impl PromptCache {
         // size of what they hold, so the entry holds what it counts (the running one's
         // memory is freed here).
         let kept = cache.clone();
-        dropped += cache.bytes() + cache.hold_bytes();
+        dropped += cache.buffer_bytes() + cache.hold_bytes();
         drop(cache);
         let used = self.tick();
         self.bytes += cost;
@@ -232,7 +236,7 @@ impl PromptCache {
     fn remove(&mut self, i: usize) -> usize {
         let e = self.entries.swap_remove(i);
         self.bytes -= e.cost;
-        e.cache.bytes() + e.cache.hold_bytes()
+        e.cache.buffer_bytes() + e.cache.hold_bytes()
     }
 
     /// The state the completion `completion` left, released to its end (no hold): its
@@ -281,11 +285,11 @@ pub fn bound_hold(cache: &mut KvCache, limit: usize) {
     let Some(held) = cache.held() else {
         return;
     };
-    if held < HOLD_ROWS && cache.bytes() + cache.hold_bytes() <= limit {
+    if held < HOLD_ROWS && cache.buffer_bytes() + cache.hold_bytes() <= limit {
         return;
     }
     cache.hold();
-    if cache.bytes() + cache.hold_bytes() > limit {
+    if cache.buffer_bytes() + cache.hold_bytes() > limit {
         cache.release(usize::MAX);
     }
 }

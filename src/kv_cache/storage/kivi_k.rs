@@ -24,7 +24,7 @@
 
 use super::journal::{restore, Journal};
 use super::plain::PlainRun;
-use super::{clip, load_heads, ring_needed, slots_needed};
+use super::{clip, heads_bytes, load_heads, ring_needed, slots_needed};
 use super::{KeyRun, KeyStore, Region, RowStore, Shape};
 use crate::error::Result;
 use crate::kivi::{self, Bits, KvKernel};
@@ -337,6 +337,13 @@ impl RowStore for ChannelQuant {
         quant_rows * self.code_row_bytes()
             + residual_rows * self.residual_row_bytes()
             + live_groups * self.group_bytes()
+    }
+
+    fn buffer_bytes(&self) -> usize {
+        heads_bytes(&self.codes)
+            + heads_bytes(&self.scale)
+            + heads_bytes(&self.zero)
+            + heads_bytes(&self.residual)
     }
 
     fn save(&self, w: &mut Writer) {

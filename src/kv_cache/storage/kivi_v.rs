@@ -14,7 +14,7 @@
 
 use super::journal::{restore, Journal};
 use super::plain::{PlainRun, Rows};
-use super::{clip, load_heads, ring_needed, slots_needed};
+use super::{clip, heads_bytes, load_heads, ring_needed, slots_needed};
 use super::{Region, RowStore, Shape, ValueRun, ValueStore};
 use crate::error::Result;
 use crate::kivi::{self, Bits, KvKernel};
@@ -284,6 +284,13 @@ impl RowStore for TokenQuant {
             None => (0, 0),
         };
         (rows - res_rows) * self.row_bytes() + res_rows * res_row_bytes
+    }
+
+    fn buffer_bytes(&self) -> usize {
+        heads_bytes(&self.codes)
+            + heads_bytes(&self.scale)
+            + heads_bytes(&self.zero)
+            + self.res.as_ref().map_or(0, RowStore::buffer_bytes)
     }
 
     fn save(&self, w: &mut Writer) {

@@ -151,6 +151,9 @@ pub(crate) trait RowStore: Debug + Send + Sync {
     fn run_end(&self, b: usize, end: usize, at: &Region<'_>) -> usize;
     /// Bytes held for the region's stored rows (data, scales, zeros, f32 residual rows).
     fn bytes(&self, at: &Region<'_>) -> usize;
+    /// Bytes the store's buffers take, whatever they hold: [`RowStore::bytes`] plus ring
+    /// slots and group parameters that hold no stored row (not the hold's journal).
+    fn buffer_bytes(&self) -> usize;
     /// Hold bookkeeping (docs/design.md §3.2): from now on, journal what each append
     /// overwrites ([`journal::Journal`]; a running hold is committed first).
     fn hold(&mut self);
@@ -354,4 +357,11 @@ pub(crate) fn ensure<T: Copy + Default>(buf: &mut Vec<T>, len: usize) {
     if buf.len() < len {
         buf.resize(len, T::default());
     }
+}
+
+/// Bytes of the elements of per-head buffers (their lengths, not their capacities).
+pub(crate) fn heads_bytes<E>(bufs: &[Vec<E>]) -> usize {
+    bufs.iter()
+        .map(|b| std::mem::size_of_val(b.as_slice()))
+        .sum()
 }

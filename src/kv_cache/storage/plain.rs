@@ -13,7 +13,7 @@
 //! the store's hold journal (`journal.rs`).
 
 use super::journal::{self, Journal};
-use super::{load_heads, slots_needed};
+use super::{heads_bytes, load_heads, slots_needed};
 use super::{Elem, KeyRun, KeyStore, Region, RowStore, ValueRun, ValueStore};
 use crate::error::Result;
 use crate::kivi::KvKernel;
@@ -510,6 +510,9 @@ impl<E: Elem + Pod + std::fmt::Debug + Wire> RowStore for Rows<E> {
     }
     fn bytes(&self, at: &Region<'_>) -> usize {
         at.stored() * self.row_bytes()
+    }
+    fn buffer_bytes(&self) -> usize {
+        heads_bytes(&self.data)
     }
     fn save(&self, w: &mut Writer) {
         self.save_rows(w)
