@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::kv_cache::KvConfig;
 use crate::model::{Model, Session};
 use crate::sampler::{Sampler, SamplerConfig};
-use crate::speculate::{SpecConfig, SpecStats, Speculator};
+use crate::speculate::{DraftModel, SpecConfig, SpecStats, Speculator};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use std::ops::Deref;
 use std::time::Instant;
@@ -621,6 +621,8 @@ pub struct Generation {
     spec: Option<Speculator>,
     /// A verification pass's logits, `(k + 1, vocab)`.
     all_logits: Vec<f32>,
+    /// Drafts come from this model instead of prompt lookup ([`Generation::with_draft_model`]).
+    draft: Option<DraftModel>,
 }
 
 impl Generation {
@@ -652,7 +654,32 @@ impl Generation {
             decode_steps: 0,
             spec: opts.speculate.map(|c| Speculator::new(c, prompt_ids)),
             all_logits: Vec::new(),
+            draft: None,
         })
+    }
+
+    /// This generation drafting with `draft` (`--draft-model`, [`DraftModel`]) instead of
+    /// prompt lookup: speculative decoding with drafts of at most `opts`' draft length
+    /// ([`GenerateOptions::with_speculation`]; [`crate::speculate::DEFAULT_DRAFT`] when
+    /// it was not set). Before the prefill only.
+    pub fn with_draft_model(mut self, draft: DraftModel) -> Result<Generation> {
+        if self.pos > 0 || self.next.is_some() {
+            return Err(Error::Generate(
+                "a draft model is set before the prefill".into(),
+            ));
+        }
+        let context = match self.spec.take() {
+            Some(s) => s,
+            None => Speculator::new(
+                SpecConfig {
+                    max_draft: crate::speculate::DEFAULT_DRAFT,
+                },
+                &self.prompt,
+            ),
+        };
+        self.spec = Some(context.with_draft_step_cost(draft.step_cost));
+        self.draft = Some(draft);
+        Ok(self)
     }
 
     /// This generation resuming a cache that already holds the rows of the prompt's first
@@ -698,6 +725,13 @@ impl Generation {
         .and_then(|logits| {
             check_finite(&logits, last)?;
             Ok(self.sampler.sample(&logits))
+        })
+        .and_then(|t| {
+            // The draft model reads the prompt too (its part of the time to first token).
+            if let Some(d) = self.draft.as_mut() {
+                d.catch_up(&self.prompt)?;
+            }
+            Ok(t)
         });
         self.prefill_secs = t0.elapsed().as_secs_f64();
         match r {
@@ -773,9 +807,10 @@ impl Generation {
     fn decode(&mut self, engine: &mut dyn Engine, tok: &Tokenizer, prev: u32) -> Result<u32> {
         let budget = self.max_tokens - self.generated - 1;
         let draft = match self.spec.as_mut() {
-            Some(s) => match s.draft_len(budget) {
-                0 => Vec::new(),
-                k => s.draft(k),
+            Some(s) => match (s.draft_len(budget), self.draft.as_mut()) {
+                (0, _) => Vec::new(),
+                (k, Some(d)) => d.propose(&s.context, k)?,
+                (k, None) => s.draft(k),
             },
             None => Vec::new(),
         };
@@ -815,10 +850,16 @@ impl Generation {
             Ok(x) => x,
             Err(e) => {
                 engine.release(0);
+                if let Some(d) = self.draft.as_mut() {
+                    d.settle(0);
+                }
                 return Err(e);
             }
         };
         engine.release(out.len());
+        if let Some(d) = self.draft.as_mut() {
+            d.settle(accepted);
+        }
         let vocab = self.all_logits.len() / (draft.len() + 1);
         engine.keep_logits(&self.all_logits[(out.len() - 1) * vocab..out.len() * vocab]);
         self.pos += out.len();

@@ -28,9 +28,13 @@
 //!   choice depends only on accept counts (never on timing), so runs are reproducible.
 
 use crate::error::{Error, Result};
-use crate::generate::check_finite;
+use crate::generate::{check_finite, Engine, EngineRun};
+use crate::kv_cache::KvConfig;
+use crate::model::Model;
 use crate::sampler::Sampler;
+use crate::weights::ModelFiles;
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 /// `--speculate` default draft length.
 pub const DEFAULT_DRAFT: usize = 8;
@@ -149,6 +153,10 @@ pub(crate) struct Speculator {
     /// Plain steps left before drafting is tried again, and the back-off that set it.
     wait: usize,
     backoff: usize,
+    /// What a drafted token costs, in single-token steps of the target: its share of the
+    /// verification pass ([`COST_PER_DRAFT`]) plus, with a draft model, the draft model's
+    /// step that proposed it ([`DraftModel::step_cost`]).
+    cost_per_draft: f64,
     pub(crate) stats: SpecStats,
 }
 
@@ -161,8 +169,16 @@ impl Speculator {
             alpha: 0.5,
             wait: 0,
             backoff: MIN_BACKOFF,
+            cost_per_draft: COST_PER_DRAFT,
             stats: SpecStats::default(),
         }
+    }
+
+    /// Drafting with a draft model whose step costs `step_cost` target steps: each drafted
+    /// token costs that on top of its share of the verification pass.
+    pub(crate) fn with_draft_step_cost(mut self, step_cost: f64) -> Speculator {
+        self.cost_per_draft = COST_PER_DRAFT + step_cost.max(0.0);
+        self
     }
 
     /// How many draft tokens are worth verifying now (at most `budget`): the `k` that
@@ -184,7 +200,7 @@ impl Speculator {
         for k in 1..=budget {
             term *= a;
             expect += term;
-            let gain = expect / (1.0 + COST_PER_DRAFT * k as f64);
+            let gain = expect / (1.0 + self.cost_per_draft * k as f64);
             if gain > best.0 {
                 best = (gain, k);
             }
@@ -217,6 +233,171 @@ impl Speculator {
     pub(crate) fn forward_done(&mut self, n: usize) {
         self.stats.forwards += 1;
         self.stats.produced += n;
+    }
+}
+
+/// Refuses a draft model whose vocabulary is not the target's, id for id (the drafts are
+/// ids: another tokenizer's ids mean other tokens), in one line naming both files.
+pub fn check_same_vocab(target: &ModelFiles, draft: &ModelFiles) -> Result<()> {
+    let differs = |why: String| {
+        Err(Error::flag(
+            "--draft-model",
+            format!(
+                "{} cannot draft for {}: {why}; a draft model needs the same tokenizer",
+                draft.path.display(),
+                target.path.display()
+            ),
+        ))
+    };
+    let (tt, dt) = (&target.tokenizer, &draft.tokenizer);
+    if tt.vocab_size() != dt.vocab_size() {
+        return differs(format!(
+            "its vocabulary has {} tokens, the target's {}",
+            dt.vocab_size(),
+            tt.vocab_size()
+        ));
+    }
+    if target.config.vocab_size != draft.config.vocab_size {
+        return differs(format!(
+            "its output layer has {} rows, the target's {}",
+            draft.config.vocab_size, target.config.vocab_size
+        ));
+    }
+    for id in 0..tt.vocab_size() as u32 {
+        let (a, b) = (tt.id_to_token(id), dt.id_to_token(id));
+        if a != b {
+            return differs(format!(
+                "token {id} is {:?} in it and {:?} in the target",
+                b.unwrap_or_default(),
+                a.unwrap_or_default()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A draft model (`--draft-model FILE`, docs/design.md §3.3): a model with the target's
+/// vocabulary, run greedily on its own cache (same cache settings as the target) to
+/// propose drafts. Its cache follows the text: before each proposal it is fed the text's
+/// tokens it has not seen (catching up after plain steps and accepted drafts), and after
+/// the verification it keeps, through a [`hold`](crate::kv_cache::KvCache::hold), only
+/// the rows of tokens that are now text. A greedy drafter proposes a point mass, so the
+/// verification rule of [`check`] keeps the output distribution under sampling too.
+pub struct DraftModel {
+    run: EngineRun<Arc<Model>>,
+    /// Text tokens (prompt and output, from the start) whose rows its cache holds.
+    synced: usize,
+    /// Of the running proposal: text tokens fed to catch up, and draft tokens proposed.
+    fed: usize,
+    proposed: usize,
+    /// A draft-model step's cost in target steps: the ratio of the files' bytes (a decode
+    /// step reads every weight once), fixed at load so runs are reproducible.
+    pub step_cost: f64,
+}
+
+impl DraftModel {
+    /// `model` (loaded from `draft`) drafting for the model of `target`, with the target's
+    /// cache settings `kv`; refuses another vocabulary or a cache setting the draft model
+    /// cannot take, naming `--draft-model`.
+    pub fn new(
+        model: Arc<Model>,
+        draft: &ModelFiles,
+        target: &ModelFiles,
+        kv: &KvConfig,
+    ) -> Result<DraftModel> {
+        check_same_vocab(target, draft)?;
+        crate::kv_cache::validate(kv, &draft.config)
+            .map_err(|e| Error::flag("--draft-model", format!("{}: {e}", draft.path.display())))?;
+        let step_cost = draft.file_bytes as f64 / target.file_bytes.max(1) as f64;
+        Ok(DraftModel {
+            run: EngineRun::new(model, kv),
+            synced: 0,
+            fed: 0,
+            proposed: 0,
+            step_cost,
+        })
+    }
+
+    /// Sets the cost of a draft-model step in target steps (what the draft length
+    /// weighs against the acceptance rate; by default the files' byte ratio).
+    pub fn with_step_cost(mut self, step_cost: f64) -> DraftModel {
+        self.step_cost = step_cost;
+        self
+    }
+
+    /// Feeds the text's tokens the cache has not seen (`text[synced..]`) outside any
+    /// proposal (after the prompt's prefill).
+    pub(crate) fn catch_up(&mut self, text: &[u32]) -> Result<()> {
+        if self.synced < text.len() {
+            self.run.prefill(&text[self.synced..], self.synced)?;
+            self.synced = text.len();
+        }
+        Ok(())
+    }
+
+    /// Up to `k` greedy draft tokens continuing `text` (prompt and output so far; `k ≥ 1`),
+    /// under a hold of the draft cache that [`settle`](Self::settle) ends.
+    pub(crate) fn propose(&mut self, text: &[u32], k: usize) -> Result<Vec<u32>> {
+        self.run.hold()?;
+        let r = self.propose_held(text, k);
+        if r.is_err() {
+            self.run.release(0);
+            self.fed = 0;
+            self.proposed = 0;
+        }
+        r
+    }
+
+    fn propose_held(&mut self, text: &[u32], k: usize) -> Result<Vec<u32>> {
+        let n = text.len();
+        let catch = &text[self.synced.min(n)..];
+        let mut pos = self.synced;
+        let mut next = {
+            let logits = match catch {
+                [] => {
+                    return Err(Error::Generate(
+                        "the draft model has no token to continue from".into(),
+                    ))
+                }
+                [t] => self.run.forward(*t, pos)?,
+                many => self.run.prefill(many, pos)?,
+            };
+            check_finite(logits, n - 1)?;
+            crate::ops::argmax(logits) as u32
+        };
+        self.fed = catch.len();
+        pos = n;
+        let mut draft = Vec::with_capacity(k);
+        draft.push(next);
+        while draft.len() < k {
+            let logits = self.run.forward(next, pos)?;
+            check_finite(logits, pos)?;
+            pos += 1;
+            next = crate::ops::argmax(logits) as u32;
+            draft.push(next);
+        }
+        self.proposed = draft.len();
+        Ok(draft)
+    }
+
+    /// Ends the proposal's hold after its verification accepted the first `accepted`
+    /// drafts: the cache keeps the rows of the caught-up text and of the accepted drafts
+    /// it was fed (all but the last proposed one, which was never fed).
+    pub(crate) fn settle(&mut self, accepted: usize) {
+        let kept = accepted.min(self.proposed.saturating_sub(1));
+        self.run.release(self.fed + kept);
+        self.synced += self.fed + kept;
+        self.fed = 0;
+        self.proposed = 0;
+    }
+}
+
+impl std::fmt::Debug for DraftModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DraftModel")
+            .field("synced", &self.synced)
+            .field("step_cost", &self.step_cost)
+            .finish_non_exhaustive()
     }
 }
 

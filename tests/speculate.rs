@@ -12,7 +12,12 @@
 //! * sampling: the distribution of the sampled tokens equals plain sampling's (a two-sample
 //!   test over many seeds on the bundled model);
 //! * the CLI: `sample --speculate` gives `sample`'s ids and reports its counts; bad values
-//!   are refused naming the flag.
+//!   are refused naming the flag;
+//! * a draft model (`--draft-model`): greedy ids, logits and cache bit-identical to plain
+//!   decoding in every cache mode with a draft that is accepted and rejected (the bundled
+//!   model's bf16 copy drafting for it), its own cache bounded under sink + window, the
+//!   CLI's ids, and refusals of another vocabulary (naming both files) and of
+//!   `--speculate` beside it.
 
 mod common;
 
@@ -22,7 +27,7 @@ use tinygpt_cpu::generate::{Engine, EngineRun, GenerateOptions, Generation};
 use tinygpt_cpu::kv_cache::{KvConfig, PositionsMode, Precision};
 use tinygpt_cpu::model::{Model, WeightsDType};
 use tinygpt_cpu::sampler::SamplerConfig;
-use tinygpt_cpu::speculate::{SpecConfig, SpecStats};
+use tinygpt_cpu::speculate::{DraftModel, SpecConfig, SpecStats};
 use tinygpt_cpu::weights::ModelFiles;
 
 /// An engine that keeps the logits of every decode position whose row the cache keeps
@@ -114,6 +119,21 @@ fn run(
     sampler: SamplerConfig,
     spec: Option<SpecConfig>,
 ) -> Outcome {
+    run_with(model, files, kv, prompt, tokens, sampler, spec, None)
+}
+
+/// [`run`], drafting with `draft` when given.
+#[allow(clippy::too_many_arguments)]
+fn run_with(
+    model: &Model,
+    files: &ModelFiles,
+    kv: &KvConfig,
+    prompt: &[u32],
+    tokens: usize,
+    sampler: SamplerConfig,
+    spec: Option<SpecConfig>,
+    draft: Option<DraftModel>,
+) -> Outcome {
     let opts = GenerateOptions::new(tokens, sampler, true, kv, 1 << 20, true)
         .unwrap()
         .with_speculation(spec);
@@ -123,6 +143,9 @@ fn run(
         held_from: None,
     };
     let mut gen = Generation::new(prompt, &opts).unwrap();
+    if let Some(d) = draft {
+        gen = gen.with_draft_model(d).unwrap();
+    }
     let mut ids = Vec::new();
     while let Some(step) = gen.step(&mut e, &files.tokenizer).unwrap() {
         ids.push(step.id);
@@ -464,4 +487,199 @@ fn a_saved_state_after_drafts_is_the_plain_runs() {
         files.push(std::fs::read(&path).unwrap());
     }
     assert!(files[0] == files[1], "the saved states differ");
+}
+
+/// A fixture with the bundled model's tokenizer drafting for the bundled model: the YOCO
+/// fixture (other weights, shared and sliding layers of its own) agrees with it on the
+/// repetitive prompt about two times in three. Its step cost is set to `step_cost`
+/// (by the files' byte ratio drafting would rarely pay for a model this size).
+fn fixture_draft(name: &str, target: &ModelFiles, kv: &KvConfig, step_cost: f64) -> DraftModel {
+    let files = ModelFiles::open(Some(&fixtures().join(name))).unwrap();
+    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    DraftModel::new(std::sync::Arc::new(model), &files, target, kv)
+        .unwrap()
+        .with_step_cost(step_cost)
+}
+
+/// Greedy with a draft model equals plain greedy in every cache mode (ids, kept logits,
+/// stored rows and positions, bytes), on 1 and 2 threads, with drafts accepted and
+/// rejected; the draft model's own cache follows the same flags.
+#[test]
+fn draft_model_greedy_is_bit_identical() {
+    let files = ModelFiles::open(None).unwrap();
+    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    let prompt = repetitive_prompt(&files);
+    for threads in [1, 2] {
+        for (name, kv) in modes() {
+            pool(threads).install(|| {
+                let g = SamplerConfig::greedy();
+                let plain = run(&model, &files, &kv, &prompt, 70, g.clone(), None);
+                for k in [3, 8] {
+                    let ctx = format!("{name}, K = {k}, {threads} thread(s)");
+                    let spec = Some(SpecConfig { max_draft: k });
+                    let draft = Some(fixture_draft("yoco", &files, &kv, 0.0));
+                    let got = run_with(&model, &files, &kv, &prompt, 70, g.clone(), spec, draft);
+                    assert_eq!(got.ids, plain.ids, "{ctx}: ids");
+                    assert_eq!(got.logits, plain.logits, "{ctx}: logits");
+                    assert_eq!(got.positions, plain.positions, "{ctx}: positions");
+                    assert!(got.rows == plain.rows, "{ctx}: stored rows differ");
+                    assert_eq!(got.bytes, plain.bytes, "{ctx}: bytes");
+                    let s = got.spec;
+                    assert!(s.accepted > 0, "{ctx}: no draft accepted ({s:?})");
+                    assert!(s.accepted < s.drafted, "{ctx}: no draft rejected ({s:?})");
+                    // The target's own weights drafting: every draft is right exactly
+                    // when the draft cache holds the text's rows at their positions.
+                    let own = Some(fixture_draft("tiny", &files, &kv, 0.0));
+                    let got = run_with(&model, &files, &kv, &prompt, 70, g.clone(), spec, own);
+                    assert_eq!(got.ids, plain.ids, "{ctx}: ids, drafting for itself");
+                    let s = got.spec;
+                    assert!(s.drafted > 30, "{ctx}: {s:?}");
+                    assert_eq!(s.accepted, s.drafted, "{ctx}: drafting for itself");
+                }
+            });
+        }
+    }
+}
+
+/// A draft model whose drafts are never right leaves the output alone and stops drafting
+/// by itself (the self-stop), and a long generation under sink 4 + window 252 + int4
+/// keeps both caches bounded.
+#[test]
+fn draft_model_bounded_and_self_stopping() {
+    let files = ModelFiles::open(None).unwrap();
+    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    let kv = KvConfig {
+        precision: Precision::Int4,
+        sink: 4,
+        window: Some(252),
+        ..KvConfig::default()
+    };
+    let prompt = repetitive_prompt(&files);
+    let g = SamplerConfig::greedy();
+    let spec = Some(SpecConfig { max_draft: 8 });
+    let plain = run(&model, &files, &kv, &prompt, 1000, g.clone(), None);
+    let got = run_with(
+        &model,
+        &files,
+        &kv,
+        &prompt,
+        1000,
+        g.clone(),
+        spec,
+        Some(fixture_draft("yoco", &files, &kv, 0.0)),
+    );
+    assert!(got.positions.iter().all(|p| p.len() <= 256));
+    assert_eq!(got.positions, plain.positions);
+    assert!(got.rows == plain.rows);
+    assert_eq!(got.ids, plain.ids);
+    assert!(got.spec.accepted > 0, "{:?}", got.spec);
+    // A draft model that is seldom right stops drafting by itself.
+    let free = files.tokenizer.encode("The little robot said").unwrap();
+    let plain = run(&model, &files, &kv, &free, 1000, g.clone(), None);
+    let d = fixture_draft(SELDOM_RIGHT, &files, &kv, 0.2);
+    let got = run_with(&model, &files, &kv, &free, 1000, g, spec, Some(d));
+    assert_eq!(got.ids, plain.ids);
+    let s = got.spec;
+    eprintln!("{SELDOM_RIGHT} drafting on a free prompt: {s:?}");
+    assert!(
+        s.accepted * 2 < s.drafted,
+        "not a seldom-right drafter: {s:?}"
+    );
+    assert!(
+        s.drafted < 100,
+        "drafting goes on though drafts are rejected: {s:?}"
+    );
+}
+
+/// A fixture with the bundled model's tokenizer whose greedy tokens seldom match the
+/// bundled model's after a free prompt.
+const SELDOM_RIGHT: &str = "unseen/llama3-untied-bf16";
+
+#[test]
+fn cli_draft_model_gives_the_same_ids_and_refuses_another_vocabulary() {
+    let prompt = "The little robot said";
+    let base = [
+        "sample",
+        "--prompt",
+        prompt,
+        "--tokens",
+        "60",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
+    ];
+    let plain = json_of(&cli().args(base).output().unwrap());
+    let tiny = fixtures().join("tiny");
+    let spec = json_of(
+        &cli()
+            .args(base)
+            .arg("--draft-model")
+            .arg(&tiny)
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(spec["generated_ids"], plain["generated_ids"]);
+    assert_eq!(spec["kv"], plain["kv"]);
+    // The same weights: every probe's draft is accepted.
+    let t = &spec["timing"];
+    assert!(t["drafted"].as_u64().unwrap() > 0, "{t}");
+    assert_eq!(t["drafted"], t["accepted"], "{t}");
+    // Another vocabulary (the bundled model's with two ids swapped): one line naming
+    // the flag and both files.
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("swapped");
+    std::fs::create_dir(&other).unwrap();
+    for f in std::fs::read_dir(&tiny).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, other.join(f.file_name().unwrap())).unwrap();
+    }
+    let tok_path = other.join("tokenizer.json");
+    let mut tok: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&tok_path).unwrap()).unwrap();
+    let vocab = tok["model"]["vocab"].as_object_mut().unwrap();
+    let (a, b) = ("the".to_string(), "and".to_string());
+    let (ia, ib) = (vocab[&a].clone(), vocab[&b].clone());
+    vocab.insert(a, ib);
+    vocab.insert(b, ia);
+    std::fs::write(&tok_path, serde_json::to_vec(&tok).unwrap()).unwrap();
+    let out = cli()
+        .args(["sample", "--prompt", "hi", "--draft-model"])
+        .arg(&other)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--draft-model"), "{err}");
+    assert!(err.contains(&other.display().to_string()), "{err}");
+    assert!(err.contains("bundled"), "names the target: {err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    // Not beside --speculate; not a missing file.
+    let out = cli()
+        .args([
+            "sample",
+            "--prompt",
+            "hi",
+            "--speculate",
+            "ngram",
+            "--draft-model",
+        ])
+        .arg(&tiny)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--draft-model"));
+    let out = cli()
+        .args([
+            "sample",
+            "--prompt",
+            "hi",
+            "--draft-model",
+            "/nonexistent/x.gguf",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("/nonexistent/x.gguf"), "{err}");
 }

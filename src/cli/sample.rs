@@ -54,6 +54,12 @@ pub struct SampleArgs {
     /// sampled output has the same distribution (docs/design.md §3.3).
     #[arg(long, value_name = "ngram[:K]")]
     pub speculate: Option<String>,
+    /// Speculative decoding with drafts from a second model with the same tokenizer (a
+    /// smaller sibling, or a more coarsely quantised copy of this model), run greedily on
+    /// a cache with the same flags; drafts of at most 8 tokens, their length adapting to
+    /// the acceptance rate. Same output guarantees as --speculate (docs/design.md §3.3).
+    #[arg(long = "draft-model", value_name = "FILE")]
+    pub draft_model: Option<PathBuf>,
     /// After the run, save the cache (the rows of the prompt and of every generated token
     /// fed through it, with the logits after the last) to FILE, for --load-state.
     #[arg(long = "save-state", value_name = "FILE")]
@@ -103,16 +109,36 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
         #[cfg(feature = "reference-engine")]
         Loaded::Reference(_) => None,
     };
-    if a.speculate.is_some() && exec.is_none() {
+    if a.speculate.is_some() && a.draft_model.is_some() {
         return Err(Error::flag(
-            "--speculate",
-            "needs the optimised engine (the reference engine cannot hold cache rows)",
+            "--draft-model",
+            "drafts come from a draft model or from prompt lookup (--speculate), not both",
         )
         .into());
     }
+    for (flag, set) in [
+        ("--speculate", a.speculate.is_some()),
+        ("--draft-model", a.draft_model.is_some()),
+    ] {
+        if set && exec.is_none() {
+            return Err(Error::flag(
+                flag,
+                "needs the optimised engine (the reference engine cannot hold cache rows)",
+            )
+            .into());
+        }
+    }
+    let draft = match &a.draft_model {
+        Some(path) => Some(load_draft(path, &files, &kv, &a.engine)?),
+        None => None,
+    };
     let mut run = loaded.run(&kv);
     let layers_with_kv = run.layers_with_kv();
-    let gen = resumed(Generation::new(&prompt_ids, &opts)?, &mut *run, resume)?;
+    let mut gen = Generation::new(&prompt_ids, &opts)?;
+    if let Some(d) = draft {
+        gen = gen.with_draft_model(d)?;
+    }
+    let gen = resumed(gen, &mut *run, resume)?;
     let keep = json || a.save_state.is_some();
     let res = generate_from(
         &mut *run,
@@ -151,6 +177,27 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
         .into());
     }
     Ok(())
+}
+
+/// The draft model at `path` for the target `target` (`--draft-model`): same vocabulary,
+/// loaded as the target is (`engine`'s weights type and threads), with its own cache of
+/// settings `kv`. Errors name `--draft-model` and the file.
+fn load_draft(
+    path: &std::path::Path,
+    target: &ModelFiles,
+    kv: &KvConfig,
+    engine: &EngineArgs,
+) -> crate::Result<crate::speculate::DraftModel> {
+    let named = |e: Error| match e {
+        Error::Flag { .. } => e,
+        e => Error::flag("--draft-model", format!("{}: {e}", path.display())),
+    };
+    let files = ModelFiles::open(Some(path)).map_err(named)?;
+    crate::speculate::check_same_vocab(target, &files)?;
+    let model = Loaded::load(&files, engine)
+        .and_then(|l| l.into_optimized("--draft-model"))
+        .map_err(named)?;
+    crate::speculate::DraftModel::new(std::sync::Arc::new(model), &files, target, kv)
 }
 
 /// The model's identity when `a` saves or loads a state (the optimised engine only).
