@@ -841,6 +841,18 @@ fn buffer_bytes_is_what_a_copy_allocates() {
             assert!(copy.buffer_bytes() >= copy.bytes(), "{ctx}");
             checked += 1;
         }
+        // Held: a copy also allocates what the hold keeps (`hold_bytes`), to the byte.
+        cache.hold();
+        for _ in 0..45 {
+            let (_, k, v) = inputs.token(cfg.kv_dim(), cfg.kv_dim());
+            for l in 0..cache.n_layers() {
+                cache.layer_mut(l).append(&k, &v, t);
+            }
+            t += 1;
+        }
+        let (copy, took) = heap_bytes_of(|| cache.clone());
+        let counted = bookkeeping + copy.buffer_bytes() + copy.hold_bytes();
+        assert_eq!(took, counted, "{kv:?} T={t}, holding 45 rows");
     }
     assert!(checked > 100);
 }
