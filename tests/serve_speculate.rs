@@ -4,8 +4,9 @@
 //! resuming from a speculated sequence's kept cache answers what recomputing answers; a
 //! bounded cache keeps exactly the rows it keeps without drafts (its saved state is the
 //! same file); the request field overrides the server's default and bad values are a 400
-//! naming it. Each test reads `/metrics` to make sure drafts were accepted, so it fails if
-//! speculation never ran.
+//! naming it; sampled requests with drafts have the distribution of sampled requests
+//! without (a two-sample test over many seeds, four requests at a time). Each test reads
+//! `/metrics` to make sure drafts were accepted, so it fails if speculation never ran.
 
 mod common;
 use common::server::*;
@@ -414,4 +415,60 @@ fn admission_bounds_what_a_pass_holds() {
         }
         assert!(peak > 0 && peak <= bound, "{kv:?}: {peak} > {bound}");
     }
+}
+
+/// Sampling with drafts under continuous batching keeps the distribution: after a prompt
+/// that loops (the bundled model's greedy continuation appended), 1,200 seeded requests of 6
+/// tokens at temperature 0.6 with drafts and 1,200 without, each set four at a time, are
+/// compared by a chi-square two-sample test on their whole 6-token texts (texts seen at
+/// least 15 times overall, the rest pooled), which must stay under the 1e-4 critical
+/// value; drafts were accepted and rejected (from `/metrics`).
+#[test]
+fn sampled_requests_with_drafts_keep_the_distribution() {
+    let files = ModelFiles::open(None).unwrap();
+    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    let mut ids = files.tokenizer.encode(PROMPTS[0]).unwrap();
+    let g = greedy(&mut EngineRun::new(&model, &KvConfig::default()), &ids, 30).ids;
+    ids.extend(&g);
+    let prompt = files.tokenizer.decode(&ids).unwrap();
+    let srv = Server::start(&["--speculate", "ngram:4", "--max-sequences", "4"]);
+    let n = 1200u64;
+    let texts = |spec: bool| -> Vec<String> {
+        let out = std::sync::Mutex::new(Vec::new());
+        let next = std::sync::atomic::AtomicU64::new(0);
+        std::thread::scope(|sc| {
+            for _ in 0..4 {
+                sc.spawn(|| loop {
+                    let seed = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if seed >= n {
+                        break;
+                    }
+                    let mut body = json!({"prompt": prompt, "max_tokens": 6,
+                        "temperature": 0.6, "top_k": 0, "top_p": 1.0, "ignore_eos": true,
+                        "cache_prompt": false,
+                        "seed": seed + if spec { 1_000_000 } else { 0 }});
+                    if !spec {
+                        body["speculate"] = json!(false);
+                    }
+                    let t = outcome(&post_ok(&srv, body)).0;
+                    out.lock().unwrap().push(t);
+                });
+            }
+        });
+        out.into_inner().unwrap()
+    };
+    let (plain, drafted) = (texts(false), texts(true));
+    let (acc, dr) = (
+        accepted(&srv),
+        srv.metric("tinygpt_speculate_drafted_total"),
+    );
+    assert!(acc > 100.0, "accepted {acc} of {dr}");
+    assert!(acc + 100.0 < dr, "accepted {acc} of {dr}");
+    let (stat, df) = chi_square(&plain, &drafted, 15);
+    let critical = chi_square_critical_1e4(df);
+    assert!(df >= 3, "too few distinct continuations to test ({df})");
+    assert!(
+        stat < critical,
+        "chi-square {stat:.1} over {df} degrees of freedom (critical {critical:.1})"
+    );
 }

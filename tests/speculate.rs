@@ -21,7 +21,7 @@
 
 mod common;
 
-use common::{cli, fixtures, json_of, pool};
+use common::{chi_square, chi_square_critical_1e4, cli, fixtures, json_of, pool};
 use std::collections::BTreeMap;
 use tinygpt_cpu::generate::{Engine, EngineRun, GenerateOptions, Generation};
 use tinygpt_cpu::kv_cache::{KvConfig, PositionsMode, Precision};
@@ -361,49 +361,12 @@ fn sampling_keeps_the_distribution() {
     assert!(stats.accepted + 100 < stats.drafted, "{stats:?}");
     for i in 1..6 {
         let (stat, df) = chi_square(&plain[i], &drafted[i], 20);
-        // The 1e-4 upper quantile of chi-square with df degrees of freedom, by the
-        // Wilson–Hilferty approximation (z = 3.719).
-        let z = 3.719;
-        let a = 2.0 / (9.0 * df as f64);
-        let critical = df as f64 * (1.0 - a + z * a.sqrt()).powi(3);
+        let critical = chi_square_critical_1e4(df);
         assert!(
             stat < critical,
             "token {i}: chi-square {stat:.1} over {df} degrees of freedom (critical {critical:.1})"
         );
     }
-}
-
-/// Chi-square statistic of two equal-size samples over the categories seen at least `min`
-/// times in both together (the others pooled into one), and its degrees of freedom.
-fn chi_square(a: &[u32], b: &[u32], min: usize) -> (f64, usize) {
-    let mut counts: BTreeMap<u32, (usize, usize)> = BTreeMap::new();
-    for &x in a {
-        counts.entry(x).or_default().0 += 1;
-    }
-    for &x in b {
-        counts.entry(x).or_default().1 += 1;
-    }
-    let mut cells: Vec<(usize, usize)> = Vec::new();
-    let mut rest = (0, 0);
-    for (_, (x, y)) in counts {
-        if x + y >= min {
-            cells.push((x, y));
-        } else {
-            rest.0 += x;
-            rest.1 += y;
-        }
-    }
-    if rest.0 + rest.1 > 0 {
-        cells.push(rest);
-    }
-    let stat = cells
-        .iter()
-        .map(|&(x, y)| {
-            let (x, y) = (x as f64, y as f64);
-            (x - y).powi(2) / (x + y)
-        })
-        .sum();
-    (stat, cells.len().saturating_sub(1).max(1))
 }
 
 #[test]

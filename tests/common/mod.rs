@@ -241,3 +241,45 @@ pub fn kv_kernel_opts() -> tinygpt_cpu::exec::ExecOptions {
         ..Default::default()
     }
 }
+
+/// Chi-square statistic of two equal-size samples over the categories seen at least `min`
+/// times in both together (the others pooled into one), and its degrees of freedom.
+pub fn chi_square<T: Ord>(a: &[T], b: &[T], min: usize) -> (f64, usize) {
+    let mut counts: std::collections::BTreeMap<&T, (usize, usize)> =
+        std::collections::BTreeMap::new();
+    for x in a {
+        counts.entry(x).or_default().0 += 1;
+    }
+    for x in b {
+        counts.entry(x).or_default().1 += 1;
+    }
+    let mut cells: Vec<(usize, usize)> = Vec::new();
+    let mut rest = (0, 0);
+    for (_, (x, y)) in counts {
+        if x + y >= min {
+            cells.push((x, y));
+        } else {
+            rest.0 += x;
+            rest.1 += y;
+        }
+    }
+    if rest.0 + rest.1 > 0 {
+        cells.push(rest);
+    }
+    let stat = cells
+        .iter()
+        .map(|&(x, y)| {
+            let (x, y) = (x as f64, y as f64);
+            (x - y).powi(2) / (x + y)
+        })
+        .sum();
+    (stat, cells.len().saturating_sub(1).max(1))
+}
+
+/// The 1e-4 upper quantile of chi-square with `df` degrees of freedom, by the
+/// Wilson–Hilferty approximation (z = 3.719).
+pub fn chi_square_critical_1e4(df: usize) -> f64 {
+    let z = 3.719;
+    let a = 2.0 / (9.0 * df as f64);
+    df as f64 * (1.0 - a + z * a.sqrt()).powi(3)
+}
