@@ -50,6 +50,11 @@ const MIN_NGRAM: usize = 2;
 /// Gemma 3 270M Q4_K_M ≈ 0.5 (its 262,144-row head is computed per token). One constant,
 /// not a timing, keeps the draft lengths, and so a seeded sampled run, reproducible.
 const COST_PER_DRAFT: f64 = 0.3;
+/// Drafting is off for good when even drafts that are always accepted could not gain this
+/// much (`(K + 1) / (1 + cost · K)` below it): a draft model whose step costs about as much
+/// as the target's. Its probes would cost more than they could return, the draft model
+/// having to read every token it missed first.
+const MIN_GAIN_CEILING: f64 = 1.1;
 /// Weight of the newest pass in the acceptance-rate estimate.
 const ALPHA_WEIGHT: f64 = 0.25;
 /// Plain steps before the first probe once drafting stopped paying; doubles per failed
@@ -186,7 +191,7 @@ impl Speculator {
     /// plain step. After a stop, 0 for `wait` steps, then a one-token probe.
     pub(crate) fn draft_len(&mut self, budget: usize) -> usize {
         let budget = budget.min(self.cfg.max_draft);
-        if budget == 0 {
+        if budget == 0 || !self.can_pay() {
             return 0;
         }
         if self.wait > 0 {
@@ -210,6 +215,12 @@ impl Speculator {
             self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
         }
         best.1
+    }
+
+    /// Whether drafts that are always accepted would gain at least [`MIN_GAIN_CEILING`].
+    pub(crate) fn can_pay(&self) -> bool {
+        let k = self.cfg.max_draft as f64;
+        (k + 1.0) / (1.0 + self.cost_per_draft * k) >= MIN_GAIN_CEILING
     }
 
     /// Records a verification pass that accepted `accepted` of `drafted` tokens.
@@ -540,5 +551,21 @@ mod tests {
             "back-off grows: {gaps:?}"
         );
         assert!(gaps[0] > MIN_BACKOFF / 2, "{gaps:?}");
+    }
+
+    /// A draft model whose step costs about what the target's does never drafts, not even
+    /// a probe, however well drafts would be accepted; a cheap one drafts.
+    #[test]
+    fn a_draft_model_that_cannot_pay_never_drafts() {
+        let mut s = Speculator::new(SpecConfig { max_draft: 8 }, &[]).with_draft_step_cost(0.7);
+        for _ in 0..20 {
+            s.record(8, 8);
+        }
+        assert!((0..300).all(|_| s.draft_len(8) == 0));
+        let mut s = Speculator::new(SpecConfig { max_draft: 8 }, &[]).with_draft_step_cost(0.1);
+        for _ in 0..20 {
+            s.record(8, 8);
+        }
+        assert!(s.draft_len(8) >= 4);
     }
 }
