@@ -63,6 +63,20 @@ impl Server {
             .unwrap()
     }
     /// A metric's value from `/metrics`.
+    /// [`metric`](Self::metric) once it equals `want`, polled for up to 10 s (a gauge the
+    /// scheduler updates after the response that a test waited for was sent); the last
+    /// value read otherwise.
+    pub fn metric_settled(&self, name: &str, want: f64) -> f64 {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let v = self.metric(name);
+            if v == want || std::time::Instant::now() >= deadline {
+                return v;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn metric(&self, name: &str) -> f64 {
         let text = self.get("/metrics");
         text.lines()
