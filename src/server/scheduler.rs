@@ -152,6 +152,7 @@ pub fn run(model: &Model, shared: &Shared, jobs: std::sync::mpsc::Receiver<Job>)
     loop {
         if seqs.is_empty() {
             gauges.idle(m);
+            trim_when_idle();
             match jobs.recv() {
                 Ok(j) => seqs.push(start(model, shared, j)),
                 Err(_) => return,
@@ -209,6 +210,15 @@ fn freed(bytes: usize) {
         crate::memory::release_free_memory();
     } else {
         FREED_SINCE_TRIM.with(|f| f.set(total));
+    }
+}
+
+/// Before the scheduler waits for work with nothing running: gives back the pages freed
+/// since the last trim (fewer than [`TRIM_AFTER_CACHE_BYTES`]), so an idle server holds its
+/// prompt cache's entries and little more.
+fn trim_when_idle() {
+    if FREED_SINCE_TRIM.with(|f| f.replace(0)) > 0 {
+        crate::memory::release_free_memory();
     }
 }
 
