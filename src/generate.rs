@@ -665,10 +665,10 @@ impl Generation {
     pub fn with_draft_model(mut self, draft: DraftModel) -> Result<Generation> {
         if self.pos > 0 || self.next.is_some() {
             return Err(Error::Generate(
-                "a draft model is set before the prefill".into(),
+                "a draft model must be set before the prefill".into(),
             ));
         }
-        let context = match self.spec.take() {
+        let spec = match self.spec.take() {
             Some(s) => s,
             None => Speculator::new(
                 SpecConfig {
@@ -677,7 +677,7 @@ impl Generation {
                 &self.prompt,
             ),
         };
-        self.spec = Some(context.with_draft_step_cost(draft.step_cost));
+        self.spec = Some(spec.with_draft_step_cost(draft.step_cost));
         self.draft = Some(draft);
         Ok(self)
     }

@@ -361,23 +361,20 @@ impl DraftModel {
 
     fn propose_held(&mut self, text: &[u32], k: usize) -> Result<Vec<u32>> {
         let n = text.len();
-        let catch = &text[self.synced.min(n)..];
-        let mut pos = self.synced;
-        let mut next = {
-            let logits = match catch {
-                [] => {
-                    return Err(Error::Generate(
-                        "the draft model has no token to continue from".into(),
-                    ))
-                }
-                [t] => self.run.forward(*t, pos)?,
-                many => self.run.prefill(many, pos)?,
-            };
-            check_finite(logits, n - 1)?;
-            crate::ops::argmax(logits) as u32
+        let from = self.synced.min(n);
+        let logits = match &text[from..] {
+            [] => {
+                return Err(Error::Generate(
+                    "the draft model has no token to continue from".into(),
+                ))
+            }
+            [t] => self.run.forward(*t, from)?,
+            many => self.run.prefill(many, from)?,
         };
-        self.fed = catch.len();
-        pos = n;
+        check_finite(logits, n - 1)?;
+        let mut next = crate::ops::argmax(logits) as u32;
+        self.fed = n - from;
+        let mut pos = n;
         let mut draft = Vec::with_capacity(k);
         draft.push(next);
         while draft.len() < k {

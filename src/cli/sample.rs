@@ -179,9 +179,10 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The draft model at `path` for the target `target` (`--draft-model`): same vocabulary,
-/// loaded as the target is (`engine`'s weights type and threads), with its own cache of
-/// settings `kv`. Errors name `--draft-model` and the file.
+/// The draft model at `path` for the target `target` (`--draft-model`): loaded as the
+/// target is (`engine`'s weights type and threads), with its own cache of settings `kv`;
+/// [`DraftModel::new`](crate::speculate::DraftModel::new) checks the vocabulary. Errors
+/// name `--draft-model` and the file.
 fn load_draft(
     path: &std::path::Path,
     target: &ModelFiles,
@@ -193,7 +194,6 @@ fn load_draft(
         e => Error::flag("--draft-model", format!("{}: {e}", path.display())),
     };
     let files = ModelFiles::open(Some(path)).map_err(named)?;
-    crate::speculate::check_same_vocab(target, &files)?;
     let model = Loaded::load(&files, engine)
         .and_then(|l| l.into_optimized("--draft-model"))
         .map_err(named)?;
