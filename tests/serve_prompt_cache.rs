@@ -167,15 +167,7 @@ fn smollm2_chat_turns_resume_from_the_previous_turn() {
     let Some(model) = smollm2_path() else {
         return;
     };
-    let srv = Server::start(&[
-        model.to_str().unwrap(),
-        "--streaming-llm-sink",
-        "4",
-        "--streaming-llm-window",
-        "252",
-        "--kv-quantize",
-        "int4",
-    ]);
+    let srv = Server::start(&[&[model.to_str().unwrap()][..], &FLAGSHIP_CACHE_FLAGS].concat());
     let mut messages = vec![json!({"role": "user", "content": "Name three rivers in Europe."})];
     let follow = [
         "Which one is the longest?",

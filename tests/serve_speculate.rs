@@ -335,17 +335,15 @@ fn smollm2_greedy_chat_with_drafts_equals_without() {
     let Some(model) = smollm2_path() else {
         return;
     };
-    let srv = Server::start(&[
-        model.to_str().unwrap(),
-        "--streaming-llm-sink",
-        "4",
-        "--streaming-llm-window",
-        "252",
-        "--kv-quantize",
-        "int4",
-        "--speculate",
-        "ngram",
-    ]);
+    let model = model.to_str().unwrap();
+    let srv = Server::start(
+        &[
+            &[model][..],
+            &FLAGSHIP_CACHE_FLAGS,
+            &["--speculate", "ngram"],
+        ]
+        .concat(),
+    );
     let asks = [
         "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog, and the \
          lazy dog sleeps.",

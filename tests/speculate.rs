@@ -171,6 +171,23 @@ fn run_with(
     }
 }
 
+/// The bundled model's files and model.
+fn bundled() -> (ModelFiles, Model) {
+    let files = ModelFiles::open(None).unwrap();
+    let model = Model::load(&files, WeightsDType::Native).unwrap();
+    (files, model)
+}
+
+/// The flagship cache: sink 4 + window 252, int4.
+fn flagship_cache() -> KvConfig {
+    KvConfig {
+        precision: Precision::Int4,
+        sink: 4,
+        window: Some(252),
+        ..KvConfig::default()
+    }
+}
+
 /// A prompt that repeats (drafts find matches at once) followed by greedy output of the
 /// model (which, random or not, soon repeats too).
 fn repetitive_prompt(files: &ModelFiles) -> Vec<u32> {
@@ -277,14 +294,8 @@ fn greedy_is_bit_identical_on_the_yoco_fixture() {
 /// run's rows).
 #[test]
 fn a_bounded_cache_stays_bounded() {
-    let files = ModelFiles::open(None).unwrap();
-    let model = Model::load(&files, WeightsDType::Native).unwrap();
-    let kv = KvConfig {
-        precision: Precision::Int4,
-        sink: 4,
-        window: Some(252),
-        ..KvConfig::default()
-    };
+    let (files, model) = bundled();
+    let kv = flagship_cache();
     let prompt = repetitive_prompt(&files);
     let spec = Some(SpecConfig { max_draft: 8 });
     let got = run(
@@ -503,14 +514,8 @@ fn draft_model_greedy_is_bit_identical() {
 /// keeps both caches bounded.
 #[test]
 fn draft_model_bounded_and_self_stopping() {
-    let files = ModelFiles::open(None).unwrap();
-    let model = Model::load(&files, WeightsDType::Native).unwrap();
-    let kv = KvConfig {
-        precision: Precision::Int4,
-        sink: 4,
-        window: Some(252),
-        ..KvConfig::default()
-    };
+    let (files, model) = bundled();
+    let kv = flagship_cache();
     let prompt = repetitive_prompt(&files);
     let g = SamplerConfig::greedy();
     let spec = Some(SpecConfig { max_draft: 8 });

@@ -197,6 +197,17 @@ pub fn on_two_workers<T: Sync>(jobs: &[T], f: impl Fn(&T) + Sync) {
 /// The small windowed cache the thread-count tests run beside the dense one: int4 in
 /// groups of 8, StreamingLLM sink 4 + window 20 (eviction and requantisation within 70
 /// steps).
+/// The flagship cache's flags (StreamingLLM sink 4 + window 252, int4 KIVI), as a server
+/// or `sample` takes them.
+pub const FLAGSHIP_CACHE_FLAGS: [&str; 6] = [
+    "--streaming-llm-sink",
+    "4",
+    "--streaming-llm-window",
+    "252",
+    "--kv-quantize",
+    "int4",
+];
+
 pub fn int4_window() -> KvConfig {
     KvConfig {
         precision: Precision::Int4,
