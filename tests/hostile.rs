@@ -947,13 +947,8 @@ fn ctrl_c_stops_with_the_partial_report() {
             "--tokens",
             "100000000",
             "--ignore-eos",
-            "--streaming-llm-sink",
-            "4",
-            "--streaming-llm-window",
-            "252",
-            "--kv-quantize",
-            "int4",
         ])
+        .args(FLAGSHIP_CACHE_FLAGS)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

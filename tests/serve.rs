@@ -655,14 +655,7 @@ fn smollm2_greedy_chat_equals_sample_chat_under_load() {
         return;
     };
     let m = model.to_str().unwrap();
-    let flags = [
-        "--streaming-llm-sink",
-        "4",
-        "--streaming-llm-window",
-        "252",
-        "--kv-quantize",
-        "int4",
-    ];
+    let flags = FLAGSHIP_CACHE_FLAGS;
     let mut args = vec![m];
     args.extend(flags);
     let srv = Server::start(&args);
