@@ -117,6 +117,17 @@ proptest! {
         same_bits(ty, &unchecked, &theirs);
     }
 
+    /// The loader's finiteness check reads only the f16 fields of block types: the element
+    /// it names must be the first non-finite value the reference dequantiser gives, and it
+    /// must find none exactly when the reference gives none.
+    #[test]
+    fn the_finiteness_scan_finds_the_reference_first_non_finite((ty, n, bytes) in row()) {
+        let mut theirs = vec![0.0f32; n];
+        ggml::dequantize_row(ty, &bytes, &mut theirs).unwrap();
+        let first = theirs.iter().position(|v| !v.is_finite());
+        prop_assert_eq!(tinygpt_cpu::weights::first_non_finite(ty, &bytes), first, "{}", ty);
+    }
+
     #[test]
     fn matrices_of_odd_row_counts_equal_the_reference(
         (ty, cols, bytes) in row(),

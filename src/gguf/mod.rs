@@ -54,6 +54,21 @@ impl Storage {
     }
 }
 
+/// Returns the pages of `map` covering `start..start + len` to the page cache (see
+/// [`GgufFile::release`]): the process stops counting them in its resident set; a later
+/// read faults them back in with the file's bytes. A refusal is ignored (a hint).
+pub(crate) fn release_mapped(map: &memmap2::Mmap, start: usize, len: usize) {
+    if len == 0 || start + len > map.len() {
+        return;
+    }
+    // SAFETY: `MADV_DONTNEED` on a private, read-only file mapping that is never written
+    // through drops the process's page-table entries only: a later access reads the same
+    // bytes from the file (the page cache), so no borrowed slice of the mapping changes.
+    // `advise_range` widens the range to whole pages, which only drops neighbours' pages
+    // as well (re-read the same way).
+    let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, len) };
+}
+
 /// An open GGUF file: its bytes, parsed metadata and checked tensor table.
 pub struct GgufFile {
     path: PathBuf,
@@ -215,6 +230,16 @@ impl GgufFile {
     /// points into these).
     pub fn bytes(&self) -> &[u8] {
         self.storage.bytes()
+    }
+
+    /// Lets the kernel drop the resident pages of `start..start + len` (bytes of the
+    /// file): a tensor repacked at load, or checked and not read again, stops counting
+    /// twice in the resident set. The bytes read the same afterwards (a read faults them
+    /// back in from the page cache); owned storage is left as it is.
+    pub fn release(&self, start: usize, len: usize) {
+        if let Storage::Mmap(m) = &self.storage {
+            release_mapped(m, start, len);
+        }
     }
 
     /// The file's architecture (`general.architecture`, one of [`ARCHS`]).

@@ -58,14 +58,19 @@ impl Matrix {
     /// Wraps a 2-D tensor, its products to run on `kernel`'s code for its type (a variant
     /// this CPU lacks runs the scalar twins). The loader has checked the shape and byte
     /// length. Matrices over [`STREAM_BYTES`] start out streamed. GGML-block matrices are
-    /// repacked here (one copy of their bytes, made once at load).
+    /// repacked here (one copy of their bytes, made once at load, in parallel on the
+    /// current rayon pool), and a mapped file's pages of them are released as they are
+    /// copied ([`crate::weights::TensorBytes::release`]).
     pub fn from_tensor(t: &Tensor, kernel: Kernel) -> Matrix {
         debug_assert_eq!(t.shape.len(), 2);
         let (rows, cols) = (t.shape[0], t.shape[1]);
-        let packed = t
-            .dtype
-            .is_quantized()
-            .then(|| Arc::new(Packed::new(t.dtype, rows, cols, t.data.bytes())));
+        let packed = t.dtype.is_quantized().then(|| {
+            // The file's pages of each stretch are returned once copied: the packed
+            // copy is what the kernels (and embedding lookups) read from then on.
+            let release = |r: std::ops::Range<usize>| t.data.release(r);
+            let bytes = t.data.bytes();
+            Arc::new(Packed::new_releasing(t.dtype, rows, cols, bytes, &release))
+        });
         Matrix {
             rows,
             cols,

@@ -98,6 +98,20 @@ impl TensorBytes {
     pub fn is_mapped(&self) -> bool {
         !matches!(*self.backing, Backing::Owned(..))
     }
+
+    /// Drops the resident pages of `self.bytes()[range]` where they are a file mapping
+    /// ([`crate::gguf::GgufFile::release`]); the bytes read the same afterwards. For bytes
+    /// that are read once at load (checked, or repacked into an owned copy): they would
+    /// otherwise stay resident beside the copy.
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        debug_assert!(range.end <= self.len);
+        let (start, len) = (self.start + range.start, range.len());
+        match &*self.backing {
+            Backing::Mmap(m) => crate::gguf::release_mapped(m, start, len),
+            Backing::Gguf(g) => g.release(start, len),
+            Backing::Static(_) | Backing::Owned(..) => {}
+        }
+    }
 }
 
 /// One named tensor as stored in the model file.
@@ -277,9 +291,19 @@ impl ModelFiles {
     pub fn check_finite(&self) -> Result<()> {
         use rayon::prelude::*;
         let tensors: Vec<&Tensor> = self.tensors.values().collect();
-        let bad = tensors
-            .par_iter()
-            .find_map_first(|t| first_non_finite(t.dtype, t.data.bytes()).map(|i| (t, i)));
+        let bad = tensors.par_iter().find_map_first(|t| {
+            // A stretch of whole blocks at a time, each released once read: the
+            // loader's repack (or a product) reads them again, so they need not stay
+            // resident meanwhile.
+            let bytes = t.data.bytes();
+            let stretch = (2 << 20) / t.dtype.block_bytes() * t.dtype.block_bytes();
+            let per = stretch / t.dtype.block_bytes() * t.dtype.block_len();
+            bytes.chunks(stretch).enumerate().find_map(|(k, c)| {
+                let bad = first_non_finite(t.dtype, c);
+                t.data.release(k * stretch..k * stretch + c.len());
+                bad.map(|i| (t, k * per + i))
+            })
+        });
         match bad {
             Some((t, i)) => Err(Error::tensor(
                 &self.path,
@@ -449,6 +473,10 @@ impl ModelFiles {
         let config = gguf.config()?;
         let tok = gguf.tokenizer()?;
         let tokenizer = Tokenizer::new(tok, path, &config)?;
+        // Building the tokenizer goes through a JSON document of the whole vocabulary
+        // (hundreds of MiB of small allocations for a 150K vocabulary), freed by now but
+        // kept by the allocator: give it back before the weights are repacked.
+        crate::memory::release_free_memory();
         let chat_template = gguf.chat_template().map(String::from);
         let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
         let gguf = Arc::new(gguf);
@@ -673,8 +701,14 @@ pub fn check_safetensors_header(bytes: &[u8], path: &Path) -> Result<()> {
 }
 
 /// Index of the first non-finite value of a tensor's bytes (for block types: the first
-/// element of the first block whose f16 scale or minimum is NaN/Inf, or of the first
-/// non-finite value), or `None`.
+/// element of the first block whose f16 scale or minimum is NaN/Inf), or `None`.
+///
+/// A block type's values are its f16 scale fields times integer codes, levels and 6- or
+/// 8-bit sub-scales, plus its minimums (ggml's formulas, [`crate::wkernels::dequant`]):
+/// finite when every f16 field is (the largest, 65504 · 127 · 127 · 32, is far inside
+/// f32), and when one is not, every value of its block is NaN or ±Inf (`Inf · 0` is NaN).
+/// So the scan reads the f16 fields only; `tests/dequant.rs` checks it against the
+/// dequantiser for every type.
 pub fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<usize> {
     // An IEEE value is NaN/Inf when its exponent bits are all ones.
     fn scan16(bytes: &[u8], mask: u16) -> Option<usize> {
@@ -682,14 +716,7 @@ pub fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<usize> {
             .chunks_exact(2)
             .position(|c| u16::from_le_bytes([c[0], c[1]]) & mask == mask)
     }
-    // Blocks that start with `halves` f16 fields (scale, then minimum), every value the
-    // scale times a finite code or level, plus the minimum.
-    let scales = |halves: usize| {
-        bytes
-            .chunks_exact(dtype.block_bytes())
-            .position(|b| scan16(&b[..2 * halves], 0x7c00).is_some())
-            .map(|blk| blk * dtype.block_len())
-    };
+    let bad16 = |b: &[u8], at: usize| u16::from_le_bytes([b[at], b[at + 1]]) & 0x7c00 == 0x7c00;
     match dtype {
         DType::F32 => {
             const MASK: u32 = 0x7f80_0000;
@@ -709,23 +736,26 @@ pub fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<usize> {
         }
         DType::F16 => scan16(bytes, 0x7c00),
         DType::BF16 => scan16(bytes, 0x7f80),
-        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 | DType::IQ4_NL => scales(1),
-        DType::Q4_1 => scales(2),
-        // Scan the values, a block at a time.
-        DType::Q5_1
-        | DType::Q2_K
-        | DType::Q3_K
-        | DType::Q4_K
-        | DType::Q5_K
-        | DType::Q6_K
-        | DType::IQ4_XS => {
-            let (bb, bl) = (dtype.block_bytes(), dtype.block_len());
-            let mut vals = vec![0.0f32; bl];
-            bytes.chunks_exact(bb).enumerate().find_map(|(i, b)| {
-                crate::wkernels::dequantize_into(dtype, b, &mut vals);
-                vals.iter().position(|v| !v.is_finite()).map(|j| i * bl + j)
-            })
+        _ => {
+            let fields = f16_fields(dtype);
+            bytes
+                .chunks_exact(dtype.block_bytes())
+                .position(|b| fields.iter().any(|&at| bad16(b, at)))
+                .map(|blk| blk * dtype.block_len())
         }
+    }
+}
+
+/// Byte offsets of a block's f16 fields (its scale `d`, and its minimum `m` / `dmin` where
+/// it has one), from ggml's block layouts (`tinygpt_types::ggml`).
+pub fn f16_fields(dtype: DType) -> &'static [usize] {
+    match dtype {
+        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 | DType::IQ4_NL | DType::IQ4_XS => &[0],
+        DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+        DType::Q2_K => &[80, 82],
+        DType::Q3_K => &[108],
+        DType::Q6_K => &[208],
+        DType::F32 | DType::F16 | DType::BF16 => &[],
     }
 }
 

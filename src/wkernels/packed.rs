@@ -153,13 +153,13 @@ pub struct Group<'a> {
     pub m: &'a [u8],
     pub nb: usize,
     /// The matrix streams from DRAM every token ([`STREAM_PREFETCH_BYTES`] or more): the
-    /// one-token x86 kernels prefetch ahead in it.
+    /// AVX2 multi-token kernel prefetches ahead in it (the AVX2 one-token kernel does in
+    /// every matrix, the AVX-512 one-token kernel one group ahead in every matrix).
     pub stream: bool,
 }
 
 /// Packed matrices of at least this many bytes do not stay in a last-level cache between
-/// tokens, so their one-token kernels prefetch ahead (measured to help there and to hurt
-/// on SmolLM2's cache-sized matrices: benches/README.md, "Q4_1 out of DRAM").
+/// tokens ([`Group::stream`]; benches/README.md, "Q4_1 out of DRAM").
 pub const STREAM_PREFETCH_BYTES: usize = 64 << 20;
 
 impl Packed {
@@ -170,90 +170,57 @@ impl Packed {
     /// # Panics
     /// If `dtype` is a float type (float matrices are read in place, not packed).
     pub fn new(dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Packed {
+        Packed::new_releasing(dtype, rows, cols, bytes, &|_| {})
+    }
+
+    /// [`Packed::new`], calling `release(range)` once each stretch of `bytes[range]` has
+    /// been copied (whole groups of rows, [`RELEASE_GROUPS`] at a time; every byte in
+    /// exactly one range), so a caller can return a mapped file's pages while the copy
+    /// grows ([`crate::weights::TensorBytes::release`]): the two are never both resident
+    /// in full. Stretches are repacked in parallel on the current rayon pool; the result
+    /// does not depend on the order.
+    pub fn new_releasing(
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+        release: &(dyn Fn(std::ops::Range<usize>) + Sync),
+    ) -> Packed {
+        use rayon::prelude::*;
         let layout = super::entry(dtype).layout;
-        match layout {
-            Layout::Rows => Packed::new_rows(dtype, rows, cols, bytes),
-            Layout::Interleaved => Packed::new_interleaved(dtype, rows, cols, bytes),
-            Layout::Float => panic!("{dtype} matrices are not packed"),
-        }
-    }
-
-    /// The interleaved layout (module docs).
-    fn new_interleaved(dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Packed {
-        let nb = cols / QK;
-        let bs = dtype.block_bytes();
-        let row_bytes = nb * bs;
-        debug_assert_eq!(bytes.len(), rows * row_bytes);
-        let qsb = qs_bytes(dtype);
-        let mins = dtype == DType::Q4_1;
-        let raw = nb * (qsb + 16 + if mins { 16 } else { 0 });
-        let group_bytes = raw.next_multiple_of(64);
-        let groups = rows.div_ceil(GROUP);
-        let mut data = PackedBuf::zeroed(groups * group_bytes);
-        let out: &mut [u8] = data.bytes_mut();
-        for r in 0..rows {
-            let (g, k) = (r / GROUP, r % GROUP);
-            let dst = &mut out[g * group_bytes..(g + 1) * group_bytes];
-            let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
-            for (b, blk) in row.chunks_exact(bs).enumerate() {
-                let qs = &mut dst[b * qsb..(b + 1) * qsb];
-                match dtype {
-                    DType::Q8_0 => {
-                        for i in 0..QK {
-                            qs[code_pos(dtype, k, i)] = blk[2 + i];
-                        }
-                    }
-                    DType::Q5_0 => {
-                        for i in 0..16 {
-                            qs[code_pos(dtype, k, i)] = blk[6 + i];
-                        }
-                        for half in 0..2 {
-                            let at = q5_bits_pos(k, half);
-                            qs[at..at + 2].copy_from_slice(&blk[2 + 2 * half..4 + 2 * half]);
-                        }
-                    }
-                    DType::Q4_0 | DType::Q4_1 | DType::IQ4_NL => {
-                        let off = if mins { 4 } else { 2 };
-                        for i in 0..16 {
-                            qs[code_pos(dtype, k, i)] = blk[off + i];
-                        }
-                    }
-                    rows_or_float!() => unreachable!("{dtype} is not interleaved"),
-                }
-                let d_at = nb * qsb + b * 16 + k * 2;
-                dst[d_at..d_at + 2].copy_from_slice(&blk[0..2]);
-                if mins {
-                    let m_at = nb * qsb + nb * 16 + b * 16 + k * 2;
-                    dst[m_at..m_at + 2].copy_from_slice(&blk[2..4]);
-                }
-            }
-        }
-        Packed {
-            dtype,
-            layout: Layout::Interleaved,
-            rows,
-            cols,
-            nb,
-            group_bytes,
-            data,
-        }
-    }
-
-    /// Groups of [`GROUP`] whole rows, not interleaved (module docs).
-    fn new_rows(dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Packed {
         let nb = cols / dtype.block_len();
         let row_bytes = row_bytes(dtype, nb);
         debug_assert_eq!(bytes.len(), rows * row_bytes);
-        let group_bytes = (GROUP * row_bytes).next_multiple_of(64);
+        let group_bytes = match layout {
+            Layout::Rows => (GROUP * row_bytes).next_multiple_of(64),
+            Layout::Interleaved => {
+                let mins = if dtype == DType::Q4_1 { 16 } else { 0 };
+                (nb * (qs_bytes(dtype) + 16 + mins)).next_multiple_of(64)
+            }
+            Layout::Float => panic!("{dtype} matrices are not packed"),
+        };
         let groups = rows.div_ceil(GROUP);
         let mut data = PackedBuf::zeroed(groups * group_bytes);
-        let out: &mut [u8] = data.bytes_mut();
-        for (g, src) in bytes.chunks(GROUP * row_bytes).enumerate() {
-            out[g * group_bytes..g * group_bytes + src.len()].copy_from_slice(src);
-        }
+        let stretch = RELEASE_GROUPS * GROUP * row_bytes;
+        data.bytes_mut()[..groups * group_bytes]
+            .par_chunks_mut(RELEASE_GROUPS * group_bytes)
+            .zip(bytes.par_chunks(stretch))
+            .enumerate()
+            .for_each(|(i, (out, src))| {
+                for (dst, rows) in out
+                    .chunks_mut(group_bytes)
+                    .zip(src.chunks(GROUP * row_bytes))
+                {
+                    match layout {
+                        Layout::Rows => dst[..rows.len()].copy_from_slice(rows),
+                        _ => interleave_group(dtype, nb, rows, row_bytes, dst),
+                    }
+                }
+                release(i * stretch..i * stretch + src.len());
+            });
         Packed {
             dtype,
-            layout: Layout::Rows,
+            layout,
             rows,
             cols,
             nb,
@@ -343,6 +310,52 @@ impl Packed {
                     }
                 }
                 rows_or_float!() => unreachable!("{} is not interleaved", self.dtype),
+            }
+        }
+    }
+}
+
+/// Groups a [`Packed::new_releasing`] stretch holds: 2,048 rows, 1–2 MiB of the files'
+/// matrices (a page run worth returning at once, and work enough per rayon task).
+pub const RELEASE_GROUPS: usize = 256;
+
+/// Interleaves the (up to [`GROUP`]) rows `rows` (`row_bytes` each, `nb` blocks) into one
+/// group `dst` of the interleaved layout (module docs); rows past the last stay zero.
+fn interleave_group(dtype: DType, nb: usize, rows: &[u8], row_bytes: usize, dst: &mut [u8]) {
+    let bs = dtype.block_bytes();
+    let qsb = qs_bytes(dtype);
+    let mins = dtype == DType::Q4_1;
+    for (k, row) in rows.chunks_exact(row_bytes).enumerate() {
+        for (b, blk) in row.chunks_exact(bs).enumerate() {
+            let qs = &mut dst[b * qsb..(b + 1) * qsb];
+            match dtype {
+                DType::Q8_0 => {
+                    for i in 0..QK {
+                        qs[code_pos(dtype, k, i)] = blk[2 + i];
+                    }
+                }
+                DType::Q5_0 => {
+                    for i in 0..16 {
+                        qs[code_pos(dtype, k, i)] = blk[6 + i];
+                    }
+                    for half in 0..2 {
+                        let at = q5_bits_pos(k, half);
+                        qs[at..at + 2].copy_from_slice(&blk[2 + 2 * half..4 + 2 * half]);
+                    }
+                }
+                DType::Q4_0 | DType::Q4_1 | DType::IQ4_NL => {
+                    let off = if mins { 4 } else { 2 };
+                    for i in 0..16 {
+                        qs[code_pos(dtype, k, i)] = blk[off + i];
+                    }
+                }
+                rows_or_float!() => unreachable!("{dtype} is not interleaved"),
+            }
+            let d_at = nb * qsb + b * 16 + k * 2;
+            dst[d_at..d_at + 2].copy_from_slice(&blk[0..2]);
+            if mins {
+                let m_at = nb * qsb + nb * 16 + b * 16 + k * 2;
+                dst[m_at..m_at + 2].copy_from_slice(&blk[2..4]);
             }
         }
     }
