@@ -21,6 +21,8 @@ pub struct Tokenizer {
     /// Ids that end generation (config's `eos_token_id`, else the tokenizer's EOS-like token).
     pub eos_ids: Vec<u32>,
     pub bos_id: Option<u32>,
+    /// Entries, added tokens included (`get_vocab_size(true)`, counted once).
+    vocab_size: usize,
     /// Longest vocabulary entry, in bytes of its string form (an upper bound on the text
     /// one token stands for when no normalizer shortens the input).
     max_token_bytes: usize,
@@ -51,8 +53,10 @@ impl Tokenizer {
 
     /// Wraps a built tokenizer and checks it fits the model's vocabulary.
     pub fn new(inner: tokenizers::Tokenizer, path: &Path, cfg: &Config) -> Result<Self> {
-        let n = inner.get_vocab_size(true);
+        // `get_vocab_size(true)` is this map's length, built again: a 150K vocabulary costs
+        // a tenth of a second a map, so it is built once.
         let vocab = inner.get_vocab(true);
+        let n = vocab.len();
         // The embedding may be padded past the tokenizer's vocabulary, never the reverse.
         let max_id = vocab.values().copied().max().unwrap_or(0) as usize;
         let max_token_bytes = vocab.keys().map(|k| k.len()).max().unwrap_or(1).max(1);
@@ -78,6 +82,7 @@ impl Tokenizer {
         let spelled = cuts.spelling().and_then(|s| Spelled::of(&inner, s));
         Ok(Tokenizer {
             bos_id: cfg.bos_token_id,
+            vocab_size: n,
             max_token_bytes,
             cuts,
             spelled,
@@ -135,8 +140,9 @@ impl Tokenizer {
             .saturating_mul(shrink)
     }
 
+    /// Entries, added tokens included (the tokenizer's `get_vocab_size(true)`).
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
     }
 
     pub fn inner(&self) -> &tokenizers::Tokenizer {

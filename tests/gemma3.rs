@@ -148,3 +148,19 @@ fn perplexity_within_one_percent_of_llama_cpp() {
         vec![5, 11, 17]
     );
 }
+
+/// Gemma's SentencePiece tokenizer built from its parts (262,144 entries) is the one the
+/// whole `tokenizer.json` document gives, field for field.
+#[test]
+fn tokenizer_built_from_parts_equals_the_json_document() {
+    use std::str::FromStr;
+    let Some(p) = gemma3_path() else { return };
+    let f = tinygpt_cpu::gguf::GgufFile::open(&p).unwrap();
+    let built = f.tokenizer().unwrap();
+    let doc = tinygpt_cpu::gguf::tokenizer::tokenizer_json(f.metadata(), f.path()).unwrap();
+    let parsed = tokenizers::Tokenizer::from_str(&doc).unwrap();
+    assert_eq!(
+        built.to_string(false).unwrap(),
+        parsed.to_string(false).unwrap()
+    );
+}

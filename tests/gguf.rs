@@ -1568,3 +1568,42 @@ fn shared_kv_layers_and_sliding_pattern_from_metadata() {
         assert!(err.contains(needle), "{key}: {err}");
     }
 }
+
+/// The gpt2 tokenizer is built from its parts (the BPE model from the vocabulary and merges
+/// directly, the added tokens added after); it must be the tokenizer that loading the whole
+/// `tokenizer.json` document gives, field for field: the tiny metadata in each of its
+/// variants, every architecture fixture, and SmolLM2 when it is present.
+#[test]
+fn tokenizer_built_from_parts_equals_the_json_document() {
+    use std::str::FromStr;
+    let check = |f: &GgufFile, what: &str| {
+        let built = f.tokenizer().unwrap();
+        let doc = tinygpt_cpu::gguf::tokenizer::tokenizer_json(f.metadata(), f.path()).unwrap();
+        let parsed = tokenizers::Tokenizer::from_str(&doc).unwrap();
+        assert_eq!(
+            built.to_string(false).unwrap(),
+            parsed.to_string(false).unwrap(),
+            "{what}"
+        );
+        assert!(built.get_vocab_size(true) > 0, "{what}");
+    };
+    for v in [2, 3] {
+        check(&open(&tiny_model(v)).unwrap(), "tiny");
+    }
+    let bos = tiny_model(3).kv("tokenizer.ggml.add_bos_token", V::Bool(true));
+    check(&open(&bos).unwrap(), "tiny, add_bos_token");
+    let mut n = 0;
+    for e in std::fs::read_dir(repo_file("fixtures/archs")).unwrap() {
+        for f in std::fs::read_dir(e.unwrap().path()).unwrap() {
+            let p = f.unwrap().path();
+            if p.extension().is_some_and(|x| x == "gguf") {
+                check(&GgufFile::open(&p).unwrap(), &p.display().to_string());
+                n += 1;
+            }
+        }
+    }
+    assert!(n >= 4, "{n} architecture fixtures");
+    if let Some(p) = real_model_path() {
+        check(&GgufFile::open(&p).unwrap(), "SmolLM2");
+    }
+}

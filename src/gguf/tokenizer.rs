@@ -165,9 +165,72 @@ fn opt_bool(meta: &BTreeMap<String, GgufValue>, key: &str, path: &Path) -> Resul
 }
 
 /// Builds the tokenizer; `path` names the file in errors.
+///
+/// The tokenizer is built from its parts: the JSON document of [`tokenizer_json`] without
+/// its vocabulary, merges and added tokens (a few hundred bytes to parse), then the BPE
+/// model built from the vocabulary and merges directly and the added tokens added, as the
+/// JSON loader does (both kinds: gpt2's byte-level BPE and SentencePiece's). The same tokenizer as loading the whole
+/// document (tests compare the two serialised), without turning a 150K-entry vocabulary
+/// into JSON and back: that took a second of a 0.5B model's load.
 pub fn build(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<tokenizers::Tokenizer> {
-    let json = tokenizer_json(meta, path)?;
-    tokenizers::Tokenizer::from_str(&json).map_err(|e| {
+    let invalid = |e: tokenizers::Error| {
+        Error::tokenizer(
+            path,
+            format!("the tokenizer.ggml.* metadata does not make a valid tokenizer: {e}"),
+        )
+    };
+    let added_token = |content: &str, special: bool| {
+        tokenizers::AddedToken::from(content.to_string(), special)
+            .single_word(false)
+            .lstrip(false)
+            .rstrip(false)
+            .normalized(false)
+    };
+    if meta.get("tokenizer.ggml.model").and_then(GgufValue::as_str) == Some("llama") {
+        let parts = spm::Parts::read(meta, path)?;
+        let mut tok = from_json(&parts.skeleton().to_string(), path)?;
+        tok.with_model(parts.bpe().map_err(invalid)?);
+        let added: Vec<_> = parts
+            .added
+            .iter()
+            .map(|&(_, t, sp)| added_token(t, sp))
+            .collect();
+        tok.add_tokens(&added);
+        return Ok(tok);
+    }
+    let parts = Gpt2Parts::read(meta, path)?;
+    let mut tok = from_json(
+        &parts.json(Map::new(), Vec::new(), Vec::new()).to_string(),
+        path,
+    )?;
+    let vocab: tokenizers::models::bpe::Vocab = parts.vocab.into_iter().collect();
+    let merges = parts
+        .merges
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+    let bpe = tokenizers::models::bpe::BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .continuing_subword_prefix(String::new())
+        .end_of_word_suffix(String::new())
+        .fuse_unk(false)
+        .byte_fallback(false)
+        .ignore_merges(false)
+        .build()
+        .map_err(invalid)?;
+    tok.with_model(bpe);
+    let added: Vec<_> = parts
+        .added
+        .iter()
+        .map(|(_, content, special)| added_token(content, *special))
+        .collect();
+    tok.add_tokens(&added);
+    Ok(tok)
+}
+
+/// Parses a `tokenizer.json` document generated here.
+fn from_json(json: &str, path: &Path) -> Result<tokenizers::Tokenizer> {
+    tokenizers::Tokenizer::from_str(json).map_err(|e| {
         // The position is in JSON generated here, not in the file: drop it.
         let msg = e.to_string();
         let msg = msg.split(" at line ").next().unwrap_or(&msg).to_string();
@@ -179,41 +242,83 @@ pub fn build(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<tokenize
 }
 
 /// The `tokenizer.json` text equivalent to the file's tokenizer metadata (what [`build`]
-/// loads; also what a `.tinygpt` conversion would store).
+/// builds; also what a `.tinygpt` conversion stores).
 pub fn tokenizer_json(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<String> {
     if meta.get("tokenizer.ggml.model").and_then(GgufValue::as_str) == Some("llama") {
         return spm::tokenizer_json(meta, path);
     }
-    let m = Gpt2Meta::read(meta, path)?;
-    let alphabet = ByteAlphabet::new();
-    let (vocab, vocab_json) = vocabulary(m.tokens, &alphabet);
-    let merges_json = merges(m.merges, &vocab, m.tokens.len(), path)?;
-    let added_json = added_tokens(meta, &m, &vocab, &alphabet, path)?;
-    let pre_tokenizer = pre_tokenizer(m.pre, path)?;
-    let post_processor = post_processor(meta, m.tokens, path)?;
-    let tokenizer = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added_json,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": post_processor,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {
-            "type": "BPE",
-            "dropout": null,
-            "unk_token": null,
-            "continuing_subword_prefix": "",
-            "end_of_word_suffix": "",
-            "fuse_unk": false,
-            "byte_fallback": false,
-            "ignore_merges": false,
-            "vocab": vocab_json,
-            "merges": merges_json,
-        },
-    });
-    Ok(tokenizer.to_string())
+    let parts = Gpt2Parts::read(meta, path)?;
+    let mut vocab_json = Map::new();
+    let mut by_id: Vec<(&String, u32)> = parts.vocab.iter().map(|(k, &v)| (k, v)).collect();
+    by_id.sort_by_key(|&(_, id)| id);
+    for (k, id) in by_id {
+        vocab_json.insert(k.clone(), json!(id));
+    }
+    let merges_json = parts.merges.iter().map(|(a, b)| json!([a, b])).collect();
+    let added_json = parts
+        .added
+        .iter()
+        .map(|(id, content, special)| {
+            json!({
+                "id": id, "content": content, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": special,
+            })
+        })
+        .collect();
+    Ok(parts.json(vocab_json, merges_json, added_json).to_string())
+}
+
+/// A gpt2 tokenizer's parts, checked: the vocabulary respelled into the byte alphabet, the
+/// merges, the added tokens `(id, content, special)`, pre-tokenizer and post-processor.
+struct Gpt2Parts<'m> {
+    vocab: HashMap<String, u32>,
+    merges: Vec<(&'m str, &'m str)>,
+    added: Vec<(u32, String, bool)>,
+    pre_tokenizer: Value,
+    post_processor: Value,
+}
+
+impl<'m> Gpt2Parts<'m> {
+    fn read(meta: &'m BTreeMap<String, GgufValue>, path: &Path) -> Result<Gpt2Parts<'m>> {
+        let m = Gpt2Meta::read(meta, path)?;
+        let alphabet = ByteAlphabet::new();
+        let vocab = vocabulary(m.tokens, &alphabet);
+        let merges = merges(m.merges, &vocab, m.tokens.len(), path)?;
+        let added = added_tokens(meta, &m, &vocab, &alphabet, path)?;
+        Ok(Gpt2Parts {
+            vocab,
+            merges,
+            added,
+            pre_tokenizer: pre_tokenizer(m.pre, path)?,
+            post_processor: post_processor(meta, m.tokens, path)?,
+        })
+    }
+
+    /// The document with the given vocabulary, merges and added tokens.
+    fn json(&self, vocab: Map<String, Value>, merges: Vec<Value>, added: Vec<Value>) -> Value {
+        json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": null,
+            "pre_tokenizer": self.pre_tokenizer,
+            "post_processor": self.post_processor,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+            "model": {
+                "type": "BPE",
+                "dropout": null,
+                "unk_token": null,
+                "continuing_subword_prefix": "",
+                "end_of_word_suffix": "",
+                "fuse_unk": false,
+                "byte_fallback": false,
+                "ignore_merges": false,
+                "vocab": vocab,
+                "merges": merges,
+            },
+        })
+    }
 }
 
 /// The `tokenizer.ggml.*` arrays of a gpt2 (byte-level BPE) tokenizer, type-checked.
@@ -318,29 +423,23 @@ impl ByteAlphabet {
     }
 }
 
-/// The vocabulary, respelled into the byte alphabet where needed, as a map and as JSON. A
-/// later duplicate spelling wins, as in transformers' dict comprehension.
-fn vocabulary(
-    tokens: &[String],
-    alphabet: &ByteAlphabet,
-) -> (HashMap<String, u32>, Map<String, Value>) {
+/// The vocabulary, respelled into the byte alphabet where needed. A later duplicate
+/// spelling wins, as in transformers' dict comprehension.
+fn vocabulary(tokens: &[String], alphabet: &ByteAlphabet) -> HashMap<String, u32> {
     let mut vocab: HashMap<String, u32> = HashMap::with_capacity(tokens.len());
-    let mut vocab_json = Map::new();
     for (id, t) in tokens.iter().enumerate() {
-        let key = alphabet.respell(t);
-        vocab.insert(key.clone(), id as u32);
-        vocab_json.insert(key, json!(id));
+        vocab.insert(alphabet.respell(t), id as u32);
     }
-    (vocab, vocab_json)
+    vocab
 }
 
 /// The merges as `[a, b]` pairs; each must be two tokens whose concatenation is a token too.
-fn merges(
-    merges: &[String],
+fn merges<'m>(
+    merges: &'m [String],
     vocab: &HashMap<String, u32>,
     n_tokens: usize,
     path: &Path,
-) -> Result<Vec<Value>> {
+) -> Result<Vec<(&'m str, &'m str)>> {
     let err = |msg: String| Error::tokenizer(path, msg);
     let mut merges_json = Vec::with_capacity(merges.len());
     for (i, m) in merges.iter().enumerate() {
@@ -356,7 +455,7 @@ fn merges(
                         )));
                     }
                 }
-                merges_json.push(json!([a, b]));
+                merges_json.push((a, b));
             }
             _ => {
                 return Err(err(format!(
@@ -376,7 +475,7 @@ fn added_tokens(
     vocab: &HashMap<String, u32>,
     alphabet: &ByteAlphabet,
     path: &Path,
-) -> Result<Vec<Value>> {
+) -> Result<Vec<(u32, String, bool)>> {
     let n = m.tokens.len();
     // id -> (content, special)
     let mut added: BTreeMap<u32, (String, bool)> = BTreeMap::new();
@@ -410,13 +509,8 @@ fn added_tokens(
         }
     }
     Ok(added
-        .iter()
-        .map(|(id, (content, special))| {
-            json!({
-                "id": id, "content": content, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": false, "special": special,
-            })
-        })
+        .into_iter()
+        .map(|(id, (content, special))| (id, content, special))
         .collect())
 }
 
@@ -522,65 +616,136 @@ mod spm {
     use std::collections::{BTreeMap, HashMap};
     use std::path::Path;
 
-    pub fn tokenizer_json(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<String> {
-        let err = |msg: String| Error::tokenizer(path, msg);
-        let tokens = strings(meta, "tokenizer.ggml.tokens", path)?
-            .ok_or_else(|| err("missing metadata 'tokenizer.ggml.tokens'".into()))?;
-        let n = tokens.len();
-        let (scores, types) = scores_and_types(meta, n, path)?;
-        let unk = opt_id(meta, "tokenizer.ggml.unknown_token_id", n, path)?;
-        let bos = opt_id(meta, "tokenizer.ggml.bos_token_id", n, path)?;
-        let eos = opt_id(meta, "tokenizer.ggml.eos_token_id", n, path)?;
-        let add_bos = opt_bool(meta, "tokenizer.ggml.add_bos_token", path)?.unwrap_or(true);
-        let add_eos = opt_bool(meta, "tokenizer.ggml.add_eos_token", path)?.unwrap_or(false);
-        let add_prefix = opt_bool(meta, "tokenizer.ggml.add_space_prefix", path)?.unwrap_or(true);
+    /// A SentencePiece tokenizer's parts, checked (as [`super::Gpt2Parts`]): the vocabulary,
+    /// merges, added tokens `(id, content, special)`, unknown token, and the document
+    /// without those.
+    pub(super) struct Parts<'m> {
+        pub vocab: Vec<(&'m str, u32)>,
+        pub merges: Vec<(&'m str, &'m str)>,
+        pub added: Vec<(u32, &'m str, bool)>,
+        pub unk: Option<&'m str>,
+        skeleton: Value,
+    }
 
-        let (vocab, merges_json) = vocab_and_merges(tokens, &scores);
-        let added = added_tokens(tokens, &types);
-        let normalizer = match add_prefix {
-            true => json!({"type": "Sequence", "normalizers": [
-                {"type": "Prepend", "prepend": "▁"},
-                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
-            ]}),
-            false => json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}),
-        };
-        let mut decoders = vec![
-            json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
-            json!({"type": "ByteFallback"}),
-            json!({"type": "Fuse"}),
-        ];
-        if add_prefix {
-            decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    impl<'m> Parts<'m> {
+        pub fn read(meta: &'m BTreeMap<String, GgufValue>, path: &Path) -> Result<Parts<'m>> {
+            let err = |msg: String| Error::tokenizer(path, msg);
+            let tokens = strings(meta, "tokenizer.ggml.tokens", path)?
+                .ok_or_else(|| err("missing metadata 'tokenizer.ggml.tokens'".into()))?;
+            let n = tokens.len();
+            let (scores, types) = scores_and_types(meta, n, path)?;
+            let unk = opt_id(meta, "tokenizer.ggml.unknown_token_id", n, path)?;
+            let bos = opt_id(meta, "tokenizer.ggml.bos_token_id", n, path)?;
+            let eos = opt_id(meta, "tokenizer.ggml.eos_token_id", n, path)?;
+            let add_bos = opt_bool(meta, "tokenizer.ggml.add_bos_token", path)?.unwrap_or(true);
+            let add_eos = opt_bool(meta, "tokenizer.ggml.add_eos_token", path)?.unwrap_or(false);
+            let add_prefix =
+                opt_bool(meta, "tokenizer.ggml.add_space_prefix", path)?.unwrap_or(true);
+
+            let (vocab, merges) = vocab_and_merges(tokens, &scores);
+            let added = added_tokens(tokens, &types);
+            let normalizer = match add_prefix {
+                true => json!({"type": "Sequence", "normalizers": [
+                    {"type": "Prepend", "prepend": "▁"},
+                    {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+                ]}),
+                false => json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}),
+            };
+            let mut decoders = vec![
+                json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
+                json!({"type": "ByteFallback"}),
+                json!({"type": "Fuse"}),
+            ];
+            if add_prefix {
+                decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+            }
+            let (single, specials) = template(tokens, (add_bos, bos), (add_eos, eos), path)?;
+            let skeleton = json!({
+                "version": "1.0",
+                "truncation": null,
+                "padding": null,
+                "added_tokens": [],
+                "normalizer": normalizer,
+                "pre_tokenizer": null,
+                "post_processor": {
+                    "type": "TemplateProcessing",
+                    "single": single,
+                    "pair": single,
+                    "special_tokens": specials,
+                },
+                "decoder": {"type": "Sequence", "decoders": decoders},
+                "model": {
+                    "type": "BPE",
+                    "dropout": null,
+                    "unk_token": null,
+                    "continuing_subword_prefix": null,
+                    "end_of_word_suffix": null,
+                    "fuse_unk": true,
+                    "byte_fallback": true,
+                    "ignore_merges": false,
+                    "vocab": {},
+                    "merges": [],
+                },
+            });
+            Ok(Parts {
+                vocab,
+                merges,
+                added,
+                unk: unk.map(|u| tokens[u].as_str()),
+                skeleton,
+            })
         }
-        let (single, specials) = template(tokens, (add_bos, bos), (add_eos, eos), path)?;
-        let tokenizer = json!({
-            "version": "1.0",
-            "truncation": null,
-            "padding": null,
-            "added_tokens": added,
-            "normalizer": normalizer,
-            "pre_tokenizer": null,
-            "post_processor": {
-                "type": "TemplateProcessing",
-                "single": single,
-                "pair": single,
-                "special_tokens": specials,
-            },
-            "decoder": {"type": "Sequence", "decoders": decoders},
-            "model": {
-                "type": "BPE",
-                "dropout": null,
-                "unk_token": unk.map(|u| tokens[u].clone()),
-                "continuing_subword_prefix": null,
-                "end_of_word_suffix": null,
-                "fuse_unk": true,
-                "byte_fallback": true,
-                "ignore_merges": false,
-                "vocab": vocab,
-                "merges": merges_json,
-            },
-        });
-        Ok(tokenizer.to_string())
+
+        /// The document without vocabulary, merges, added tokens and unknown token.
+        pub fn skeleton(&self) -> &Value {
+            &self.skeleton
+        }
+
+        /// The BPE model of the vocabulary and merges, with the document's options.
+        pub fn bpe(&self) -> tokenizers::Result<tokenizers::models::bpe::BPE> {
+            let vocab: tokenizers::models::bpe::Vocab = self
+                .vocab
+                .iter()
+                .map(|&(t, i)| (t.to_string(), i))
+                .collect();
+            let merges = self
+                .merges
+                .iter()
+                .map(|&(a, b)| (a.to_string(), b.to_string()))
+                .collect();
+            let mut b = tokenizers::models::bpe::BPE::builder()
+                .vocab_and_merges(vocab, merges)
+                .fuse_unk(true)
+                .byte_fallback(true)
+                .ignore_merges(false);
+            if let Some(u) = self.unk {
+                b = b.unk_token(u.to_string());
+            }
+            b.build()
+        }
+    }
+
+    pub fn tokenizer_json(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<String> {
+        let parts = Parts::read(meta, path)?;
+        let mut doc = parts.skeleton.clone();
+        let mut vocab = Map::new();
+        for &(t, i) in &parts.vocab {
+            vocab.insert(t.to_string(), json!(i));
+        }
+        doc["model"]["vocab"] = Value::Object(vocab);
+        doc["model"]["merges"] = parts.merges.iter().map(|(l, r)| json!([l, r])).collect();
+        doc["model"]["unk_token"] = json!(parts.unk);
+        doc["added_tokens"] = parts
+            .added
+            .iter()
+            .map(|&(i, t, special)| {
+                json!({
+                    "id": i, "content": t, "single_word": false, "lstrip": false,
+                    "rstrip": false, "normalized": false, "special": special,
+                })
+            })
+            .collect();
+        Ok(doc.to_string())
     }
 
     /// `tokenizer.ggml.scores` (required) and `tokenizer.ggml.token_type` (all 1, normal,
@@ -628,14 +793,16 @@ mod spm {
     /// The vocabulary (token → id) and the merges: every split of a token into two tokens,
     /// ordered by the merged token's score, highest first (within one token by the parts'
     /// scores).
-    fn vocab_and_merges(tokens: &[String], scores: &[f32]) -> (Map<String, Value>, Vec<Value>) {
+    #[allow(clippy::type_complexity)]
+    fn vocab_and_merges<'m>(
+        tokens: &'m [String],
+        scores: &[f32],
+    ) -> (Vec<(&'m str, u32)>, Vec<(&'m str, &'m str)>) {
         let n = tokens.len();
         // id of each token (a later duplicate wins, as in a dict comprehension)
         let mut ids: HashMap<&str, u32> = HashMap::with_capacity(n);
-        let mut vocab = Map::new();
         for (i, t) in tokens.iter().enumerate() {
             ids.insert(t.as_str(), i as u32);
-            vocab.insert(t.clone(), json!(i));
         }
         let score = |t: &str| {
             ids.get(t)
@@ -659,12 +826,13 @@ mod spm {
             });
         }
         merges.sort_by(|a, b| b.2.total_cmp(&a.2));
-        let merges_json: Vec<Value> = merges.iter().map(|(l, r, _)| json!([l, r])).collect();
-        (vocab, merges_json)
+        let mut vocab: Vec<(&str, u32)> = ids.into_iter().collect();
+        vocab.sort_by_key(|&(_, i)| i);
+        (vocab, merges.into_iter().map(|(l, r, _)| (l, r)).collect())
     }
 
     /// Control tokens as special added tokens, user-defined ones as plain added tokens.
-    fn added_tokens(tokens: &[String], types: &[i64]) -> Vec<Value> {
+    fn added_tokens<'m>(tokens: &'m [String], types: &[i64]) -> Vec<(u32, &'m str, bool)> {
         let mut added = Vec::new();
         for (i, (t, &ty)) in tokens.iter().zip(types).enumerate() {
             let special = match ty {
@@ -675,10 +843,7 @@ mod spm {
             if t.is_empty() {
                 continue;
             }
-            added.push(json!({
-                "id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
-                "normalized": false, "special": special,
-            }));
+            added.push((i as u32, t.as_str(), special));
         }
         added
     }
