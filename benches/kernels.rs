@@ -264,8 +264,16 @@ fn bench_qdot(c: &mut Criterion) {
     let one = pool(1);
     let mut rng = ChaCha8Rng::seed_from_u64(2);
     // SmolLM2's q_proj shape (576 columns: the 32-wide types only), its MLP's shape rounded
-    // to whole super-blocks, and a matrix far larger than the last-level cache.
-    for (rows, cols) in [(1536usize, 576usize), (1536, 768), (16384, 8192)] {
+    // to whole super-blocks, and matrices far larger than the last-level cache: a wide one,
+    // Qwen2.5-0.5B's LM head (151,936 short rows: the 32-wide types only) and a 4,864-row
+    // one of whole super-blocks.
+    for (rows, cols) in [
+        (1536usize, 576usize),
+        (1536, 768),
+        (16384, 8192),
+        (151936, 896),
+        (4864, 8960),
+    ] {
         let x = uniform(&mut rng, cols, 1.0);
         let mut out = vec![0.0f32; rows];
         let mut g = c.benchmark_group(format!("qdot/{rows}x{cols}"));

@@ -76,10 +76,12 @@ fn offset(dtype: DType) -> i32 {
 /// Q4 codes, 4096 of Q8), and scales (and minimums) [`PREFETCH_SCALES`] bytes ahead: a
 /// fixed distance in each of a group's streams.
 ///
-/// The AVX-512 VNNI one-token kernels prefetch only in matrices of [`Group::stream`]
-/// (64 MiB or more), as measured on a Zen 4 host: out of DRAM with huge pages (Q4_1,
-/// 16384x8192, best of 25) 5.5 ms without, 4.9 ms at 1024/128 and 2048/256 bytes; no
-/// change out of L2, and SmolLM2's decode was 10-15% slower with it in every matrix.
+/// The AVX-512 VNNI one-token kernel no longer uses it: it prefetches one group ahead into
+/// L2 in every matrix ([`prefetch_next_group_l2`], measured there). Before, it prefetched
+/// at this distance in matrices of [`Group::stream`] size only (64 MiB or more), as
+/// measured on a Zen 4 host: out of DRAM with huge pages (Q4_1, 16384x8192, best of 25)
+/// 5.5 ms without, 4.9 ms at 1024/128 and 2048/256 bytes; no change out of L2, and
+/// SmolLM2's decode was 10-15% slower with it in every matrix.
 ///
 /// The AVX2 one-token kernel prefetches in every matrix: a model larger than the last-level
 /// cache streams each of its small matrices from DRAM every token, and a weaker hardware
@@ -112,6 +114,43 @@ fn prefetch_ahead(dtype: DType, g: &Group, qp: *const u8, b: usize, bytes: usize
     }
 }
 
+/// Asks for the lines of the same place in the next group, into L2 (`_MM_HINT_T1`):
+/// codes `bytes` from `qp` (block `b`'s) and, once per 64-byte line of them, the scales
+/// (and minimums) of block `b`, one group further. The interleaved AVX-512 VNNI one-token
+/// kernel calls it every pair of blocks in every matrix: the distance is one group, so the
+/// lines arrive about a group's time early whatever the matrix's width.
+///
+/// Measured on the 2-vCPU Zen 4 host (AVX-512 VNNI), `cargo bench --bench decode_profile`
+/// on the Qwen2.5-0.5B-shaped Q4_K_M (the same binary, a switch alternated, 2 rounds each
+/// twice): Q8_0 head 151,936x896 10.0–10.2 GB/s with [`prefetch_ahead`] in it (the only
+/// matrix of [`Group::stream`] size) → 19.4–20.5; Q5_0 gate/up, 4,864x896, 10.9–11.0
+/// without a prefetch → 15.2–15.6; the step 26.2–26.6 → 37.6–37.8 tok/s. Into L1
+/// (`_MM_HINT_T0`) at the same distance the head ran at 9.6–11.0 GB/s: a group of 8 rows
+/// is 7.6 KiB here and up to 64 KiB in wide matrices, more than L1 keeps.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn prefetch_next_group_l2(
+    dtype: DType,
+    g: &Group,
+    qp: *const u8,
+    b: usize,
+    bytes: usize,
+) {
+    let group_bytes = (g.qs.len() + g.d.len() + g.m.len()).next_multiple_of(64);
+    let p = qp.wrapping_add(group_bytes);
+    // `_mm_prefetch` is a hint (a safe function): it does not fault on any address.
+    for l in (0..bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(l).cast());
+    }
+    if b.is_multiple_of(4) {
+        let at = b * 16 + group_bytes;
+        _mm_prefetch::<_MM_HINT_T1>(g.d.as_ptr().wrapping_add(at).cast());
+        if dtype == DType::Q4_1 {
+            _mm_prefetch::<_MM_HINT_T1>(g.m.as_ptr().wrapping_add(at).cast());
+        }
+    }
+}
+
 #[inline(always)]
 pub(super) fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
@@ -128,15 +167,18 @@ pub(super) fn hsum(v: __m256i) -> i32 {
 }
 
 /// Asks for the cache lines of the super-block at `blk + ahead` (the same place in the
-/// next group): eight rows walked together are eight streams, more than the hardware
-/// prefetcher follows. A hint; past the end of the matrix it is dropped.
+/// next group), into L2 (`_MM_HINT_T1`): eight rows walked together are eight streams,
+/// more than the hardware prefetcher follows. A hint; past the end of the matrix it is
+/// dropped. Into L2 rather than L1: Q6_K `ffn_down` (896x4864) of the Qwen2.5-0.5B-shaped
+/// file read 11.9–12.0 GB/s with `_MM_HINT_T0`, 17.2 with T1 (`benches/decode_profile.rs`,
+/// alternated twice on the Zen 4 host); Q4_K 11.9–12.4 → 12.4–13.3.
 #[inline(always)]
 pub(super) fn prefetch_next_group(blk: *const u8, ahead: usize, bytes: usize) {
     let p = blk.wrapping_add(ahead);
     let mut at = 0;
     while at < bytes {
         // SAFETY: a prefetch never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(at).cast()) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(at).cast()) };
         at += 64;
     }
 }

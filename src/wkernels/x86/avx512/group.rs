@@ -9,7 +9,7 @@
 //! The float steps are the scalar twin's per lane (separate multiplies and adds), so every
 //! value equals it bit for bit.
 
-use super::super::{combine, offset, prefetch_ahead, scales8};
+use super::super::{combine, offset, prefetch_next_group_l2, scales8};
 use crate::dtype::DType;
 use crate::wkernels::blocks::IQ4_VALUES;
 use crate::wkernels::{qs_bytes, Group, QuantizedActs, TileView, GROUP, QK, TILE, TOKENS};
@@ -227,8 +227,8 @@ unsafe fn tokens_512<const T: usize>(
         // `a.q` (asserts above).
         unsafe {
             let qp = g.qs.as_ptr().add(b * qsb);
-            if T == 1 && g.stream {
-                prefetch_ahead(dtype, g, qp, b, 2 * qsb);
+            if T == 1 {
+                prefetch_next_group_l2(dtype, g, qp, b, 2 * qsb);
             }
             let w0 = unpack_512(dtype, qp);
             let w1 = unpack_512(dtype, qp.add(qsb));
