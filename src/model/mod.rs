@@ -32,11 +32,13 @@ use crate::weights::ModelTensors;
 use crate::weights::{ModelFiles, Tensor};
 use crate::wkernels::Kernel;
 
+pub mod profile;
 #[cfg(feature = "reference-engine")]
 mod reference;
 mod relay_step;
 mod rows;
 
+pub use profile::{OpTime, StepProfile};
 #[cfg(feature = "reference-engine")]
 pub use reference::reference_model;
 

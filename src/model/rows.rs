@@ -18,6 +18,16 @@ use rayon::prelude::*;
 /// Runs [`Model::step`] over the tokens of `steps`; a step whose
 /// [`SeqStep::all_logits`] is set receives every one of its tokens' logits there.
 pub(super) fn run(model: &Model, steps: &mut [SeqStep<'_>]) -> Result<()> {
+    run_with(model, steps, |model, rows| model.step(rows))
+}
+
+/// [`run`], with `step` running the forward pass over the prepared rows (the profiler
+/// wraps them: [`super::profile`]).
+pub(super) fn run_with<'m>(
+    model: &'m Model,
+    steps: &mut [SeqStep<'_>],
+    step: impl FnOnce(&'m Model, &mut Rows<'_, '_>) -> Result<()>,
+) -> Result<()> {
     let c = &model.cfg;
     if steps.iter().any(|st| st.tokens.is_empty()) {
         return Err(Error::Generate(
@@ -65,7 +75,7 @@ pub(super) fn run(model: &Model, steps: &mut [SeqStep<'_>]) -> Result<()> {
         b,
         replay,
     };
-    let result = model.step(&mut rows);
+    let result = step(model, &mut rows);
     if rows.b.n == 1 {
         rows.steps[0].session.bufs = rows.b;
     }
@@ -79,7 +89,7 @@ type SeqAttend<'a, 's, 'b> = (
     (&'a usize, &'a mut &'b mut [f32]),
 );
 
-struct Rows<'r, 's> {
+pub(super) struct Rows<'r, 's> {
     c: &'r Config,
     steps: &'r mut [SeqStep<'s>],
     /// row of each sequence's first token
