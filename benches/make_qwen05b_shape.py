@@ -16,9 +16,12 @@ architecture, 24 layers, hidden 896, 14 query heads and 2 KV heads of 64, feed-f
 usual mix (Q4_K_M: 896-wide rows are not a multiple of 256, so llama.cpp falls back to
 Q5_0 for them, as in the real file).
 
-The tokenizer is SmolLM2's byte-level BPE (its 49,152 tokens and merges, read from the file
-of scripts/fetch-smollm2.sh) padded with unused control tokens to 151,936, so prompts
-encode to a realistic number of tokens. Prints one output path per line; the F16 source
+The tokenizer has Qwen2.5's sizes, since loading one costs time in proportion to them:
+151,643 byte-level BPE tokens and as many merges less the 256 bytes' tokens, 22 control
+tokens, and unused padding entries up to 151,936 (as llama.cpp's converter writes them).
+Its first 49,152 tokens and their merges are SmolLM2's (read from the file of
+scripts/fetch-smollm2.sh), so prompts encode to a realistic number of tokens; the rest are
+merges of two tokens already present, drawn at random. Prints one output path per line; the F16 source
 stays beside them (about 1 GB) unless --drop-f16.
 """
 import argparse
@@ -48,10 +51,41 @@ def smollm2_tokenizer(path):
         f = r.fields[key]
         return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
 
-    return strings("tokenizer.ggml.tokens"), strings("tokenizer.ggml.merges")
+    types = [int(r.fields["tokenizer.ggml.token_type"].parts[i][0]) for i in r.fields["tokenizer.ggml.token_type"].data]
+    return strings("tokenizer.ggml.tokens"), types, strings("tokenizer.ggml.merges")
 
 
-def write_f16(path, tokens, merges, seed):
+NORMAL_TOKENS, CONTROL_TOKENS = 151_643, 22
+
+
+def qwen_sized(tokens, types, merges, seed):
+    """SmolLM2's vocabulary grown to Qwen2.5's sizes (module docs): tokens, types, merges."""
+    import gguf
+
+    rng = np.random.default_rng(seed + 1)
+    tokens, types, merges = list(tokens), list(types), list(merges)
+    normal = [t for t, ty in zip(tokens, types) if ty == gguf.TokenType.NORMAL and " " not in t]
+    have = set(tokens)
+    while len(tokens) < NORMAL_TOKENS:
+        a, b = normal[rng.integers(len(normal))], normal[rng.integers(len(normal))]
+        t = a + b
+        if len(t) > 24 or t in have:
+            continue
+        have.add(t)
+        tokens.append(t)
+        types.append(gguf.TokenType.NORMAL)
+        merges.append(f"{a} {b}")
+        normal.append(t)
+    for i in range(CONTROL_TOKENS):
+        tokens.append(f"<|control_{i}|>")
+        types.append(gguf.TokenType.CONTROL)
+    for i in range(len(tokens), VOCAB):
+        tokens.append(f"[PAD{i}]")
+        types.append(gguf.TokenType.UNUSED)
+    return tokens, types, merges
+
+
+def write_f16(path, tokens, types, merges, seed):
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -70,11 +104,9 @@ def write_f16(path, tokens, merges, seed):
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1_000_000.0)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    padded = tokens + [f"<|unused_{i}|>" for i in range(VOCAB - len(tokens))]
-    types = [gguf.TokenType.NORMAL] * len(tokens) + [gguf.TokenType.CONTROL] * (VOCAB - len(tokens))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
-    w.add_token_list(padded)
+    w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
     w.add_bos_token_id(1)
@@ -127,8 +159,9 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     f16 = os.path.join(args.out, "qwen2.5-0.5b-shape.F16.gguf")
     if not os.path.isfile(f16):
-        tokens, merges = smollm2_tokenizer(src)
-        write_f16(f16 + ".part", tokens, merges, args.seed)
+        tokens, token_types, merges = qwen_sized(*smollm2_tokenizer(src), args.seed)
+        assert len(tokens) == VOCAB, len(tokens)
+        write_f16(f16 + ".part", tokens, token_types, merges, args.seed)
         os.replace(f16 + ".part", f16)
     for name in types:
         out = os.path.join(args.out, f"qwen2.5-0.5b-shape.{name}.gguf")

@@ -71,7 +71,7 @@ fn json_has_the_design_fields() {
     ] {
         assert!(v["kv"].get(k).is_some(), "missing kv.{k}: {v}");
     }
-    for k in ["prefill_tok_s", "decode_tok_s"] {
+    for k in ["load_s", "prefill_tok_s", "decode_tok_s"] {
         assert!(v["timing"][k].as_f64().is_some(), "missing timing.{k}");
     }
     assert_eq!(v["generated_ids"].as_array().unwrap().len(), 12);

@@ -152,7 +152,7 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
         save_state(path, id, &kv, &res, &mut *run)?;
     }
     if json {
-        let v = json_report(&res, &kv, layers_with_kv, files.config.head_dim);
+        let v = json_report(&res, &kv, layers_with_kv, files.config.head_dim, load_secs);
         outln!("{}", serde_json::to_string(&v)?)?;
     } else {
         outln!()?;
@@ -380,6 +380,7 @@ pub fn json_report(
     kv: &KvConfig,
     layers_with_kv: usize,
     head_dim: usize,
+    load_secs: f64,
 ) -> serde_json::Value {
     serde_json::json!({
         "prompt_ids": res.prompt_ids,
@@ -395,6 +396,7 @@ pub fn json_report(
             res.kv_bytes
         ),
         "timing": {
+            "load_s": load_secs,
             "prefill_tok_s": res.prefill_tok_s(),
             "decode_tok_s": res.decode_tok_s(),
             "drafted": res.spec.drafted,
