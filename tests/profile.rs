@@ -22,14 +22,20 @@ fn check(files: &ModelFiles, kv: &KvConfig, what: &str) {
         for i in 0..steps {
             let pos = prompt.len() + i;
             model.forward(&mut plain, tok, pos).unwrap();
-            model.forward_profiled(&mut timed, tok, pos, &mut prof).unwrap();
+            model
+                .forward_profiled(&mut timed, tok, pos, &mut prof)
+                .unwrap();
             let same = plain
                 .logits
                 .iter()
                 .zip(&timed.logits)
                 .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "{what}: step {i}: logits differ");
-            assert_eq!(plain.cache.stored_tokens(), timed.cache.stored_tokens(), "{what}");
+            assert_eq!(
+                plain.cache.stored_tokens(),
+                timed.cache.stored_tokens(),
+                "{what}"
+            );
             assert_eq!(plain.cache.bytes(), timed.cache.bytes(), "{what}");
             tok = argmax(&plain.logits);
         }
@@ -43,7 +49,12 @@ fn check(files: &ModelFiles, kv: &KvConfig, what: &str) {
                 .sum()
         };
         let layers = c.n_layers as u64;
-        assert_eq!(calls("attention"), n * layers, "{what}: {:?}", prof.ops.keys());
+        assert_eq!(
+            calls("attention"),
+            n * layers,
+            "{what}: {:?}",
+            prof.ops.keys()
+        );
         assert_eq!(calls("gate+up "), n * layers, "{what}");
         assert_eq!(calls("down "), n * layers, "{what}");
         assert_eq!(calls("o_proj "), n * layers, "{what}");
@@ -60,7 +71,10 @@ fn check(files: &ModelFiles, kv: &KvConfig, what: &str) {
             .sum();
         let tied_head = match files.tensors.keys().any(|k| k == "lm_head.weight") {
             true => 0,
-            false => files.tensors["model.embed_tokens.weight"].data.bytes().len() as u64,
+            false => files.tensors["model.embed_tokens.weight"]
+                .data
+                .bytes()
+                .len() as u64,
         };
         assert_eq!(weights, n * (per_step + tied_head), "{what}");
         assert!(prof.total_secs() > 0.0, "{what}");
