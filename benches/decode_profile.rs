@@ -17,6 +17,9 @@
 //! the best of 5 passes, on this thread, measured between rounds: an op's GB/s over the
 //! probe's is how near it runs to what one core can read here.
 
+mod common;
+
+use common::sum_read;
 use std::path::PathBuf;
 use std::time::Instant;
 use tinygpt_cpu::kv_cache::{KvConfig, Precision};
@@ -57,19 +60,6 @@ fn args() -> Args {
         "usage: cargo bench --bench decode_profile -- MODEL.gguf [--prompt-tokens N] [--tokens N] [--kv P] [--rounds N]"
     );
     a
-}
-
-/// Sum of `x` with eight independent f32x8 accumulators (`benches/kernels.rs`'s probe).
-fn sum_read(x: &[f32]) -> f32 {
-    use wide::f32x8;
-    let mut acc = [f32x8::ZERO; 8];
-    for c in x.chunks_exact(64) {
-        for (j, a) in acc.iter_mut().enumerate() {
-            let v: [f32; 8] = c[j * 8..j * 8 + 8].try_into().expect("8 lanes");
-            *a += f32x8::from(v);
-        }
-    }
-    acc.iter().fold(f32x8::ZERO, |s, a| s + *a).reduce_add()
 }
 
 /// One thread's read bandwidth, GB/s: the best of 5 passes over a 256 MiB mapping.

@@ -53,8 +53,8 @@
 mod common;
 
 use common::{
-    all_cores, flagship_config_json, kv_config, pool, quantize_q4_1, quantize_q8_0, uniform, Clock,
-    SyntheticRows, FLAGSHIP_HEAD_DIM, FLAGSHIP_KV_HEADS,
+    all_cores, flagship_config_json, kv_config, pool, quantize_q4_1, quantize_q8_0, sum_read,
+    uniform, Clock, SyntheticRows, FLAGSHIP_HEAD_DIM, FLAGSHIP_KV_HEADS,
 };
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use half::{bf16, f16};
@@ -687,19 +687,6 @@ fn config() -> Criterion {
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3))
         .sample_size(10)
-}
-
-/// Sum of `x` with eight independent f32x8 accumulators: a pure streaming read.
-fn sum_read(x: &[f32]) -> f32 {
-    use wide::f32x8;
-    let mut acc = [f32x8::ZERO; 8];
-    for c in x.chunks_exact(64) {
-        for (j, a) in acc.iter_mut().enumerate() {
-            let v: [f32; 8] = c[j * 8..j * 8 + 8].try_into().expect("8 lanes");
-            *a += f32x8::from(v);
-        }
-    }
-    acc.iter().fold(f32x8::ZERO, |s, a| s + *a).reduce_add()
 }
 
 fn bench_read_bandwidth(c: &mut Criterion) {

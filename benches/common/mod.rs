@@ -312,3 +312,17 @@ pub fn smollm2_path() -> Option<std::path::PathBuf> {
         });
     p.is_file().then_some(p)
 }
+
+/// Sum of `x` with eight independent f32x8 accumulators: a pure streaming read (the read
+/// probe of `kernels.rs`' `read_bandwidth` and of `decode_profile.rs`).
+pub fn sum_read(x: &[f32]) -> f32 {
+    use wide::f32x8;
+    let mut acc = [f32x8::ZERO; 8];
+    for c in x.chunks_exact(64) {
+        for (j, a) in acc.iter_mut().enumerate() {
+            let v: [f32; 8] = c[j * 8..j * 8 + 8].try_into().expect("8 lanes");
+            *a += f32x8::from(v);
+        }
+    }
+    acc.iter().fold(f32x8::ZERO, |s, a| s + *a).reduce_add()
+}
