@@ -38,6 +38,11 @@
 //!   `multi` = the multi-query kernels (each code unpacked once for the 3 heads), on the
 //!   variant this CPU selects (`TINYGPT_KV_KERNEL` forces one).
 //!
+//! * `roofline/{dtype}-{threads}t`: the engine's `matvec` (activation quantisation, the
+//!   row split across the pool's threads, the best kernel variant) over a 32,768 × 4,864
+//!   matrix of each type real Q4_K_M / Q4_0 / Q8_0 files carry (Q4_0, Q4_1, Q5_0, Q8_0,
+//!   Q4_K, Q6_K; 90–170 MiB, from DRAM), at 1 and all threads, throughput = bytes of
+//!   weights read: each kernel's GB/s beside `read_bandwidth/64MiB-thp-{1,N}t` (issue 45).
 //! * `read_bandwidth/{size}-{threads}t`: the machine's read bandwidth, independent of our
 //!   kernels: summing an f32 buffer with eight f32x8 accumulators (threads split it).
 //!   `5.5MiB` is the bundled model's weight size (stays in L3 between passes), `64MiB`
@@ -48,7 +53,7 @@
 //! Names ending in `-cpu` are single-threaded runs timed with the thread's CPU-time clock
 //! (robust to other processes sharing the machine); the others are wall-clock time.
 //!
-//! Run: `cargo bench --bench kernels` (about 5 minutes on 2 cores).
+//! Run: `cargo bench --bench kernels` (about 7 minutes on 2 cores).
 
 mod common;
 
@@ -739,10 +744,57 @@ fn bench_read_bandwidth(c: &mut Criterion) {
     g.finish();
 }
 
+/// `roofline/{dtype}-{threads}t` (module docs).
+fn bench_roofline(c: &mut Criterion) {
+    let n = all_cores();
+    let pools = [(1usize, pool(1)), (n, pool(n))];
+    let (rows, cols) = (32_768usize, 4_864usize);
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let x = uniform(&mut rng, cols, 1.0);
+    let mut out = vec![0.0f32; rows];
+    let mut g = c.benchmark_group("roofline");
+    for dtype in [
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q8_0,
+        DType::Q4_K,
+        DType::Q6_K,
+    ] {
+        let bytes = random_blocks(dtype, rows, cols);
+        let m = Matrix::from_tensor(
+            &Tensor {
+                name: format!("roofline.{dtype}"),
+                dtype,
+                shape: vec![rows, cols],
+                data: TensorBytes::owned(&bytes),
+            },
+            bench_kernel(),
+        );
+        drop(bytes);
+        g.throughput(Throughput::Bytes(m.byte_len() as u64));
+        for (t, p) in &pools {
+            let id = BenchmarkId::from_parameter(format!("{dtype}-{t}t"));
+            g.bench_function(id, |b| {
+                b.iter_custom(|iters| {
+                    p.install(|| {
+                        let t0 = Clock::Wall.now();
+                        for _ in 0..iters {
+                            matvec(&m, black_box(&x), &mut out);
+                        }
+                        Clock::Wall.now() - t0
+                    })
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = config();
-    targets = bench_read_bandwidth, bench_qdot, bench_float_variants, bench_matvec, bench_append, bench_attention, bench_attention_gqa
+    targets = bench_read_bandwidth, bench_roofline, bench_qdot, bench_float_variants, bench_matvec, bench_append, bench_attention, bench_attention_gqa
 }
 criterion_main!(benches);
 
