@@ -79,7 +79,22 @@ impl Tokenizer {
             }
         }
         let cuts = Cuts::of(&inner, vocab.keys().map(String::as_str));
-        let spelled = cuts.spelling().and_then(|s| Spelled::of(&inner, s));
+        // The model's own entries are the keys of `vocab` less the added tokens it lacks
+        // (`get_vocab(true)` is the model's map with the added tokens inserted), so the
+        // 150–260K-entry map is not built a second time.
+        let added_only: std::collections::HashSet<String> = inner
+            .get_added_tokens_decoder()
+            .into_values()
+            .map(|a| a.content)
+            .filter(|c| tokenizers::Model::token_to_id(inner.get_model(), c).is_none())
+            .collect();
+        let model_entries = vocab
+            .keys()
+            .map(String::as_str)
+            .filter(|k| !added_only.contains(*k));
+        let spelled = cuts
+            .spelling()
+            .and_then(|s| Spelled::of(&inner, s, model_entries));
         Ok(Tokenizer {
             bos_id: cfg.bos_token_id,
             vocab_size: n,

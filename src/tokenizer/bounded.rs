@@ -178,12 +178,17 @@ pub(crate) struct Spelled {
 }
 
 impl Spelled {
-    /// `None` when `spelling` is unknown.
-    pub(crate) fn of(t: &tokenizers::Tokenizer, spelling: Spelling) -> Option<Spelled> {
+    /// `None` when `spelling` is unknown. `model_entries`: the model's vocabulary entries
+    /// (the keys of `t.get_vocab(false)`, without added tokens the model lacks).
+    pub(crate) fn of<'a>(
+        t: &tokenizers::Tokenizer,
+        spelling: Spelling,
+        model_entries: impl Iterator<Item = &'a str>,
+    ) -> Option<Spelled> {
         let mut present = [false; 256];
         let mut max_bytes = 1;
-        for entry in t.get_vocab(false).into_keys() {
-            match spelling.raw(&entry) {
+        for entry in model_entries {
+            match spelling.raw(entry) {
                 Raw::Byte(b) => present[b as usize] = true,
                 Raw::Text(raw) => {
                     if let [b] = raw[..] {

@@ -83,7 +83,9 @@ fn offset(dtype: DType) -> i32 {
 /// 5.5 ms without, 4.9 ms at 1024/128 and 2048/256 bytes; no change out of L2, and
 /// SmolLM2's decode was 10-15% slower with it in every matrix.
 ///
-/// The AVX2 one-token kernel prefetches in every matrix: a model larger than the last-level
+/// The AVX2 one-token kernel prefetched at this distance in every matrix until it too took
+/// [`prefetch_next_group_l2`] (its multi-token kernel still does, in [`Group::stream`]
+/// matrices): a model larger than the last-level
 /// cache streams each of its small matrices from DRAM every token, and a weaker hardware
 /// prefetcher does not keep up with a group's three streams (codes, scales, minimums). On
 /// a 2-vCPU Zen 1 EPYC (AVX2, 8 MiB L3), SmolLM2-135M Q4_1 decode, 129 tokens after an
@@ -116,9 +118,10 @@ fn prefetch_ahead(dtype: DType, g: &Group, qp: *const u8, b: usize, bytes: usize
 
 /// Asks for the lines of the same place in the next group, into L2 (`_MM_HINT_T1`):
 /// codes `bytes` from `qp` (block `b`'s) and, once per 64-byte line of them, the scales
-/// (and minimums) of block `b`, one group further. The interleaved AVX-512 VNNI one-token
-/// kernel calls it every pair of blocks in every matrix: the distance is one group, so the
-/// lines arrive about a group's time early whatever the matrix's width.
+/// (and minimums) of block `b`, one group further. The interleaved one-token kernels call
+/// it in every matrix (AVX-512 VNNI every pair of blocks, AVX2 every block): the distance
+/// is one group, so the lines arrive about a group's time early whatever the matrix's
+/// width.
 ///
 /// Measured on the 2-vCPU Zen 4 host (AVX-512 VNNI), `cargo bench --bench decode_profile`
 /// on the Qwen2.5-0.5B-shaped Q4_K_M (the same binary, a switch alternated, 2 rounds each
@@ -129,6 +132,12 @@ fn prefetch_ahead(dtype: DType, g: &Group, qp: *const u8, b: usize, bytes: usize
 /// is 7.6 KiB here and up to 64 KiB in wide matrices, more than L1 keeps. Two and three
 /// groups ahead made no difference the noise could resolve (steps 46.3–48.9 tok/s for
 /// one, two and three groups, alternated twice, idle host).
+///
+/// The AVX2 one-token kernel, forced on the same Zen 4 host (`sample --kernel avx2
+/// --threads 1`, 64 greedy tokens, the same binary with a switch, three alternated
+/// rounds): the 0.5B-shaped file 24.2–25.3 tok/s with [`prefetch_ahead`] → 44.0–46.4,
+/// SmolLM2-135M Q4_1 98.9–112.7 → 140.5–152.9. Not measured on the Zen 1 host where
+/// [`PREFETCH_BLOCKS`] was tuned, nor on an Intel CPU.
 #[target_feature(enable = "avx2")]
 #[inline]
 pub(super) fn prefetch_next_group_l2(

@@ -20,7 +20,7 @@
 //! its scales) once for all of them: every token's lanes see exactly the operations of the
 //! one-token kernel, so the values are equal bit for bit.
 
-use super::super::{combine, offset, prefetch_ahead, scales8};
+use super::super::{combine, offset, prefetch_ahead, prefetch_next_group_l2, scales8};
 use crate::dtype::DType;
 use crate::wkernels::blocks::IQ4_VALUES;
 use crate::wkernels::{qs_bytes, Group, QuantizedActs, GROUP, QK, TOKENS};
@@ -212,8 +212,8 @@ unsafe fn group_dot_body(dtype: DType, g: &Group, a: &QuantizedActs, out: &mut [
         // of `a.q` (32 bytes), checked by the assert above.
         unsafe {
             let qp = g.qs.as_ptr().add(b * qsb);
-            // In every matrix, not only those of `g.stream`: see [`PREFETCH_BLOCKS`].
-            prefetch_ahead(dtype, g, qp, b, qsb);
+            // In every matrix: see [`prefetch_next_group_l2`].
+            prefetch_next_group_l2(dtype, g, qp, b, qsb);
             let v = unpack_avx2(dtype, qp);
             let isum = isum_avx2(dtype, &v, a.q.as_ptr().add(b * QK), a.qsum[b]);
             acc = combine(dtype, scales8(dtype, g, b), a, b, isum, acc);
