@@ -21,7 +21,6 @@ use rand_chacha::ChaCha8Rng;
 use std::time::Duration;
 use tinygpt_cpu::dtype::DType;
 use tinygpt_cpu::ops::{matmul, matvec, Matrix};
-use tinygpt_cpu::weights::{Tensor, TensorBytes};
 use tinygpt_cpu::wkernels;
 
 fn matrix(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Matrix {
@@ -30,15 +29,7 @@ fn matrix(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Matrix {
         DType::Q4_1 => quantize_q4_1(w),
         other => unreachable!("not benchmarked: {other}"),
     };
-    Matrix::from_tensor(
-        &Tensor {
-            name: format!("bench.{dtype}"),
-            dtype,
-            shape: vec![rows, cols],
-            data: TensorBytes::owned(&bytes),
-        },
-        bench_kernel(),
-    )
+    common::matrix_of(dtype, rows, cols, &bytes, bench_kernel())
 }
 
 fn bench_batched(c: &mut Criterion) {

@@ -73,7 +73,6 @@ use tinygpt_cpu::dtype::DType;
 use tinygpt_cpu::kv_cache::{KvCache, LayerKv, Precision};
 use tinygpt_cpu::ops::matvec::STREAM_BYTES;
 use tinygpt_cpu::ops::{matvec, Matrix};
-use tinygpt_cpu::weights::{Tensor, TensorBytes};
 use tinygpt_cpu::wkernels::{self, ActsForms, Kernel, Kernels, Packed, QuantizedActs, GROUP};
 
 const ATTN_ROWS: usize = 16384;
@@ -103,15 +102,7 @@ fn matrix(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Matrix {
         DType::Q4_1 => quantize_q4_1(w),
         other => unreachable!("not benchmarked: {other}"),
     };
-    Matrix::from_tensor(
-        &Tensor {
-            name: format!("bench.{dtype}"),
-            dtype,
-            shape: vec![rows, cols],
-            data: TensorBytes::owned(&bytes),
-        },
-        bench_kernel(),
-    )
+    common::matrix_of(dtype, rows, cols, &bytes, bench_kernel())
 }
 
 fn bench_matvec(c: &mut Criterion) {
@@ -762,15 +753,7 @@ fn bench_roofline(c: &mut Criterion) {
         DType::Q6_K,
     ] {
         let bytes = random_blocks(dtype, rows, cols);
-        let m = Matrix::from_tensor(
-            &Tensor {
-                name: format!("roofline.{dtype}"),
-                dtype,
-                shape: vec![rows, cols],
-                data: TensorBytes::owned(&bytes),
-            },
-            bench_kernel(),
-        );
+        let m = common::matrix_of(dtype, rows, cols, &bytes, bench_kernel());
         drop(bytes);
         g.throughput(Throughput::Bytes(m.byte_len() as u64));
         for (t, p) in &pools {

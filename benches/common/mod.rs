@@ -326,3 +326,24 @@ pub fn sum_read(x: &[f32]) -> f32 {
     }
     acc.iter().fold(f32x8::ZERO, |s, a| s + *a).reduce_add()
 }
+
+/// A `rows × cols` matrix of `dtype` holding `bytes` (the file's layout), built as the
+/// loader builds one (repacked for `kernel`).
+pub fn matrix_of(
+    dtype: tinygpt_cpu::dtype::DType,
+    rows: usize,
+    cols: usize,
+    bytes: &[u8],
+    kernel: tinygpt_cpu::wkernels::Kernel,
+) -> tinygpt_cpu::ops::Matrix {
+    use tinygpt_cpu::weights::{Tensor, TensorBytes};
+    tinygpt_cpu::ops::Matrix::from_tensor(
+        &Tensor {
+            name: format!("bench.{dtype}"),
+            dtype,
+            shape: vec![rows, cols],
+            data: TensorBytes::owned(bytes),
+        },
+        kernel,
+    )
+}
