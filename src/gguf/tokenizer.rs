@@ -173,59 +173,79 @@ fn opt_bool(meta: &BTreeMap<String, GgufValue>, key: &str, path: &Path) -> Resul
 /// document (tests compare the two serialised), without turning a 150K-entry vocabulary
 /// into JSON and back: that took a second of a 0.5B model's load.
 pub fn build(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<tokenizers::Tokenizer> {
-    let invalid = |e: tokenizers::Error| {
-        Error::tokenizer(
-            path,
-            format!("the tokenizer.ggml.* metadata does not make a valid tokenizer: {e}"),
-        )
-    };
-    let added_token = |content: &str, special: bool| {
-        tokenizers::AddedToken::from(content.to_string(), special)
-            .single_word(false)
-            .lstrip(false)
-            .rstrip(false)
-            .normalized(false)
-    };
     if meta.get("tokenizer.ggml.model").and_then(GgufValue::as_str) == Some("llama") {
         let parts = spm::Parts::read(meta, path)?;
-        let mut tok = from_json(&parts.skeleton().to_string(), path)?;
-        tok.with_model(parts.bpe().map_err(invalid)?);
-        let added: Vec<_> = parts
-            .added
-            .iter()
-            .map(|&(_, t, sp)| added_token(t, sp))
-            .collect();
-        tok.add_tokens(&added);
-        return Ok(tok);
+        let added = parts.added.iter().map(|&(_, t, special)| (t, special));
+        return assemble(parts.skeleton(), parts.bpe(), added, path);
     }
     let parts = Gpt2Parts::read(meta, path)?;
-    let mut tok = from_json(
-        &parts.json(Map::new(), Vec::new(), Vec::new()).to_string(),
-        path,
-    )?;
-    let vocab: tokenizers::models::bpe::Vocab = parts.vocab.into_iter().collect();
-    let merges = parts
-        .merges
-        .iter()
-        .map(|(a, b)| (a.to_string(), b.to_string()))
-        .collect();
+    let skeleton = parts.json(Map::new(), Vec::new(), json!([]));
     let bpe = tokenizers::models::bpe::BPE::builder()
-        .vocab_and_merges(vocab, merges)
+        .vocab_and_merges(
+            parts
+                .vocab
+                .iter()
+                .map(|(k, &v)| (k.clone(), v))
+                .collect::<tokenizers::models::bpe::Vocab>(),
+            parts
+                .merges
+                .iter()
+                .map(|&(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
+        )
         .continuing_subword_prefix(String::new())
         .end_of_word_suffix(String::new())
         .fuse_unk(false)
         .byte_fallback(false)
         .ignore_merges(false)
-        .build()
-        .map_err(invalid)?;
-    tok.with_model(bpe);
-    let added: Vec<_> = parts
+        .build();
+    let added = parts
         .added
         .iter()
-        .map(|(_, content, special)| added_token(content, *special))
+        .map(|(_, t, special)| (t.as_str(), *special));
+    assemble(&skeleton, bpe, added, path)
+}
+
+/// The tokenizer of `skeleton` (a document without vocabulary, merges and added tokens)
+/// with `bpe` as its model and the `added` tokens `(content, special)` added, as the JSON
+/// loader adds a document's (`tokenizers`' `TokenizerVisitor`: `add_tokens`, in order).
+fn assemble<'a>(
+    skeleton: &Value,
+    bpe: tokenizers::Result<tokenizers::models::bpe::BPE>,
+    added: impl Iterator<Item = (&'a str, bool)>,
+    path: &Path,
+) -> Result<tokenizers::Tokenizer> {
+    let mut tok = from_json(&skeleton.to_string(), path)?;
+    let bpe = bpe.map_err(|e| {
+        Error::tokenizer(
+            path,
+            format!("the tokenizer.ggml.* metadata does not make a valid tokenizer: {e}"),
+        )
+    })?;
+    tok.with_model(bpe);
+    let added: Vec<_> = added
+        .map(|(content, special)| {
+            tokenizers::AddedToken::from(content.to_string(), special)
+                .single_word(false)
+                .lstrip(false)
+                .rstrip(false)
+                .normalized(false)
+        })
         .collect();
     tok.add_tokens(&added);
     Ok(tok)
+}
+
+/// The `added_tokens` of a document: `(id, content, special)` each, in order.
+fn added_json<'a>(added: impl Iterator<Item = (u32, &'a str, bool)>) -> Value {
+    added
+        .map(|(id, content, special)| {
+            json!({
+                "id": id, "content": content, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": special,
+            })
+        })
+        .collect()
 }
 
 /// Parses a `tokenizer.json` document generated here.
@@ -255,17 +275,8 @@ pub fn tokenizer_json(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result
         vocab_json.insert(k.clone(), json!(id));
     }
     let merges_json = parts.merges.iter().map(|(a, b)| json!([a, b])).collect();
-    let added_json = parts
-        .added
-        .iter()
-        .map(|(id, content, special)| {
-            json!({
-                "id": id, "content": content, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": false, "special": special,
-            })
-        })
-        .collect();
-    Ok(parts.json(vocab_json, merges_json, added_json).to_string())
+    let added = added_json(parts.added.iter().map(|(i, t, sp)| (*i, t.as_str(), *sp)));
+    Ok(parts.json(vocab_json, merges_json, added).to_string())
 }
 
 /// A gpt2 tokenizer's parts, checked: the vocabulary respelled into the byte alphabet, the
@@ -295,7 +306,7 @@ impl<'m> Gpt2Parts<'m> {
     }
 
     /// The document with the given vocabulary, merges and added tokens.
-    fn json(&self, vocab: Map<String, Value>, merges: Vec<Value>, added: Vec<Value>) -> Value {
+    fn json(&self, vocab: Map<String, Value>, merges: Vec<Value>, added: Value) -> Value {
         json!({
             "version": "1.0",
             "truncation": null,
@@ -735,16 +746,7 @@ mod spm {
         doc["model"]["vocab"] = Value::Object(vocab);
         doc["model"]["merges"] = parts.merges.iter().map(|(l, r)| json!([l, r])).collect();
         doc["model"]["unk_token"] = json!(parts.unk);
-        doc["added_tokens"] = parts
-            .added
-            .iter()
-            .map(|&(i, t, special)| {
-                json!({
-                    "id": i, "content": t, "single_word": false, "lstrip": false,
-                    "rstrip": false, "normalized": false, "special": special,
-                })
-            })
-            .collect();
+        doc["added_tokens"] = super::added_json(parts.added.iter().copied());
         Ok(doc.to_string())
     }
 
