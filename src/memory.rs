@@ -37,6 +37,18 @@ fn address_space_limit() -> Option<u64> {
         .ok()
 }
 
+/// What a heap block of `size` requested bytes occupies in a general-purpose allocator
+/// (0 for no block): glibc's malloc, which every Linux build uses, adds an 8-byte header
+/// and rounds the chunk up to 16 bytes, 32 at least. Other allocators' size classes differ
+/// by a few bytes a block; this is the model the prompt cache's bound counts with.
+pub fn heap_block_bytes(size: usize) -> usize {
+    if size == 0 {
+        0
+    } else {
+        (size + 8).next_multiple_of(16).max(32)
+    }
+}
+
 /// Upper bound of the KV cache bytes one token adds across all layers when both K and V
 /// are stored at `precision` (KIVI's scale/zero and the f32 residual group rounded up).
 /// For a cache with different K and V precisions pass the wider one
@@ -143,5 +155,27 @@ pub fn release_free_memory() -> bool {
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
     {
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The block model is glibc's: its own `malloc_usable_size` is the chunk less the
+    /// 8-byte header, for every size below the mmap threshold.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn heap_block_bytes_is_glibcs_chunk() {
+        assert_eq!(super::heap_block_bytes(0), 0);
+        for n in (1..=4096).chain([10_000, 30_001, 65_536, 100_003]) {
+            // SAFETY: a plain malloc/free pair; the pointer is only measured.
+            let usable = unsafe {
+                let p = libc::malloc(n);
+                assert!(!p.is_null());
+                let u = libc::malloc_usable_size(p);
+                libc::free(p);
+                u
+            };
+            assert_eq!(super::heap_block_bytes(n), usable + 8, "{n} bytes");
+        }
     }
 }

@@ -742,11 +742,13 @@ struct CountingAlloc;
 
 thread_local! {
     static LIVE_BYTES: std::cell::Cell<isize> = const { std::cell::Cell::new(0) };
+    static LIVE_BLOCKS: std::cell::Cell<isize> = const { std::cell::Cell::new(0) };
 }
 
 fn count(delta: isize) {
-    // During thread teardown the counter may be gone: nothing to count then.
+    // During thread teardown the counters may be gone: nothing to count then.
     let _ = LIVE_BYTES.try_with(|c| c.set(c.get() + delta));
+    let _ = LIVE_BLOCKS.try_with(|c| c.set(c.get() + delta.signum()));
 }
 
 // SAFETY: every call forwards to the system allocator unchanged; counting only reads
@@ -776,8 +778,27 @@ fn heap_bytes_of<T>(f: impl FnOnce() -> T) -> (T, usize) {
     (out, (after - before) as usize)
 }
 
+/// Heap bytes and blocks that `f`'s result holds, as this thread's allocator saw them.
+fn heap_of<T>(f: impl FnOnce() -> T) -> (T, usize, usize) {
+    let blocks = LIVE_BLOCKS.with(|c| c.get());
+    let (out, bytes) = heap_bytes_of(f);
+    let after = LIVE_BLOCKS.with(|c| c.get());
+    (out, bytes, (after - blocks) as usize)
+}
+
+/// What `KvCache::copy_blocks` says a copy allocates: bytes and blocks.
+fn said_blocks(cache: &KvCache) -> (usize, usize) {
+    let (mut bytes, mut blocks) = (0, 0);
+    cache.copy_blocks(&mut |n| {
+        bytes += n;
+        blocks += usize::from(n > 0);
+    });
+    (bytes, blocks)
+}
+
 /// `buffer_bytes()` is what a copy of the cache (a kept prompt-cache entry) allocates
-/// beyond an empty cache's bookkeeping, to the byte, and never less than `bytes()`:
+/// beyond an empty cache's bookkeeping, to the byte, and never less than `bytes()`;
+/// `copy_blocks` names every block the copy allocates, bookkeeping included:
 /// every precision, KIVI residual, K != V, windows whose rings and group rings wrap, T
 /// at 1, at group and window boundaries and far past them.
 #[test]
@@ -834,9 +855,12 @@ fn buffer_bytes_is_what_a_copy_allocates() {
                 }
                 t += 1;
             }
-            let (copy, took) = heap_bytes_of(|| cache.clone());
+            let (copy, took, blocks) = heap_of(|| cache.clone());
             let ctx = format!("{kv:?} T={t}");
             assert_eq!(took, bookkeeping + copy.buffer_bytes(), "{ctx}");
+            // Every block a copy allocates, bookkeeping included, to the byte and block.
+            assert_eq!((took, blocks), said_blocks(&cache), "{ctx}");
+            assert_eq!(said_blocks(&copy), said_blocks(&cache), "{ctx}");
             assert_eq!(copy.buffer_bytes(), cache.buffer_bytes(), "{ctx}");
             assert!(copy.buffer_bytes() >= copy.bytes(), "{ctx}");
             checked += 1;
@@ -850,9 +874,18 @@ fn buffer_bytes_is_what_a_copy_allocates() {
             }
             t += 1;
         }
-        let (copy, took) = heap_bytes_of(|| cache.clone());
+        let (copy, took, blocks) = heap_of(|| cache.clone());
         let counted = bookkeeping + copy.buffer_bytes() + copy.hold_bytes();
         assert_eq!(took, counted, "{kv:?} T={t}, holding 45 rows");
+        assert_eq!((took, blocks), said_blocks(&cache), "{kv:?} T={t}, holding");
+        // A probe's rows are blocks of a copy too.
+        cache.layer_mut(0).probe_appends();
+        let (_, k, v) = inputs.token(cfg.kv_dim(), cfg.kv_dim());
+        for l in 0..cache.n_layers() {
+            cache.layer_mut(l).append(&k, &v, t);
+        }
+        let (_copy, took, blocks) = heap_of(|| cache.clone());
+        assert_eq!((took, blocks), said_blocks(&cache), "{kv:?} probing");
     }
     assert!(checked > 100);
 }

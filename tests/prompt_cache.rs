@@ -18,7 +18,9 @@ use common::*;
 use std::path::PathBuf;
 use tinygpt_cpu::kv_cache::{KvCache, KvConfig, PositionsMode, Precision};
 use tinygpt_cpu::model::{Model, SeqStep, Session, WeightsDType};
-use tinygpt_cpu::server::prompt_cache::{bound_hold, fed_ids, Finished, PromptCache, Resume};
+use tinygpt_cpu::server::prompt_cache::{
+    bound_hold, entry_cost, fed_ids, Finished, PromptCache, Resume,
+};
 use tinygpt_cpu::server::worst_case_kv_bytes;
 use tinygpt_cpu::weights::ModelFiles;
 
@@ -400,9 +402,19 @@ fn lookup_rules_bound_and_lru() {
         let a = run(&model, &kv, prompt, None, gen, ROOMY);
         let n = prompt.len() + gen - 1;
         // What an entry counts (docs/design.md §4, serve): the worst case or, if more,
-        // what its buffers take, plus its hold.
+        // what its buffers take, plus its hold and the rest of its heap blocks.
         let c = &a.session.cache;
-        worst_case_kv_bytes(&model.cfg, &kv, n).max(c.buffer_bytes()) + c.hold_bytes()
+        let ids = fed_ids(prompt, &a.ids, c).expect("a finished sequence");
+        let cost = entry_cost(
+            c,
+            worst_case_kv_bytes(&model.cfg, &kv, n),
+            &ids,
+            "cmpl-test",
+        );
+        assert!(
+            cost > worst_case_kv_bytes(&model.cfg, &kv, n).max(c.buffer_bytes()) + c.hold_bytes()
+        );
+        cost
     };
     let (c1, c2, c3) = (cost(&p1, 10), cost(&p2, 10), cost(&p3, 10));
     // Room for two of the three.

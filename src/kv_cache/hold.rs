@@ -196,6 +196,33 @@ impl<P: EvictionPolicy + Clone> LayerKv<P> {
                 + self.body_v.hold_bytes()
         })
     }
+
+    /// Calls `f` with the size of each heap block a copy of the layer allocates beside
+    /// the layer itself (0 stands for no block): positions, each store and its blocks,
+    /// the probe, the hold. What [`KvCache::copy_blocks`](super::KvCache::copy_blocks)
+    /// sums over the layers.
+    pub fn copy_blocks(&self, f: &mut dyn FnMut(usize)) {
+        f(std::mem::size_of_val(self.prefix_pos.as_slice()));
+        f(std::mem::size_of_val(self.body_pos.as_slice()));
+        f(std::mem::size_of_val(&*self.prefix_k));
+        self.prefix_k.copy_blocks(f);
+        f(std::mem::size_of_val(&*self.prefix_v));
+        self.prefix_v.copy_blocks(f);
+        f(std::mem::size_of_val(&*self.body_k));
+        self.body_k.copy_blocks(f);
+        f(std::mem::size_of_val(&*self.body_v));
+        self.body_v.copy_blocks(f);
+        if let Some(p) = &self.probe {
+            f(std::mem::size_of_val(&**p));
+            f(std::mem::size_of_val(p.0.as_slice()));
+            f(std::mem::size_of_val(p.1.as_slice()));
+        }
+        if let Some(h) = &self.held {
+            f(std::mem::size_of::<Held<P>>());
+            f(std::mem::size_of_val(h.policies.as_slice()));
+            h.pos.copy_blocks(f);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -602,6 +602,16 @@ impl KvCache {
     pub fn buffer_bytes(&self) -> usize {
         self.layers.iter().map(LayerKv::buffer_bytes).sum()
     }
+    /// Calls `f` with the size of each heap block a copy of the cache allocates (0
+    /// stands for no block): the layer list, then every layer's blocks
+    /// ([`LayerKv::copy_blocks`]). Beside [`KvCache::buffer_bytes`] and
+    /// [`KvCache::hold_bytes`], these are the bookkeeping (per-head lists, the stores
+    /// themselves, journals' entries) and each block's own allocator overhead, which a
+    /// bound on kept copies must count too (`memory::heap_footprint`).
+    pub fn copy_blocks(&self, f: &mut dyn FnMut(usize)) {
+        f(std::mem::size_of_val(self.layers.as_slice()));
+        self.layers.iter().for_each(|l| l.copy_blocks(f));
+    }
     /// Rows held by layer 0.
     pub fn stored_tokens(&self) -> usize {
         self.layers.first().map_or(0, LayerKv::len)

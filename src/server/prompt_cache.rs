@@ -18,11 +18,14 @@
 //!   the same path as any prompt, so it computes exactly what recomputing would.
 //! * **Bounded**: an entry costs the worst-case bytes admission counts for a cache of its
 //!   ids ([`super::worst_case_kv_bytes`]) or, if more, what its buffers take
-//!   ([`KvCache::buffer_bytes`]), plus [`KvCache::hold_bytes`]; the entries'
-//!   costs sum to at most `--prompt-cache-bytes`, the least recently used leaving first.
-//!   An entry is a copy of the finished cache (the running one's buffers grew by
-//!   doubling; the copy's hold what they count), so what it counts is what it holds,
-//!   but for the rows' positions (8 bytes a row and layer, not counted as in admission).
+//!   ([`KvCache::buffer_bytes`]), plus everything else it puts on the heap as the
+//!   allocator lays it out: the hold's journal, the bookkeeping (per-head lists, the
+//!   stores, ~1,400 blocks for a 30-layer model) with each block's header and rounding
+//!   ([`KvCache::copy_blocks`], [`memory::heap_block_bytes`]), its ids (`entry_cost`).
+//!   The entries' costs sum to at most `--prompt-cache-bytes`, the least recently used
+//!   leaving first. An entry is a copy of the finished cache (the running one's buffers
+//!   grew by doubling; the copy's hold what they count), so what it counts is what it
+//!   holds.
 //!   An entry that does not fit with its hold is kept without it (resumable at its end
 //!   only), or not at all. A running sequence's hold is bounded too ([`bound_hold`]): at
 //!   most [`HOLD_ROWS`] rows and the limit in bytes; past them it commits what it held
@@ -32,6 +35,7 @@
 //!   every resume point a newer one offers is dropped when the newer one is kept.
 
 use crate::kv_cache::{KvCache, KvConfig};
+use crate::memory;
 
 /// Most rows a running sequence holds at once (see [`bound_hold`]): a chat reply is
 /// usually shorter, so its kept entry can resume anywhere inside it.
@@ -156,10 +160,10 @@ impl PromptCache {
     pub fn insert(&mut self, f: Finished) -> Inserted {
         let Finished {
             kv,
-            ids,
+            mut ids,
             mut cache,
             worst_case,
-            completion,
+            mut completion,
         } = f;
         let appended = cache.layer(0).appended();
         let mut dropped = 0;
@@ -170,14 +174,14 @@ impl PromptCache {
         if self.limit == 0 || ids.is_empty() || ids.len() != appended {
             return refused(&cache, false);
         }
-        // What the kept copy's buffers take may exceed the worst case admission counts
-        // (ring slots and KIVI group parameters that hold no stored row, row positions).
-        let buffers = worst_case.max(cache.buffer_bytes());
-        let mut cost = buffers + cache.hold_bytes();
+        // Kept as they are counted.
+        ids.shrink_to_fit();
+        completion.shrink_to_fit();
+        let mut cost = entry_cost(&cache, worst_case, &ids, &completion);
         if cost > self.limit {
             // Without its hold it resumes at its end only, but may fit.
             cache.release(usize::MAX);
-            cost = buffers;
+            cost = entry_cost(&cache, worst_case, &ids, &completion);
         }
         if cost > self.limit {
             return refused(&cache, false);
@@ -253,6 +257,24 @@ impl PromptCache {
         let cache = e.cache.released_copy(usize::MAX);
         Some((e.kv.clone(), e.ids.clone(), cache))
     }
+}
+
+/// What an entry keeping a copy of `cache` with `ids` and `completion` counts against
+/// the limit: the worst case admission counts for its ids or, if more, what the copy's
+/// buffers take ([`KvCache::buffer_bytes`]: ring slots and KIVI group parameters that
+/// hold no stored row, row positions), plus everything else the copy and the entry put
+/// on the heap as the allocator lays it out ([`memory::heap_block_bytes`] of each block
+/// [`KvCache::copy_blocks`] names: the hold's journal, per-head lists, the stores
+/// themselves, each block's header and rounding), the ids and the completion's id.
+pub fn entry_cost(cache: &KvCache, worst_case: usize, ids: &[u32], completion: &str) -> usize {
+    let mut heap = 0;
+    cache.copy_blocks(&mut |n| heap += memory::heap_block_bytes(n));
+    let buffers = cache.buffer_bytes();
+    let beside = heap.saturating_sub(buffers)
+        + memory::heap_block_bytes(std::mem::size_of_val(ids))
+        + memory::heap_block_bytes(completion.len())
+        + std::mem::size_of::<Entry>();
+    worst_case.max(buffers) + beside
 }
 
 /// Length of the common prefix of `a` and `b`.

@@ -134,6 +134,13 @@ impl Journal {
             + self.entries.len() * std::mem::size_of::<Entry>()
             + self.marks.len() * std::mem::size_of::<usize>()
     }
+
+    /// Calls `f` with the size of each heap block a copy of the journal allocates.
+    pub(crate) fn copy_blocks(&self, f: &mut dyn FnMut(usize)) {
+        f(std::mem::size_of_val(self.marks.as_slice()));
+        f(std::mem::size_of_val(self.entries.as_slice()));
+        f(self.saved.len());
+    }
 }
 
 /// Undoes one journal entry on `buf`: puts the saved bytes `old` back from element `at`

@@ -24,7 +24,7 @@
 
 use super::journal::{restore, Journal};
 use super::plain::PlainRun;
-use super::{clip, heads_bytes, load_heads, ring_needed, slots_needed};
+use super::{clip, heads_blocks, heads_bytes, load_heads, ring_needed, slots_needed};
 use super::{KeyRun, KeyStore, Region, RowStore, Shape};
 use crate::error::Result;
 use crate::kivi::{self, Bits, KvKernel};
@@ -344,6 +344,14 @@ impl RowStore for ChannelQuant {
             + heads_bytes(&self.scale)
             + heads_bytes(&self.zero)
             + heads_bytes(&self.residual)
+    }
+
+    fn copy_blocks(&self, f: &mut dyn FnMut(usize)) {
+        heads_blocks(&self.codes, f);
+        heads_blocks(&self.scale, f);
+        heads_blocks(&self.zero, f);
+        heads_blocks(&self.residual, f);
+        self.journal.copy_blocks(f);
     }
 
     fn save(&self, w: &mut Writer) {

@@ -14,7 +14,7 @@
 
 use super::journal::{restore, Journal};
 use super::plain::{PlainRun, Rows};
-use super::{clip, heads_bytes, load_heads, ring_needed, slots_needed};
+use super::{clip, heads_blocks, heads_bytes, load_heads, ring_needed, slots_needed};
 use super::{Region, RowStore, Shape, ValueRun, ValueStore};
 use crate::error::Result;
 use crate::kivi::{self, Bits, KvKernel};
@@ -291,6 +291,16 @@ impl RowStore for TokenQuant {
             + heads_bytes(&self.scale)
             + heads_bytes(&self.zero)
             + self.res.as_ref().map_or(0, RowStore::buffer_bytes)
+    }
+
+    fn copy_blocks(&self, f: &mut dyn FnMut(usize)) {
+        heads_blocks(&self.codes, f);
+        heads_blocks(&self.scale, f);
+        heads_blocks(&self.zero, f);
+        if let Some(res) = &self.res {
+            res.copy_blocks(f);
+        }
+        self.journal.copy_blocks(f);
     }
 
     fn save(&self, w: &mut Writer) {

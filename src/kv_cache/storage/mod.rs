@@ -154,6 +154,10 @@ pub(crate) trait RowStore: Debug + Send + Sync {
     /// Bytes the store's buffers take, whatever they hold: [`RowStore::bytes`] plus ring
     /// slots and group parameters that hold no stored row (not the hold's journal).
     fn buffer_bytes(&self) -> usize;
+    /// Calls `f` with the size of each heap block a copy of the store allocates, beside
+    /// the store itself (its buffers, their per-head lists, the hold's journal); sizes
+    /// of 0 stand for no block. The oracle is a counting allocator (`tests/kv_cache.rs`).
+    fn copy_blocks(&self, f: &mut dyn FnMut(usize));
     /// Hold bookkeeping (docs/design.md §3.2): from now on, journal what each append
     /// overwrites ([`journal::Journal`]; a running hold is committed first).
     fn hold(&mut self);
@@ -360,6 +364,13 @@ pub(crate) fn ensure<T: Copy + Default>(buf: &mut Vec<T>, len: usize) {
 }
 
 /// Bytes of the elements of per-head buffers (their lengths, not their capacities).
+/// The blocks a copy of per-head buffers allocates: the list, then each buffer.
+pub(crate) fn heads_blocks<E>(bufs: &[Vec<E>], f: &mut dyn FnMut(usize)) {
+    f(std::mem::size_of_val(bufs));
+    bufs.iter()
+        .for_each(|b| f(std::mem::size_of_val(b.as_slice())));
+}
+
 pub(crate) fn heads_bytes<E>(bufs: &[Vec<E>]) -> usize {
     bufs.iter()
         .map(|b| std::mem::size_of_val(b.as_slice()))

@@ -13,7 +13,7 @@
 //! the store's hold journal (`journal.rs`).
 
 use super::journal::{self, Journal};
-use super::{heads_bytes, load_heads, slots_needed};
+use super::{heads_blocks, heads_bytes, load_heads, slots_needed};
 use super::{Elem, KeyRun, KeyStore, Region, RowStore, ValueRun, ValueStore};
 use crate::error::Result;
 use crate::kivi::KvKernel;
@@ -513,6 +513,10 @@ impl<E: Elem + Pod + std::fmt::Debug + Wire> RowStore for Rows<E> {
     }
     fn buffer_bytes(&self) -> usize {
         heads_bytes(&self.data)
+    }
+    fn copy_blocks(&self, f: &mut dyn FnMut(usize)) {
+        heads_blocks(&self.data, f);
+        self.journal.copy_blocks(f);
     }
     fn save(&self, w: &mut Writer) {
         self.save_rows(w)
