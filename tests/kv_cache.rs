@@ -743,11 +743,15 @@ struct CountingAlloc;
 thread_local! {
     static LIVE_BYTES: std::cell::Cell<isize> = const { std::cell::Cell::new(0) };
     static LIVE_BLOCKS: std::cell::Cell<isize> = const { std::cell::Cell::new(0) };
+    static PEAK_BYTES: std::cell::Cell<isize> = const { std::cell::Cell::new(0) };
 }
 
 fn count(delta: isize) {
     // During thread teardown the counters may be gone: nothing to count then.
-    let _ = LIVE_BYTES.try_with(|c| c.set(c.get() + delta));
+    let _ = LIVE_BYTES.try_with(|c| {
+        c.set(c.get() + delta);
+        let _ = PEAK_BYTES.try_with(|p| p.set(p.get().max(c.get())));
+    });
     let _ = LIVE_BLOCKS.try_with(|c| c.set(c.get() + delta.signum()));
 }
 
@@ -888,6 +892,73 @@ fn buffer_bytes_is_what_a_copy_allocates() {
         assert_eq!((took, blocks), said_blocks(&cache), "{kv:?} probing");
     }
     assert!(checked > 100);
+}
+
+/// `into_compact` gives what a copy gives (every block, every stored row), while at
+/// most one layer is in memory twice: the peak above the running cache is one layer's
+/// copy and the layer list, not the whole cache's.
+#[test]
+fn into_compact_is_a_copy_made_a_layer_at_a_time() {
+    let mut cfg = config(9, 3, 64, None);
+    cfg.n_layers = 6;
+    for kv in [
+        KvConfig::default(),
+        KvConfig {
+            precision: Precision::Int4,
+            residual: 32,
+            sink: 4,
+            window: Some(60),
+            ..KvConfig::default()
+        },
+    ] {
+        let mut cache = KvCache::new(&cfg, &kv);
+        let mut inputs = Inputs::new(5, cfg.kv_dim());
+        for t in 0..150 {
+            if t == 120 {
+                cache.hold();
+            }
+            let (_, k, v) = inputs.token(cfg.kv_dim(), cfg.kv_dim());
+            for l in 0..cache.n_layers() {
+                cache.layer_mut(l).append(&k, &v, t);
+            }
+        }
+        let copy = cache.clone();
+        let one_layer = (0..cache.n_layers())
+            .map(|l| {
+                let mut n = 0;
+                cache.layer(l).copy_blocks(&mut |b| n += b);
+                n
+            })
+            .max()
+            .unwrap_or(0);
+        let list = cache.n_layers() * std::mem::size_of::<tinygpt_cpu::kv_cache::LayerKv>();
+        let before = LIVE_BYTES.with(|c| c.get());
+        PEAK_BYTES.with(|p| p.set(before));
+        let compact = cache.into_compact();
+        let peak = PEAK_BYTES.with(|p| p.get()) - before;
+        assert!(
+            peak as usize <= one_layer + list,
+            "{kv:?}: peak {peak} above the running cache, one layer's copy {one_layer}"
+        );
+        assert_eq!(said_blocks(&compact), said_blocks(&copy), "{kv:?}");
+        assert_eq!(compact.held(), copy.held());
+        for l in 0..copy.n_layers() {
+            let (a, b) = (compact.layer(l), copy.layer(l));
+            assert_eq!(a.len(), b.len());
+            assert_eq!(a.bytes(), b.bytes());
+            for h in 0..cfg.n_kv_heads {
+                for i in 0..a.len() {
+                    let (mut x, mut y) = (vec![0f32; cfg.head_dim], vec![0f32; cfg.head_dim]);
+                    a.read_key(i, h, &mut x);
+                    b.read_key(i, h, &mut y);
+                    assert_eq!(x, y, "{kv:?} layer {l} K row {i}");
+                    a.read_value(i, h, &mut x);
+                    b.read_value(i, h, &mut y);
+                    assert_eq!(x, y, "{kv:?} layer {l} V row {i}");
+                }
+            }
+        }
+    }
 }
 
 #[test]

@@ -642,6 +642,18 @@ impl KvCache {
     pub fn hold_bytes(&self) -> usize {
         self.layers.iter().map(LayerKv::hold_bytes).sum()
     }
+    /// The cache with every buffer the size of what it holds, as a copy would have them
+    /// ([`KvCache::copy_blocks`]), but copied layer by layer, each running layer freed
+    /// once copied: at most one layer is in memory twice (a finished sequence's cache
+    /// becoming a prompt-cache entry; its buffers grew by doubling).
+    pub fn into_compact(self) -> KvCache {
+        let KvCache { kv, layers } = self;
+        let mut out = Vec::with_capacity(layers.len());
+        for layer in layers {
+            out.push(layer.clone());
+        }
+        KvCache { kv, layers: out }
+    }
     /// The cache as [`release`](Self::release)`(keep)` would leave it, this one unchanged
     /// ([`LayerKv::released_copy`]).
     pub fn released_copy(&mut self, keep: usize) -> KvCache {

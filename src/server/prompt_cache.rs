@@ -213,12 +213,11 @@ impl PromptCache {
             };
             dropped += self.remove(oldest);
         }
-        // Kept as a copy: a running cache's buffers grew by doubling, a copy's are the
+        // Kept compacted: a running cache's buffers grew by doubling, a copy's are the
         // size of what they hold, so the entry holds what it counts (the running one's
-        // memory is freed here).
-        let kept = cache.clone();
+        // memory is freed here, layer by layer as each is copied).
         dropped += cache.buffer_bytes() + cache.hold_bytes();
-        drop(cache);
+        let kept = cache.into_compact();
         let used = self.tick();
         self.bytes += cost;
         self.entries.push(Entry {
