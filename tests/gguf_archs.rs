@@ -589,7 +589,7 @@ fn a_bad_tokenizer_built_concurrently_is_refused_with_its_own_message() {
     assert_eq!(again.to_string(), e);
     // The message of the build in place, word for word.
     let g = GgufFile::from_bytes(bad.clone(), &file).unwrap();
-    assert_eq!(e, g.tokenizer().err().expect("a bad tokenizer").to_string());
+    assert_eq!(e, g.tokenizer().expect_err("a bad tokenizer").to_string());
 
     // The CLI: one line on stderr, nothing on stdout, exit status 1.
     for args in [
@@ -618,8 +618,7 @@ fn a_bad_tokenizer_built_concurrently_is_refused_with_its_own_message() {
     both[t.start..t.start + 2].copy_from_slice(&0x7e00u16.to_le_bytes());
     let (_dir2, file2) = written(&both, "qwen3-bad-tokenizer.gguf");
     let e2 = ModelFiles::open(Some(&file2))
-        .err()
-        .expect("refused")
+        .expect_err("refused")
         .to_string();
     assert!(e2.contains("tokenizer.ggml.pre 'qwen9'"), "{e2}");
     // The NaN alone is refused naming its tensor (so the check above saw both problems).
@@ -627,8 +626,7 @@ fn a_bad_tokenizer_built_concurrently_is_refused_with_its_own_message() {
     nan[t.start..t.start + 2].copy_from_slice(&0x7e00u16.to_le_bytes());
     let (_dir3, file3) = written(&nan, "qwen3-nan.gguf");
     let e3 = ModelFiles::open(Some(&file3))
-        .err()
-        .expect("refused")
+        .expect_err("refused")
         .to_string();
     assert!(e3.contains("non-finite"), "{e3}");
 }
