@@ -99,7 +99,10 @@ fn run(a: &Args) {
     let text =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/heldout.txt"))
             .expect("fixtures/heldout.txt");
-    let ids = files.tokenizer.encode(&text).expect("encode");
+    let ids = files
+        .tokenizer()
+        .and_then(|t| t.encode(&text))
+        .expect("encode");
     let prompt: Vec<u32> = ids.iter().copied().cycle().take(a.prompt_tokens).collect();
     let kv = KvConfig {
         precision: a.kv,

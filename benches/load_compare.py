@@ -2,7 +2,7 @@
 """Load time and peak memory against llama.cpp (issue 45, item 4), in alternating rounds.
 
     python benches/load_compare.py MODEL.gguf [MODEL.gguf ...] [--rounds 3]
-        [--binary target/release/tinygpt-cpu] [--python PY]
+        [--binary target/release/tinygpt-cpu [--binary OTHER ...]] [--python PY]
 
 Each round runs, for every model, one fresh process of each engine, alternating:
 
@@ -16,6 +16,10 @@ Each round runs, for every model, one fresh process of each engine, alternating:
   `llama_tokenize` of the same prompt, timed inside the child after `import llama_cpp`;
   the child's peak RSS includes the Python interpreter (about 10 MiB, printed as
   `python alone`).
+
+`--binary` given more than once compares builds (say before and after a change): each
+round runs every binary in turn, then llama.cpp, and the table has a row per model and
+binary, each against the same llama.cpp runs.
 
 Prints a markdown table of medians (and ranges) per model: load seconds, peak RSS, and
 the ratios. The file's pages are in the page cache from the first round on for both (a
@@ -80,38 +84,47 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="+")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--binary", default=os.path.join(root, "target", "release", "tinygpt-cpu"))
+    ap.add_argument("--binary", action="append",
+                    help="tinygpt-cpu to run (default target/release/tinygpt-cpu); repeatable")
     ap.add_argument("--python", default=sys.executable, help="a Python with llama-cpp-python")
     args = ap.parse_args()
+    binaries = args.binary or [os.path.join(root, "target", "release", "tinygpt-cpu")]
     _, py_rss = measure([args.python, "-c", "pass"])
-    rows = {m: {"ours": [], "llama": [], "ours_rss": [], "llama_rss": []} for m in args.models}
+    rows = {(m, b): {"ours": [], "ours_rss": []} for m in args.models for b in binaries}
+    llama_rows = {m: {"llama": [], "llama_rss": []} for m in args.models}
     for rnd in range(args.rounds + 1):
         for m in args.models:
-            out, rss = measure([args.binary, "sample", m, "--prompt", "Hello", "--tokens", "1",
-                                "--temperature", "0", "--threads", "1", "--json"])
-            ours = json.loads(out)["timing"]["load_s"]
+            got = []
+            for b in binaries:
+                out, rss = measure([b, "sample", m, "--prompt", "Hello", "--tokens", "1",
+                                    "--temperature", "0", "--threads", "1", "--json"])
+                got.append((b, json.loads(out)["timing"]["load_s"], rss))
             out, lrss = measure([args.python, "-c", LLAMA_CHILD, m])
             llama = json.loads(out)["load_s"]
             if rnd == 0:
                 continue  # warms the page cache for both
-            r = rows[m]
-            r["ours"].append(ours)
-            r["llama"].append(llama)
-            r["ours_rss"].append(rss)
-            r["llama_rss"].append(lrss)
-            print(f"# round {rnd} {os.path.basename(m)}: ours {ours:.2f} s {rss:.0f} MiB, "
-                  f"llama.cpp {llama:.2f} s {lrss:.0f} MiB", file=sys.stderr, flush=True)
+            for b, ours, rss in got:
+                rows[(m, b)]["ours"].append(ours)
+                rows[(m, b)]["ours_rss"].append(rss)
+                print(f"# round {rnd} {os.path.basename(m)}: {b}: {ours:.2f} s {rss:.0f} MiB",
+                      file=sys.stderr, flush=True)
+            llama_rows[m]["llama"].append(llama)
+            llama_rows[m]["llama_rss"].append(lrss)
+            print(f"# round {rnd} {os.path.basename(m)}: llama.cpp {llama:.2f} s {lrss:.0f} MiB",
+                  file=sys.stderr, flush=True)
     med = statistics.median
     print(f"# {args.rounds} alternating rounds, medians (range); python alone {py_rss:.0f} MiB")
     print("| model | file MiB | ours load s | llama.cpp load s | ratio | ours peak RSS MiB | "
           "llama.cpp peak RSS MiB | ours RSS / file |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for m, r in rows.items():
+    for (m, b), r in rows.items():
         size = os.path.getsize(m) / 2**20
+        lr = llama_rows[m]
         rng = lambda v, f: f"{med(v):{f}} ({min(v):{f}}–{max(v):{f}})"
-        print(f"| {os.path.basename(m)} | {size:.0f} | {rng(r['ours'], '.2f')} | "
-              f"{rng(r['llama'], '.2f')} | {med(r['ours']) / med(r['llama']):.2f}× | "
-              f"{rng(r['ours_rss'], '.0f')} | {rng(r['llama_rss'], '.0f')} | "
+        name = os.path.basename(m) + (f" ({b})" if len(binaries) > 1 else "")
+        print(f"| {name} | {size:.0f} | {rng(r['ours'], '.2f')} | "
+              f"{rng(lr['llama'], '.2f')} | {med(r['ours']) / med(lr['llama']):.2f}× | "
+              f"{rng(r['ours_rss'], '.0f')} | {rng(lr['llama_rss'], '.0f')} | "
               f"{med(r['ours_rss']) / size:.2f} |")
     return 0
 

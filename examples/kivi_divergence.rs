@@ -36,7 +36,7 @@ fn main() -> anyhow::Result<()> {
     };
     let files = ModelFiles::open(Some(Path::new(&a[0])))?;
     let ids = files
-        .tokenizer
+        .tokenizer()?
         .encode(&tinygpt_cpu::eval::read_text(Path::new(&a[1]))?)?;
     anyhow::ensure!(n >= 2 && n <= ids.len(), "N must be in 2..={}", ids.len());
     let model = Model::load(&files, wdtype)?;

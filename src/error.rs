@@ -114,6 +114,30 @@ impl Error {
             msg: msg.into(),
         }
     }
+
+    /// The same error again, for a result handed to more than one caller (a tokenizer
+    /// built once, [`crate::tokenizer::PendingTokenizer`]): the same variant, fields and
+    /// message; an I/O error is rebuilt from its kind and message.
+    pub fn replay(&self) -> Error {
+        let io = |e: &std::io::Error| std::io::Error::new(e.kind(), e.to_string());
+        match self {
+            Error::Io { path, source } => Error::io(path, io(source)),
+            Error::Format { path, msg } => Error::format(path, msg),
+            Error::Config { path, msg } => Error::config(path, msg),
+            Error::Tensor { path, name, msg } => Error::tensor(path, name, msg),
+            Error::Tokenizer { path, msg } => Error::tokenizer(path, msg),
+            Error::Flag { flag, msg } => Error::flag(flag, msg),
+            Error::Generate(m) => Error::Generate(m.clone()),
+            Error::NonFinite(m) => Error::NonFinite(m.clone()),
+            Error::Write { stream, source } => Error::write(stream, io(source)),
+            Error::Interrupted(m) => Error::Interrupted(m.clone()),
+            Error::State { path, problem, msg } => Error::State {
+                path: path.clone(),
+                problem: *problem,
+                msg: msg.clone(),
+            },
+        }
+    }
 }
 
 /// The engine's result alias.

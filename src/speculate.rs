@@ -260,7 +260,7 @@ pub fn check_same_vocab(target: &ModelFiles, draft: &ModelFiles) -> Result<()> {
             ),
         ))
     };
-    let (tt, dt) = (&target.tokenizer, &draft.tokenizer);
+    let (tt, dt) = (target.tokenizer()?, draft.tokenizer()?);
     if tt.vocab_size() != dt.vocab_size() {
         return differs(format!(
             "its vocabulary has {} tokens, the target's {}",

@@ -5,11 +5,13 @@
 //! the limit gets exactly the ids of encoding it whole.
 
 mod bounded;
+mod pending;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
 pub use bounded::Bounded;
 use bounded::{Cuts, Segments, Spelled};
+pub use pending::PendingTokenizer;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 

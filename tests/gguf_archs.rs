@@ -22,6 +22,7 @@ use tinygpt_cpu::generate::{Engine, EngineRun, ReferenceRun};
 use tinygpt_cpu::gguf::GgufFile;
 use tinygpt_cpu::kv_cache::KvConfig;
 use tinygpt_cpu::model::{reference_model, Model, SeqStep, WeightsDType};
+use tinygpt_cpu::tokenizer::Tokenizer;
 use tinygpt_cpu::weights::ModelFiles;
 
 const TOL: f32 = 1e-3;
@@ -161,7 +162,7 @@ fn tokenizers_match_transformers() {
     for (arch, m) in models() {
         for (fmt, path) in paths(&m) {
             let files = ModelFiles::open(Some(&path)).unwrap();
-            let enc = |t: &str| files.tokenizer.encode(t).unwrap();
+            let enc = |t: &str| files.tokenizer().unwrap().encode(t).unwrap();
             for c in g["tokenizer_cases"].as_array().unwrap() {
                 let text = c["text"].as_str().unwrap();
                 assert_eq!(enc(text), ids(&c["ids"]), "{arch} {fmt}: {text:?}");
@@ -547,4 +548,148 @@ fn gemma3_softcapping_config_values_are_checked() {
             && e.contains("not supported"),
         "{e}"
     );
+}
+
+/// `bytes` written to a file named `name` in a fresh temporary directory.
+fn written(bytes: &[u8], name: &str) -> (tempfile::TempDir, PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join(name);
+    std::fs::write(&p, bytes).unwrap();
+    (d, p)
+}
+
+/// The tokenizer is built on its own thread while the weights are checked and repacked
+/// (`ModelFiles::open`). A file whose tokenizer metadata cannot make a tokenizer is still
+/// refused with the build's own message naming the file: by `ModelFiles::tokenizer`, every
+/// time it is asked; by `sample` (after the weights load, the message word for word as
+/// when the tokenizer was built first); and by `open` itself when the weights are refused
+/// too (the tokenizer's problem is the one named, as when it was checked first).
+#[test]
+fn a_bad_tokenizer_built_concurrently_is_refused_with_its_own_message() {
+    let path = fixtures().join("archs/qwen3/qwen3.gguf");
+    let bad = patched(&path, "tokenizer.ggml.pre", "qwen2", "qwen9");
+    let (_dir, file) = written(&bad, "qwen3-bad-tokenizer.gguf");
+    let want = format!(
+        "{}: tokenizer: tokenizer.ggml.pre 'qwen9' is not a pre-tokenizer this engine knows (known: ",
+        file.display()
+    );
+
+    // The library: the weights open and load; the tokenizer is the error, each time.
+    let files = ModelFiles::open(Some(&file)).unwrap();
+    let model = Model::load(&files, WeightsDType::Native);
+    assert!(model.is_ok(), "the weights are fine");
+    let e = files
+        .tokenizer()
+        .err()
+        .expect("a bad tokenizer")
+        .to_string();
+    assert!(e.starts_with(&want), "{e}");
+    let again = files.tokenizer().err().expect("still a bad tokenizer");
+    assert!(matches!(again, tinygpt_cpu::Error::Tokenizer { .. }));
+    assert_eq!(again.to_string(), e);
+    // The message of the build in place, word for word.
+    let g = GgufFile::from_bytes(bad.clone(), &file).unwrap();
+    assert_eq!(e, g.tokenizer().expect_err("a bad tokenizer").to_string());
+
+    // The CLI: one line on stderr, nothing on stdout, exit status 1.
+    for args in [
+        &["sample", "--prompt", "x", "--tokens", "2"][..],
+        &["inspect"],
+    ] {
+        let out = cli()
+            .arg(args[0])
+            .arg(&file)
+            .args(&args[1..])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+        assert_eq!(err.trim_end(), format!("error: {e}"), "{args:?}");
+    }
+
+    // Bad weights too (a NaN in the first f16 tensor): `open` names the tokenizer.
+    let mut both = bad;
+    let t = g
+        .tensors()
+        .iter()
+        .find(|t| t.dtype == tinygpt_cpu::dtype::DType::F16)
+        .expect("an f16 tensor");
+    both[t.start..t.start + 2].copy_from_slice(&0x7e00u16.to_le_bytes());
+    let (_dir2, file2) = written(&both, "qwen3-bad-tokenizer.gguf");
+    let e2 = ModelFiles::open(Some(&file2))
+        .expect_err("refused")
+        .to_string();
+    assert!(e2.contains("tokenizer.ggml.pre 'qwen9'"), "{e2}");
+    // The NaN alone is refused naming its tensor (so the check above saw both problems).
+    let mut nan = std::fs::read(&path).unwrap();
+    nan[t.start..t.start + 2].copy_from_slice(&0x7e00u16.to_le_bytes());
+    let (_dir3, file3) = written(&nan, "qwen3-nan.gguf");
+    let e3 = ModelFiles::open(Some(&file3))
+        .expect_err("refused")
+        .to_string();
+    assert!(e3.contains("non-finite"), "{e3}");
+}
+
+/// The tokenizer built on its own thread by `ModelFiles::open` is the one built in place
+/// from the same metadata: the same ids (with and without the special tokens), text,
+/// special ids and sizes, for every GGUF fixture and, when their files are present
+/// (`TINYGPT_SMOLLM2`, `TINYGPT_GEMMA3`), SmolLM2 and Gemma 3.
+#[test]
+fn the_tokenizer_built_concurrently_equals_the_one_built_in_place() {
+    let texts = [
+        "Hello, world! The quick brown fox jumps over 12345 lazy dogs.",
+        "  leading spaces,\ttabs\nand\n\nnewlines  ",
+        "unicode: naïve café 東京 🦀 ½ ١٢٣",
+        "<|im_start|>user\nhi<|im_end|>\n<start_of_turn>model\n<bos><eos>",
+        "",
+    ];
+    let mut files: Vec<PathBuf> = models()
+        .iter()
+        .map(|(_, m)| fixtures().join(m["gguf"].as_str().unwrap()))
+        .collect();
+    files.extend(smollm2_path());
+    // `TINYGPT_GEMMA3`, else the cache path of scripts/fetch-gemma3.sh (as tests/gemma3.rs).
+    let gemma = std::env::var_os("TINYGPT_GEMMA3")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            std::env::var_os("TINYGPT_CACHE")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                        .join(".cache/tinygpt-cpu")
+                })
+                .join("gemma3/gemma-3-270m-q4_k_m.gguf")
+        });
+    match gemma.is_file() {
+        true => files.push(gemma),
+        false => eprintln!("skipping Gemma 3: not found at {}", gemma.display()),
+    }
+    for path in files {
+        let opened = ModelFiles::open(Some(&path)).unwrap();
+        let concurrent = opened.tokenizer().unwrap();
+        let g = GgufFile::open(&path).unwrap();
+        let cfg = g.config().unwrap();
+        let in_place = Tokenizer::new(g.tokenizer().unwrap(), &path, &cfg).unwrap();
+        let p = path.display();
+        assert_eq!(concurrent.vocab_size(), in_place.vocab_size(), "{p}");
+        assert_eq!(concurrent.eos_ids, in_place.eos_ids, "{p}");
+        assert_eq!(concurrent.bos_id, in_place.bos_id, "{p}");
+        assert_eq!(
+            concurrent.max_text_bytes(7),
+            in_place.max_text_bytes(7),
+            "{p}"
+        );
+        for text in texts {
+            for special in [true, false] {
+                let a = concurrent.encode_with(text, special).unwrap();
+                assert_eq!(
+                    a,
+                    in_place.encode_with(text, special).unwrap(),
+                    "{p}: {text:?}"
+                );
+                assert_eq!(concurrent.decode(&a).unwrap(), in_place.decode(&a).unwrap());
+            }
+        }
+    }
 }

@@ -133,8 +133,8 @@ fn hf_dir_and_tinygpt_give_identical_logits() {
     // the tokenizer is the same too
     let text = "In Python, a list is a mutable sequence.";
     assert_eq!(
-        a.tokenizer.encode(text).unwrap(),
-        b.tokenizer.encode(text).unwrap()
+        a.tokenizer().unwrap().encode(text).unwrap(),
+        b.tokenizer().unwrap().encode(text).unwrap()
     );
 }
 

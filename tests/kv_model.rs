@@ -359,7 +359,7 @@ fn kivi_greedy_quality_against_fp32() {
     // quality measure (below); the shortfall is reported in the README rather than hidden
     // by a lower bar.
     let text = std::fs::read_to_string(fixtures().join("heldout.txt")).unwrap();
-    let mut tokens = files.tokenizer.encode(&text).unwrap();
+    let mut tokens = files.tokenizer().unwrap().encode(&text).unwrap();
     tokens.truncate(1024);
     let ppl = |precision| {
         let kv = KvConfig {

@@ -11,7 +11,7 @@ use tinygpt_cpu::weights::ModelFiles;
 
 fn heldout_tokens(files: &ModelFiles, n: usize) -> Vec<u32> {
     let text = std::fs::read_to_string(fixtures().join("heldout.txt")).unwrap();
-    let mut t = files.tokenizer.encode(&text).unwrap();
+    let mut t = files.tokenizer().unwrap().encode(&text).unwrap();
     t.truncate(n);
     t
 }

@@ -285,7 +285,11 @@ fn load(dir: Option<PathBuf>) -> (ModelFiles, Model) {
 #[test]
 fn resume_equals_recompute_for_every_cache_mode() {
     let (files, model) = load(None);
-    let prompt = files.tokenizer.encode("import os\nimport sys\n").unwrap();
+    let prompt = files
+        .tokenizer()
+        .unwrap()
+        .encode("import os\nimport sys\n")
+        .unwrap();
     assert!(prompt.len() > CHUNK, "the prompt spans several chunks");
     let modes = modes();
     on_two_workers(&modes, |kv| {
@@ -299,7 +303,11 @@ fn resume_equals_recompute_for_every_cache_mode() {
 fn resume_equals_recompute_with_shared_and_sliding_layers() {
     let (files, model) = load(Some(fixtures().join("yoco")));
     assert!(files.config.num_kv_shared_layers > 0);
-    let prompt = files.tokenizer.encode("def f(x):\n    return x").unwrap();
+    let prompt = files
+        .tokenizer()
+        .unwrap()
+        .encode("def f(x):\n    return x")
+        .unwrap();
     let modes: Vec<KvConfig> = modes()
         .into_iter()
         .filter(|kv| matches!(kv.precision, Precision::Fp32 | Precision::Int4))
@@ -345,7 +353,7 @@ fn resume_equals_recompute_with_gemma_sliding_layers() {
 #[test]
 fn a_bounded_hold_resumes_from_its_last_start() {
     let (files, model) = load(None);
-    let prompt = files.tokenizer.encode("The following").unwrap();
+    let prompt = files.tokenizer().unwrap().encode("The following").unwrap();
     let kv = KvConfig {
         precision: Precision::Int4,
         group_size: 8,
@@ -395,9 +403,9 @@ fn a_bounded_hold_resumes_from_its_last_start() {
 fn lookup_rules_bound_and_lru() {
     let (files, model) = load(None);
     let kv = KvConfig::default();
-    let p1 = files.tokenizer.encode("import os").unwrap();
-    let p2 = files.tokenizer.encode("class Foo:").unwrap();
-    let p3 = files.tokenizer.encode("def main():").unwrap();
+    let p1 = files.tokenizer().unwrap().encode("import os").unwrap();
+    let p2 = files.tokenizer().unwrap().encode("class Foo:").unwrap();
+    let p3 = files.tokenizer().unwrap().encode("def main():").unwrap();
     let cost = |prompt: &[u32], gen: usize| {
         let a = run(&model, &kv, prompt, None, gen, ROOMY);
         let n = prompt.len() + gen - 1;
@@ -492,7 +500,7 @@ fn smollm2_resume_equals_recompute() {
     let text = "The history of the city begins with a small settlement on the river, where \
                 traders met to exchange grain, salt and cloth. Over the centuries it grew \
                 into a market town, then a port, and finally the capital of the region.";
-    let prompt = files.tokenizer.encode(text).unwrap();
+    let prompt = files.tokenizer().unwrap().encode(text).unwrap();
     for kv in [
         KvConfig::default(),
         KvConfig {
@@ -525,7 +533,7 @@ fn gemma3_270m_resume_equals_recompute() {
         })
         .expect("sliding layers");
     let text = "one two three four five six seven eight nine ten ".repeat(60);
-    let mut prompt = files.tokenizer.encode(&text).unwrap();
+    let mut prompt = files.tokenizer().unwrap().encode(&text).unwrap();
     prompt.truncate(window + 8);
     assert!(
         prompt.len() > window,

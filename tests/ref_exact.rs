@@ -108,7 +108,7 @@ fn tokens(files: &ModelFiles, n: usize) -> Vec<u32> {
     let start = (start..text.len())
         .find(|&i| text.is_char_boundary(i) && text[..i].ends_with('\n'))
         .unwrap();
-    let mut t = files.tokenizer.encode(&text[start..]).unwrap();
+    let mut t = files.tokenizer().unwrap().encode(&text[start..]).unwrap();
     t.truncate(n);
     assert_eq!(t.len(), n, "held-out text too short");
     t

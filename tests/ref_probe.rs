@@ -27,7 +27,7 @@ fn probe_smollm2_stored_rows() {
     let engine = Model::load(&files, WeightsDType::F32).unwrap();
     let reference = reference_model(&files, WeightsDType::F32).unwrap();
     let text = std::fs::read_to_string(fixtures().join("heldout.txt")).unwrap();
-    let mut toks = files.tokenizer.encode(&text).unwrap();
+    let mut toks = files.tokenizer().unwrap().encode(&text).unwrap();
     toks.truncate(n);
     let only = std::env::var("TINYGPT_PROBE_MODES").ok();
     for (name, precision, rotation) in [

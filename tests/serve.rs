@@ -136,7 +136,7 @@ fn batched_equals_solo(files: &ModelFiles, modes: Vec<KvConfig>) {
     ];
     let prompts: Vec<Vec<u32>> = texts
         .iter()
-        .map(|t| files.tokenizer.encode(t).unwrap())
+        .map(|t| files.tokenizer().unwrap().encode(t).unwrap())
         .collect();
     assert!(
         prompts[2].len() > 20,
@@ -190,7 +190,7 @@ fn worst_case_bytes_bound_a_real_run() {
     // The admission estimate against the bytes a real cache reports during generation.
     let files = ModelFiles::open(None).unwrap();
     let model = Model::load(&files, WeightsDType::Native).unwrap();
-    let prompt = files.tokenizer.encode("The").unwrap();
+    let prompt = files.tokenizer().unwrap().encode("The").unwrap();
     for kv in cache_modes() {
         let n = 60;
         let bound = tinygpt_cpu::server::worst_case_kv_bytes(&model.cfg, &kv, prompt.len() + n);

@@ -869,18 +869,18 @@ fn check_long_runs(name: &str, tok: &tinygpt_cpu::tokenizer::Tokenizer) {
 #[test]
 fn bounded_tokenizing_equals_whole_text_tokenizing_on_the_bundled_model() {
     let files = tinygpt_cpu::weights::ModelFiles::open(None).unwrap();
-    assert!(files.tokenizer.cuts_texts());
-    check_bounded_tokenizing("bundled", &files.tokenizer);
-    check_long_runs("bundled", &files.tokenizer);
+    assert!(files.tokenizer().unwrap().cuts_texts());
+    check_bounded_tokenizing("bundled", files.tokenizer().unwrap());
+    check_long_runs("bundled", files.tokenizer().unwrap());
 }
 
 #[test]
 fn bounded_tokenizing_equals_whole_text_tokenizing_on_smollm2_and_gemma3() {
     if let Some(p) = smollm2_path() {
         let files = tinygpt_cpu::weights::ModelFiles::open(Some(&p)).unwrap();
-        assert!(files.tokenizer.cuts_texts());
-        check_bounded_tokenizing("SmolLM2", &files.tokenizer);
-        check_long_runs("SmolLM2", &files.tokenizer);
+        assert!(files.tokenizer().unwrap().cuts_texts());
+        check_bounded_tokenizing("SmolLM2", files.tokenizer().unwrap());
+        check_long_runs("SmolLM2", files.tokenizer().unwrap());
     }
     let gemma = std::env::var_os("TINYGPT_GEMMA3")
         .map(std::path::PathBuf::from)
@@ -888,9 +888,9 @@ fn bounded_tokenizing_equals_whole_text_tokenizing_on_smollm2_and_gemma3() {
     match gemma {
         Some(p) => {
             let files = tinygpt_cpu::weights::ModelFiles::open(Some(&p)).unwrap();
-            assert!(files.tokenizer.cuts_texts());
-            check_bounded_tokenizing("Gemma 3", &files.tokenizer);
-            check_long_runs("Gemma 3", &files.tokenizer);
+            assert!(files.tokenizer().unwrap().cuts_texts());
+            check_bounded_tokenizing("Gemma 3", files.tokenizer().unwrap());
+            check_long_runs("Gemma 3", files.tokenizer().unwrap());
         }
         None => eprintln!("skipping Gemma 3: TINYGPT_GEMMA3 is not set to its GGUF"),
     }

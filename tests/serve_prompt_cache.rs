@@ -46,7 +46,11 @@ fn resumed_requests_answer_what_recomputing_answers() {
     let srv = Server::start(&[]);
     let files = ModelFiles::open(None).unwrap();
     let model = Model::load(&files, WeightsDType::Native).unwrap();
-    let a = files.tokenizer.encode("import os\nimport sys\n").unwrap();
+    let a = files
+        .tokenizer()
+        .unwrap()
+        .encode("import os\nimport sys\n")
+        .unwrap();
     let gen = 30;
     let modes = [
         (json!({}), KvConfig::default()),
@@ -82,7 +86,7 @@ fn resumed_requests_answer_what_recomputing_answers() {
         let g = greedy(&mut EngineRun::new(&model, kv), &a, gen).ids;
         assert_eq!(
             text(&first),
-            files.tokenizer.decode(&g).unwrap(),
+            files.tokenizer().unwrap().decode(&g).unwrap(),
             "{fields}: the library's greedy ids are the server's"
         );
         for m in [0, 1, 7, 12, 16, 17, 24, gen - 1] {
@@ -224,7 +228,11 @@ fn saved_states_survive_a_restart() {
     };
     let fields = json!({"kv_quantize": "int4", "kv_group_size": 8, "streaming_llm_sink": 4,
         "streaming_llm_window": 20});
-    let a = files.tokenizer.encode("import os\nimport sys\n").unwrap();
+    let a = files
+        .tokenizer()
+        .unwrap()
+        .encode("import os\nimport sys\n")
+        .unwrap();
     let g = greedy(&mut EngineRun::new(&model, &kv), &a, 24).ids;
     let state_tokens = a.len() + 23;
     let mut b = a.clone();

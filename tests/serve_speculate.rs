@@ -153,7 +153,7 @@ fn speculating_server_answers_the_plain_greedy_text() {
     let model = Model::load(&files, WeightsDType::Native).unwrap();
     let srv = Server::start(&["--speculate", "ngram:4"]);
     for prompt in PROMPTS {
-        let ids = files.tokenizer.encode(prompt).unwrap();
+        let ids = files.tokenizer().unwrap().encode(prompt).unwrap();
         let g = greedy(&mut EngineRun::new(&model, &KvConfig::default()), &ids, 40).ids;
         let v = post_ok(
             &srv,
@@ -161,7 +161,7 @@ fn speculating_server_answers_the_plain_greedy_text() {
         );
         assert_eq!(
             outcome(&v).0,
-            files.tokenizer.decode(&g).unwrap(),
+            files.tokenizer().unwrap().decode(&g).unwrap(),
             "{prompt:?}"
         );
     }
@@ -177,7 +177,7 @@ fn resuming_a_speculated_sequence_answers_what_recomputing_answers() {
     let files = ModelFiles::open(None).unwrap();
     let model = Model::load(&files, WeightsDType::Native).unwrap();
     let srv = Server::start(&["--speculate", "ngram"]);
-    let a = files.tokenizer.encode(PROMPTS[0]).unwrap();
+    let a = files.tokenizer().unwrap().encode(PROMPTS[0]).unwrap();
     let gen = 40;
     let modes = [
         (json!({}), KvConfig::default()),
@@ -199,7 +199,10 @@ fn resuming_a_speculated_sequence_answers_what_recomputing_answers() {
         let first = post_ok(&srv, body(&a, gen, true));
         assert!(accepted(&srv) > before, "{fields}: no draft accepted");
         let g = greedy(&mut EngineRun::new(&model, kv), &a, gen).ids;
-        assert_eq!(outcome(&first).0, files.tokenizer.decode(&g).unwrap());
+        assert_eq!(
+            outcome(&first).0,
+            files.tokenizer().unwrap().decode(&g).unwrap()
+        );
         for m in [0, 1, 5, 13, 21, 30, gen - 1] {
             let mut b = a.clone();
             b.extend_from_slice(&g[..m]);
@@ -425,10 +428,10 @@ fn admission_bounds_what_a_pass_holds() {
 fn sampled_requests_with_drafts_keep_the_distribution() {
     let files = ModelFiles::open(None).unwrap();
     let model = Model::load(&files, WeightsDType::Native).unwrap();
-    let mut ids = files.tokenizer.encode(PROMPTS[0]).unwrap();
+    let mut ids = files.tokenizer().unwrap().encode(PROMPTS[0]).unwrap();
     let g = greedy(&mut EngineRun::new(&model, &KvConfig::default()), &ids, 30).ids;
     ids.extend(&g);
-    let prompt = files.tokenizer.decode(&ids).unwrap();
+    let prompt = files.tokenizer().unwrap().decode(&ids).unwrap();
     let srv = Server::start(&["--speculate", "ngram:4", "--max-sequences", "4"]);
     let n = 1200u64;
     let texts = |spec: bool| -> Vec<String> {

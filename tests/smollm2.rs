@@ -49,7 +49,7 @@ fn tokenizer_gives_the_golden_prompt_ids() {
     let files = ModelFiles::open(Some(&path)).unwrap();
     for p in prompts() {
         assert_eq!(
-            files.tokenizer.encode(&p.text).unwrap(),
+            files.tokenizer().unwrap().encode(&p.text).unwrap(),
             p.ids,
             "{:?}",
             p.text
@@ -199,7 +199,11 @@ fn chat_template_wraps_the_prompt() {
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let files = ModelFiles::open(Some(&path)).unwrap();
-    let im_start = files.tokenizer.token_to_id("<|im_start|>").unwrap();
+    let im_start = files
+        .tokenizer()
+        .unwrap()
+        .token_to_id("<|im_start|>")
+        .unwrap();
     let prompt_ids = ids(&v["prompt_ids"]);
     assert_eq!(
         prompt_ids[0], im_start,
@@ -214,7 +218,7 @@ fn chat_template_wraps_the_prompt() {
     // stopped at EOS (<|im_end|>) well before the token limit
     let gen = ids(&v["generated_ids"]);
     assert!(
-        files.tokenizer.is_eos(*gen.last().unwrap()),
+        files.tokenizer().unwrap().is_eos(*gen.last().unwrap()),
         "did not stop at EOS: {text:?}"
     );
 }

@@ -147,7 +147,7 @@ fn run_with(
         gen = gen.with_draft_model(d).unwrap();
     }
     let mut ids = Vec::new();
-    while let Some(step) = gen.step(&mut e, &files.tokenizer).unwrap() {
+    while let Some(step) = gen.step(&mut e, files.tokenizer().unwrap()).unwrap() {
         ids.push(step.id);
     }
     let cache = &e.run.session.cache;
@@ -192,7 +192,7 @@ fn flagship_cache() -> KvConfig {
 /// model (which, random or not, soon repeats too).
 fn repetitive_prompt(files: &ModelFiles) -> Vec<u32> {
     let text = "one two three four five six. one two three four five six. one two three";
-    files.tokenizer.encode(text).unwrap()
+    files.tokenizer().unwrap().encode(text).unwrap()
 }
 
 fn modes() -> Vec<(String, KvConfig)> {
@@ -536,7 +536,11 @@ fn draft_model_bounded_and_self_stopping() {
     assert_eq!(got.ids, plain.ids);
     assert!(got.spec.accepted > 0, "{:?}", got.spec);
     // A draft model that is seldom right stops drafting by itself.
-    let free = files.tokenizer.encode("The little robot said").unwrap();
+    let free = files
+        .tokenizer()
+        .unwrap()
+        .encode("The little robot said")
+        .unwrap();
     let plain = run(&model, &files, &kv, &free, 1000, g.clone(), None);
     let d = fixture_draft(SELDOM_RIGHT, &files, &kv, 0.2);
     let got = run_with(&model, &files, &kv, &free, 1000, g, spec, Some(d));

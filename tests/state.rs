@@ -217,7 +217,15 @@ fn run_all(
     prompt: &[u32],
     gen: Generation,
 ) -> GenerateResult {
-    generate_from(run, &fx.files.tokenizer, prompt, gen, true, &mut |_| Ok(())).unwrap()
+    generate_from(
+        run,
+        fx.files.tokenizer().unwrap(),
+        prompt,
+        gen,
+        true,
+        &mut |_| Ok(()),
+    )
+    .unwrap()
 }
 
 /// A state saved after `k` prompt tokens, loaded into a fresh session, resumed: same ids
@@ -230,7 +238,7 @@ fn resume_equals_recompute(fx: &Fixture, kv: &KvConfig, prompt: &[u32], k: usize
     let mut full = EngineRun::new(&fx.model, kv);
     let want = generate_with(
         &mut full,
-        &fx.files.tokenizer,
+        fx.files.tokenizer().unwrap(),
         prompt,
         &opts,
         true,

@@ -291,7 +291,7 @@ fn both_engines_reproduce_the_pytorch_goldens() {
     eprintln!("engine vs reference over the long prompt: {worst:e}");
     // Perplexity through the cache == the golden's full-sequence perplexity.
     let text = std::fs::read_to_string(fixtures().join("heldout.txt")).unwrap();
-    let mut tokens = files.tokenizer.encode(&text).unwrap();
+    let mut tokens = files.tokenizer().unwrap().encode(&text).unwrap();
     tokens.truncate(g["ppl_tokens"].as_u64().unwrap() as usize);
     let mut e = EngineRun::new(&model, &kv);
     let (res, _) = tinygpt_cpu::eval::perplexity(&mut e, &tokens, 256, false, &mut |_| {}).unwrap();
@@ -402,7 +402,7 @@ fn batched_prefill_equals_token_by_token_with_shared_layers() {
     let files = yoco_files();
     let model = Model::load(&files, WeightsDType::Native).unwrap();
     let text = std::fs::read_to_string(fixtures().join("heldout.txt")).unwrap();
-    let mut tokens = files.tokenizer.encode(&text).unwrap();
+    let mut tokens = files.tokenizer().unwrap().encode(&text).unwrap();
     tokens.truncate(150);
     for kv in combos() {
         let mut one = model.session(&kv);

@@ -13,7 +13,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(files) = ModelFiles::from_tinygpt_bytes(data, Path::new("fuzz.tinygpt")) else {
         return;
     };
-    let _ = files.tokenizer.encode("hello world");
+    let _ = files.tokenizer().map(|t| t.encode("hello world"));
     if let Ok(model) = tinygpt_cpu::model::Model::load(&files, tinygpt_cpu::model::WeightsDType::Native) {
         let kv = tinygpt_cpu::kv_cache::KvConfig {
             precision: tinygpt_cpu::kv_cache::Precision::Int4,

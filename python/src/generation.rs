@@ -167,7 +167,7 @@ impl Generation {
         }
         let st: &mut State = &mut guard;
         let shared = &*self.shared;
-        let tok = &shared.files.tokenizer;
+        let tok = shared.tokenizer()?;
         let r = py.detach(|| {
             catch(|| {
                 // The prompt in the pool (batched products fork and join there), then

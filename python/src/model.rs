@@ -75,6 +75,12 @@ pub(crate) struct Shared {
 static HERE: Mutex<()> = Mutex::new(());
 
 impl Shared {
+    /// The model's tokenizer ([`Model::new`] waited for its build and refused a model
+    /// whose tokenizer could not be built).
+    pub fn tokenizer(&self) -> PyResult<&tinygpt_cpu::tokenizer::Tokenizer> {
+        self.files.tokenizer().map_err(py_err)
+    }
+
     /// Runs `f` on the model's pool, after any step another thread is running there (a
     /// prefill: its parallel regions fork and join inside the pool). Called detached
     /// from the interpreter.
@@ -165,8 +171,11 @@ impl Model {
                 pool.install(|| -> tinygpt_cpu::Result<_> {
                     let mut files = ModelFiles::open(path.as_deref())?;
                     tinygpt_cpu::kv_cache::validate(&kv, &files.config)?;
-                    let model =
-                        Loaded::load(&files, &engine)?.into_optimized("the Python package")?;
+                    // The weights load while the tokenizer is being built.
+                    let model = Loaded::load(&files, &engine)
+                        .and_then(|l| l.into_optimized("the Python package"))
+                        .and_then(|m| files.tokenizer().map(|_| m))
+                        .map_err(|e| files.tokenizer_error_or(e))?;
                     // The engine holds what it needs of the weights.
                     files.tensors.clear();
                     Ok((files, model))
@@ -215,8 +224,8 @@ impl Model {
 
     /// The end-of-sequence ids.
     #[getter]
-    fn eos_ids(&self) -> Vec<u32> {
-        self.shared.files.tokenizer.eos_ids.clone()
+    fn eos_ids(&self) -> PyResult<Vec<u32>> {
+        Ok(self.shared.tokenizer()?.eos_ids.clone())
     }
 
     /// The cache settings and what the last run's cache held (`sample --json`'s `kv`).
@@ -240,7 +249,7 @@ impl Model {
     /// unless `add_special_tokens` is false).
     #[pyo3(signature = (text, add_special_tokens = true))]
     fn tokenize(&self, py: Python<'_>, text: &str, add_special_tokens: bool) -> PyResult<Vec<u32>> {
-        let tok = &self.shared.files.tokenizer;
+        let tok = self.shared.tokenizer()?;
         py.detach(|| catch(|| tok.encode_with(text, add_special_tokens)))?
             .map_err(py_err)
     }
@@ -248,7 +257,7 @@ impl Model {
     /// The text of `ids` (special tokens skipped).
     fn detokenize(&self, py: Python<'_>, ids: Vec<u32>) -> PyResult<String> {
         self.shared.check_ids(&ids, "ids")?;
-        let tok = &self.shared.files.tokenizer;
+        let tok = self.shared.tokenizer()?;
         py.detach(|| catch(|| tok.decode(&ids)))?.map_err(py_err)
     }
 
@@ -275,7 +284,7 @@ impl Model {
                 ])
             })
             .collect();
-        let (bos, eos) = tinygpt_cpu::chat::special_tokens(&files.tokenizer);
+        let (bos, eos) = tinygpt_cpu::chat::special_tokens(self.shared.tokenizer()?);
         tinygpt_cpu::chat::render_messages(template, &messages, true, &bos, &eos).map_err(py_err)
     }
 

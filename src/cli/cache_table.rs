@@ -92,6 +92,8 @@ pub fn run(a: CacheTableArgs) -> anyhow::Result<()> {
         super::plot::check_output(p)?;
     }
     let files = open_model(&a.model)?;
+    // A model whose tokenizer cannot be built is refused here as by every command.
+    files.tokenizer()?;
     let cfg = &files.config;
     // The largest cache measured is the dense fp32 one at the longest length.
     let longest = lengths.iter().copied().max().unwrap_or(0);

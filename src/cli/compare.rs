@@ -114,10 +114,12 @@ fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
     {
         crate::kv_cache::validate(kv, &files.config)?;
     }
-    let loaded = Loaded::load(&files, &a.engine)?;
+    // The weights load while the tokenizer is being built (`ModelFiles::open`).
+    let loaded = Loaded::load(&files, &a.engine).map_err(|e| files.tokenizer_error_or(e))?;
+    let tokenizer = files.tokenizer()?;
     let mut rows = Vec::new();
     for prompt in &prompts {
-        let ids = files.tokenizer.encode(prompt)?;
+        let ids = tokenizer.encode(prompt)?;
         let options = |kv: &KvConfig| {
             a.cache
                 .generate_options(kv, &files.config, a.tokens, SamplerConfig::greedy(), true)
@@ -131,7 +133,7 @@ fn run_in_pool(a: CompareArgs) -> anyhow::Result<()> {
         let greedy = |kv: &KvConfig| -> anyhow::Result<Vec<u32>> {
             let opts = options(kv)?;
             let mut run = loaded.run(kv);
-            Ok(generate(run.as_mut(), &files.tokenizer, &ids, &opts, &mut |_| {})?.generated_ids)
+            Ok(generate(run.as_mut(), tokenizer, &ids, &opts, &mut |_| {})?.generated_ids)
         };
         let base_ids = greedy(&baseline)?;
         for (name, kv) in &modes {

@@ -16,6 +16,8 @@ pub struct ConvertArgs {
 
 pub fn run(a: ConvertArgs) -> anyhow::Result<()> {
     let f = ModelFiles::open(Some(&a.hf_dir))?;
+    // A tokenizer.json that does not make a tokenizer is refused, not copied.
+    f.tokenizer()?;
     if f.format != Format::HfDir {
         return Err(
             Error::format(&a.hf_dir, "convert takes a Hugging Face model directory").into(),

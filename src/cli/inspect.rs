@@ -15,6 +15,7 @@ pub struct InspectArgs {
 
 pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     let f = ModelFiles::open(a.model.as_deref())?;
+    let tokenizer = f.tokenizer()?;
     let c = &f.config;
     outln!("model:       {}", f.path.display())?;
     outln!("format:      {}", f.format.name())?;
@@ -53,7 +54,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     outln!(
         "vocab:       {} (tokenizer: {})",
         c.vocab_size,
-        f.tokenizer.vocab_size()
+        tokenizer.vocab_size()
     )?;
     outln!("hidden:      {}", c.hidden_size)?;
     outln!("layers:      {}", c.n_layers)?;
@@ -107,7 +108,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     outln!(
         "bos/eos:     {:?} / {:?}",
         c.bos_token_id,
-        f.tokenizer.eos_ids
+        tokenizer.eos_ids
     )?;
     outln!(
         "chat tmpl:   {}",

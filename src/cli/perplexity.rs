@@ -105,7 +105,7 @@ pub fn check_flags(a: &PerplexityArgs) -> crate::Result<()> {
 
 /// The text's tokens (at most `--max-tokens`), enough of them for what was asked.
 pub fn tokens_of(a: &PerplexityArgs, files: &ModelFiles, text: &str) -> crate::Result<Vec<u32>> {
-    let mut tokens = files.tokenizer.encode(text)?;
+    let mut tokens = files.tokenizer()?.encode(text)?;
     if let Some(n) = a.max_tokens {
         tokens.truncate(n);
     }

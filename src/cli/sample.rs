@@ -83,16 +83,21 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
     let files = open_model(&a.model)?;
     crate::kv_cache::validate(&kv, &files.config)?;
     let (opts, seed) = options(&a, &files, &kv)?;
-    let prompt_text = prompt_text(&a, &files)?;
-    let prompt_ids = prompt_ids(&a, &files, &opts, &prompt_text)?;
-    check_kv_fits(&a, &files, &kv, prompt_ids.len())?;
     let wdtype = a.engine.weights_dtype(files.format);
     crate::memory::check_weights_fit(&files, wdtype, a.engine.engine == EngineKind::Reference)?;
     let identity = state_identity(&a, &files, wdtype)?;
+    // The weights load while the tokenizer is still being built (`ModelFiles::open`); the
+    // prompt is read once both are ready. A file refused by both names the tokenizer's
+    // problem, as when the tokenizer was built first.
+    let loaded = Loaded::load(&files, &a.engine).map_err(|e| files.tokenizer_error_or(e))?;
+    let prompt_text = prompt_text(&a, &files)?;
+    let prompt_ids = prompt_ids(&a, &files, &opts, &prompt_text)?;
+    check_kv_fits(&a, &files, &kv, prompt_ids.len())?;
     let resume = match (&a.load_state, &identity) {
         (Some(path), Some(id)) => Some(load_state(path, id, &kv, &files, &prompt_ids)?),
         _ => None,
     };
+    let load_secs = t_load.elapsed().as_secs_f64();
 
     let json = a.json;
     let mut on_text = |s: &str| -> crate::Result<()> {
@@ -102,8 +107,6 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
             crate::cli::out::stream(s)
         }
     };
-    let loaded = Loaded::load(&files, &a.engine)?;
-    let load_secs = t_load.elapsed().as_secs_f64();
     let exec = match &loaded {
         Loaded::Optimized(m) => Some(*m.options()),
         #[cfg(feature = "reference-engine")]
@@ -142,7 +145,7 @@ fn run_in_pool(a: SampleArgs) -> anyhow::Result<()> {
     let keep = json || a.save_state.is_some();
     let res = generate_from(
         &mut *run,
-        &files.tokenizer,
+        files.tokenizer()?,
         &prompt_ids,
         gen,
         keep,
@@ -196,7 +199,8 @@ fn load_draft(
     let files = ModelFiles::open(Some(path)).map_err(named)?;
     let model = Loaded::load(&files, engine)
         .and_then(|l| l.into_optimized("--draft-model"))
-        .map_err(named)?;
+        .and_then(|m| files.tokenizer().map(|_| m))
+        .map_err(|e| named(files.tokenizer_error_or(e)))?;
     crate::speculate::DraftModel::new(std::sync::Arc::new(model), &files, target, kv)
 }
 
@@ -319,7 +323,7 @@ pub fn prompt_text(a: &SampleArgs, files: &ModelFiles) -> crate::Result<String> 
             format!("{} has no chat template", files.path.display()),
         )
     })?;
-    let (bos, eos) = crate::chat::special_tokens(&files.tokenizer);
+    let (bos, eos) = crate::chat::special_tokens(files.tokenizer()?);
     crate::chat::render_chat(template, &a.prompt, &bos, &eos)
 }
 
@@ -332,17 +336,13 @@ pub fn prompt_ids(
     text: &str,
 ) -> crate::Result<Vec<u32>> {
     // A prompt that cannot fit the context whatever it encodes to is refused unread.
-    opts.check_prompt_bytes(
-        text.len(),
-        &files.tokenizer,
-        None,
-        crate::generate::Surface::Cli,
-    )?;
+    let tokenizer = files.tokenizer()?;
+    opts.check_prompt_bytes(text.len(), tokenizer, None, crate::generate::Surface::Cli)?;
     let ids = if a.chat {
         // The template already spells out BOS and control tokens.
-        files.tokenizer.encode_with(text, false)?
+        tokenizer.encode_with(text, false)?
     } else {
-        files.tokenizer.encode(text)?
+        tokenizer.encode(text)?
     };
     opts.check_prompt(ids.len())?;
     Ok(ids)

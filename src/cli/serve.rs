@@ -266,7 +266,10 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         Some(WeightsArg::Bf16) => WeightsDType::Bf16,
     };
     // The server runs batches of sequences on the whole pool: no adaptive choice.
-    let model = Model::load_opts(&files, wdtype, &a.exec.options(a.threads, false))?;
+    // The weights load while the tokenizer is being built (`ModelFiles::open`).
+    let model = Model::load_opts(&files, wdtype, &a.exec.options(a.threads, false))
+        .map_err(|e| files.tokenizer_error_or(e))?;
+    let tokenizer = files.tokenizer()?.clone();
     let model_identity = match &a.state_dir {
         Some(_) => Some(crate::state::ModelIdentity::of(&files)?.with_weights(wdtype)),
         None => None,
@@ -297,7 +300,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let addr = SocketAddr::new(a.host, a.port);
     let out = serve(
         model,
-        files.tokenizer.clone(),
+        tokenizer,
         files.chat_template.clone(),
         cfg,
         addr,

@@ -174,25 +174,24 @@ fn opt_bool(meta: &BTreeMap<String, GgufValue>, key: &str, path: &Path) -> Resul
 /// into JSON and back: that took a second of a 0.5B model's load.
 pub fn build(meta: &BTreeMap<String, GgufValue>, path: &Path) -> Result<tokenizers::Tokenizer> {
     if meta.get("tokenizer.ggml.model").and_then(GgufValue::as_str) == Some("llama") {
-        let parts = spm::Parts::read(meta, path)?;
+        let mut parts = spm::Parts::read(meta, path)?;
+        let bpe = parts.bpe();
         let added = parts.added.iter().map(|&(_, t, special)| (t, special));
-        return assemble(parts.skeleton(), parts.bpe(), added, path);
+        return assemble(parts.skeleton(), bpe, added, path);
     }
-    let parts = Gpt2Parts::read(meta, path)?;
+    let mut parts = Gpt2Parts::read(meta, path)?;
     let skeleton = parts.json(Map::new(), Vec::new(), json!([]));
+    // The builder takes the vocabulary and merges owned: the parts' own are moved into it
+    // or freed first, not held beside its copies (the build's memory peak, which lands on
+    // the weights being repacked meanwhile, `ModelFiles::open`).
+    let vocab: tokenizers::models::bpe::Vocab =
+        std::mem::take(&mut parts.vocab).into_iter().collect();
+    let merges = std::mem::take(&mut parts.merges)
+        .into_iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
     let bpe = tokenizers::models::bpe::BPE::builder()
-        .vocab_and_merges(
-            parts
-                .vocab
-                .iter()
-                .map(|(k, &v)| (k.clone(), v))
-                .collect::<tokenizers::models::bpe::Vocab>(),
-            parts
-                .merges
-                .iter()
-                .map(|&(a, b)| (a.to_string(), b.to_string()))
-                .collect(),
-        )
+        .vocab_and_merges(vocab, merges)
         .continuing_subword_prefix(String::new())
         .end_of_word_suffix(String::new())
         .fuse_unk(false)
@@ -712,17 +711,17 @@ mod spm {
             &self.skeleton
         }
 
-        /// The BPE model of the vocabulary and merges, with the document's options.
-        pub fn bpe(&self) -> tokenizers::Result<tokenizers::models::bpe::BPE> {
-            let vocab: tokenizers::models::bpe::Vocab = self
-                .vocab
-                .iter()
-                .map(|&(t, i)| (t.to_string(), i))
+        /// The BPE model of the vocabulary and merges, with the document's options. Takes
+        /// them from `self` (their owned copies are the builder's; these are freed before
+        /// it builds, not held beside its maps at the build's memory peak).
+        pub fn bpe(&mut self) -> tokenizers::Result<tokenizers::models::bpe::BPE> {
+            let vocab: tokenizers::models::bpe::Vocab = std::mem::take(&mut self.vocab)
+                .into_iter()
+                .map(|(t, i)| (t.to_string(), i))
                 .collect();
-            let merges = self
-                .merges
-                .iter()
-                .map(|&(a, b)| (a.to_string(), b.to_string()))
+            let merges = std::mem::take(&mut self.merges)
+                .into_iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
                 .collect();
             let mut b = tokenizers::models::bpe::BPE::builder()
                 .vocab_and_merges(vocab, merges)

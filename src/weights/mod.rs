@@ -10,7 +10,7 @@
 use crate::config::{Config, HfConfig};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{PendingTokenizer, Tokenizer};
 use half::{bf16, f16};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -199,7 +199,8 @@ pub struct ModelFiles {
     /// The config.json text (HF/.tinygpt); `None` for GGUF.
     pub config_json: Option<String>,
     pub tensors: BTreeMap<String, Tensor>,
-    pub tokenizer: Tokenizer,
+    /// Built on its own thread from the moment the file is opened ([`Self::tokenizer`]).
+    tokenizer: PendingTokenizer,
     /// The tokenizer.json text, when the model has one (HF/.tinygpt).
     pub tokenizer_json: Option<String>,
     pub chat_template: Option<String>,
@@ -232,23 +233,48 @@ impl ModelFiles {
     /// bundled default model. The config is checked against the tensors (every tensor the
     /// forward pass needs, with its shape) and every weight against NaN/Inf before anything
     /// is allocated from the config's sizes.
+    ///
+    /// The tokenizer is built on a thread of its own meanwhile, and may still be when this
+    /// returns (so that it overlaps the weights' checks and the loader's repack):
+    /// [`tokenizer`](Self::tokenizer) waits for it and gives its error, if any. When a check
+    /// of the weights fails too, the tokenizer's error is the one returned, as when the
+    /// tokenizer was built first.
     pub fn open(path: Option<&Path>) -> Result<ModelFiles> {
-        let files = Self::open_unchecked(path)?;
-        files.check_layer_count()?;
-        ModelTensors::collect(&files)?;
-        files.check_finite()?;
-        Ok(files)
+        Self::open_unchecked(path)?.checked()
     }
 
     /// Reads a `.tinygpt` (safetensors with the config and tokenizer in its metadata) from
     /// bytes in memory, with the same checks as [`open`](Self::open) (tests, fuzzing).
     pub fn from_tinygpt_bytes(bytes: &[u8], path: &Path) -> Result<ModelFiles> {
-        let files =
-            Self::from_tinygpt_backing(Arc::new(Backing::owned(bytes)), path, Format::Tinygpt)?;
-        files.check_layer_count()?;
-        ModelTensors::collect(&files)?;
-        files.check_finite()?;
-        Ok(files)
+        Self::from_tinygpt_backing(Arc::new(Backing::owned(bytes)), path, Format::Tinygpt)?
+            .checked()
+    }
+
+    /// The model's tokenizer, waiting for its build the first time; the build's error
+    /// (naming the file) if the tokenizer the file describes cannot be built or does not
+    /// fit the model.
+    pub fn tokenizer(&self) -> Result<&Tokenizer> {
+        self.tokenizer.get()
+    }
+
+    /// `self` once the weights pass [`check_layer_count`](Self::check_layer_count),
+    /// [`ModelTensors::collect`] and [`check_finite`](Self::check_finite).
+    fn checked(self) -> Result<ModelFiles> {
+        let checks = self
+            .check_layer_count()
+            .and_then(|()| ModelTensors::collect(&self).map(drop))
+            .and_then(|()| self.check_finite());
+        match checks {
+            Ok(()) => Ok(self),
+            Err(e) => Err(self.tokenizer_error_or(e)),
+        }
+    }
+
+    /// The tokenizer's error if its build failed, else `e`: a file refused for two reasons
+    /// (its tokenizer, and `e` found while the tokenizer was being built) names the
+    /// tokenizer's, as when the tokenizer was built before anything else was checked.
+    pub fn tokenizer_error_or(&self, e: Error) -> Error {
+        self.tokenizer.get().err().unwrap_or(e)
     }
 
     /// The file that holds the config, for messages.
@@ -377,7 +403,10 @@ impl ModelFiles {
             .ok_or_else(|| Error::format(path, format!("missing '{META_TOKENIZER}' metadata")))?;
         let config = HfConfig::from_json(config_json, path)?.validate(path)?;
         let tensors = read_safetensors(&backing, path)?;
-        let tokenizer = Tokenizer::from_json(tok_json, path, &config)?;
+        let tokenizer = {
+            let (json, config) = (tok_json.clone(), config.clone());
+            PendingTokenizer::spawn(path, move |path| Tokenizer::from_json(&json, path, &config))
+        };
         let file_bytes = bytes.len() as u64;
         Ok(ModelFiles {
             path: path.to_path_buf(),
@@ -453,7 +482,12 @@ impl ModelFiles {
             return Err(Error::format(dir, "directory has no tokenizer.json"));
         }
         let tok_json = read_side_file(&tok_path)?;
-        let tokenizer = Tokenizer::from_json(&tok_json, &tok_path, &config)?;
+        let tokenizer = {
+            let (json, config) = (tok_json.clone(), config.clone());
+            PendingTokenizer::spawn(&tok_path, move |path| {
+                Tokenizer::from_json(&json, path, &config)
+            })
+        };
         let chat_template = read_chat_template(dir);
         Ok(ModelFiles {
             path: dir.to_path_buf(),
@@ -469,17 +503,36 @@ impl ModelFiles {
     }
 
     fn open_gguf(path: &Path) -> Result<ModelFiles> {
-        let gguf = crate::gguf::GgufFile::open(path)?;
+        let gguf = Arc::new(crate::gguf::GgufFile::open(path)?);
         let config = gguf.config()?;
-        let tok = gguf.tokenizer()?;
-        let tokenizer = Tokenizer::new(tok, path, &config)?;
-        // Building the tokenizer goes through a JSON document of the whole vocabulary
-        // (hundreds of MiB of small allocations for a 150K vocabulary), freed by now but
-        // kept by the allocator: give it back before the weights are repacked.
-        crate::memory::release_free_memory();
-        let chat_template = gguf.chat_template().map(String::from);
-        let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
-        let gguf = Arc::new(gguf);
+        let tokenizer = {
+            let (gguf, config) = (gguf.clone(), config.clone());
+            PendingTokenizer::spawn(path, move |path| {
+                let built = Tokenizer::new(gguf.tokenizer()?, path, &config);
+                // Building it leaves tens of MiB of small allocations (the parts read
+                // from the metadata, a second vocabulary map), freed by now but kept by
+                // the allocator: give them back while the weights are repacked.
+                crate::memory::release_free_memory();
+                built
+            })
+        };
+        let tensors = Self::gguf_tensors(&gguf).map_err(|e| tokenizer.get().err().unwrap_or(e))?;
+        Ok(ModelFiles {
+            path: path.to_path_buf(),
+            format: Format::Gguf,
+            config,
+            config_json: None,
+            tensors,
+            tokenizer,
+            tokenizer_json: None,
+            chat_template: gguf.chat_template().map(String::from),
+            file_bytes: std::fs::metadata(path).map(|m| m.len()).unwrap_or(0),
+        })
+    }
+
+    /// The tensors of `gguf` under their Hugging Face names, borrowing its bytes where
+    /// they are used as stored.
+    fn gguf_tensors(gguf: &Arc<crate::gguf::GgufFile>) -> Result<BTreeMap<String, Tensor>> {
         let base = gguf.bytes().as_ptr() as usize;
         let file_len = gguf.bytes().len();
         let mut tensors = BTreeMap::new();
@@ -503,17 +556,7 @@ impl ModelFiles {
                 },
             );
         }
-        Ok(ModelFiles {
-            path: path.to_path_buf(),
-            format: Format::Gguf,
-            config,
-            config_json: None,
-            tensors,
-            tokenizer,
-            tokenizer_json: None,
-            chat_template,
-            file_bytes,
-        })
+        Ok(tensors)
     }
 
     /// Total parameters (elements of every tensor).
