@@ -81,6 +81,12 @@ impl PendingTokenizer {
             .map_err(Error::replay)
     }
 
+    /// The build's error if it failed (waiting for it), else `e`: a file refused for two
+    /// reasons names its tokenizer's, as when the tokenizer was built first.
+    pub fn error_or(&self, e: Error) -> Error {
+        self.get().err().unwrap_or(e)
+    }
+
     /// Waits for the build; a panic in it becomes an error naming the file.
     fn join(&self) -> Result<Tokenizer> {
         let Some(handle) = lock(&self.thread).take() else {

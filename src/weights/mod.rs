@@ -274,7 +274,7 @@ impl ModelFiles {
     /// (its tokenizer, and `e` found while the tokenizer was being built) names the
     /// tokenizer's, as when the tokenizer was built before anything else was checked.
     pub fn tokenizer_error_or(&self, e: Error) -> Error {
-        self.tokenizer.get().err().unwrap_or(e)
+        self.tokenizer.error_or(e)
     }
 
     /// The file that holds the config, for messages.
@@ -516,7 +516,7 @@ impl ModelFiles {
                 built
             })
         };
-        let tensors = Self::gguf_tensors(&gguf).map_err(|e| tokenizer.get().err().unwrap_or(e))?;
+        let tensors = Self::gguf_tensors(&gguf).map_err(|e| tokenizer.error_or(e))?;
         Ok(ModelFiles {
             path: path.to_path_buf(),
             format: Format::Gguf,
