@@ -198,7 +198,7 @@ proptest! {
                 let mut out = vec![[0.0f32; GROUP]; ntok];
                 kernels.group_tokens(&p, g, &refs, &mut out);
                 let mut tiled = vec![[0.0f32; GROUP]; tile.len()];
-                kernels.group_tile(&p, g, &tile, &mut tiled);
+                kernels.group_tile(&p, g, &tile, &mut tiled, true);
                 for (t, o) in out.iter().enumerate() {
                     for (j, &got) in o.iter().enumerate().take(rows - g * GROUP) {
                         let r = g * GROUP + j;

@@ -305,7 +305,7 @@ fn multi_token_kernels_equal_the_scalar_twin_for_every_token() {
                         // the tile path (interleaved activations; AVX-512's own kernel)
                         let mut tiled = vec![[f32::NAN; GROUP]; xs.len()];
                         for (ch, o) in refs.chunks(TILE).zip(tiled.chunks_mut(TILE)) {
-                            kernels.group_tile(&p, g, &ActsTile::new(ch), o);
+                            kernels.group_tile(&p, g, &ActsTile::new(ch), o, g % 2 == 0);
                         }
                         for (t, (o, w)) in tiled.iter().zip(&out).enumerate() {
                             for j in 0..rows.min(g * GROUP + GROUP) - g * GROUP {
@@ -360,7 +360,7 @@ fn multi_token_extremes_stay_exact() {
                     let kernels = Kernels::new(k, p.dtype);
                     kernels.group_tokens(p, g, &refs, &mut out);
                     let mut tiled = vec![[0.0f32; GROUP]; xs.len()];
-                    kernels.group_tile(p, g, &ActsTile::new(&refs), &mut tiled);
+                    kernels.group_tile(p, g, &ActsTile::new(&refs), &mut tiled, true);
                     for (o, ra) in out.iter().chain(&tiled).zip(ras.iter().cycle()) {
                         for (j, &got) in o.iter().enumerate().take(rows - g * GROUP) {
                             let r = g * GROUP + j;

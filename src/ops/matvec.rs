@@ -528,9 +528,10 @@ fn matmul_quantized(mats: &[&Matrix], xs: &[f32], out: Vec<Vec<&mut [f32]>>) {
             for (i, r0) in (0..span).step_by(GROUP).enumerate() {
                 let r1 = (r0 + GROUP).min(span);
                 let mut t0 = ti * TOKEN_TILE;
-                for tile in ts {
+                for (k, tile) in ts.iter().enumerate() {
                     let got = &mut buf[..tile.len()];
-                    m.kernels.group_tile(p, g0 + i, tile, got);
+                    m.kernels
+                        .group_tile(p, g0 + i, tile, got, k + 1 == ts.len());
                     for (o, v) in rows_out[t0..t0 + tile.len()].iter_mut().zip(got.iter()) {
                         if r1 - r0 == GROUP {
                             // A fixed length: two vector moves, not a `memmove` call.

@@ -359,13 +359,22 @@ pub type Dequant = fn(&[u8], &mut [f32]);
 
 /// Eight rows of a group × one token (`out[k]` = row `8g + k`).
 type GroupFn = unsafe fn(DType, &Group, &QuantizedActs, &mut [f32; GROUP]);
+/// The fewest tokens a tile kernel ([`Kernels::group_tile`]) takes; fewer go through the
+/// multi-token kernel. The AVX-512 tile computes four token lanes (eight past four)
+/// whatever the live count, so for two tokens half its work is thrown away: a SmolLM2
+/// Q4_1 pass of 2 tokens (a speculative verification of one draft, or two sequences in a
+/// `serve` step) took 9.4 ms through the tile, 8.3–9.0 ms through `tokens_512::<2>`
+/// (plain step 6.5–7.2 ms; 3 tokens: 10.0 either way). `cargo bench --bench speculate`,
+/// 1 thread, the Zen 4 host, 2 alternated rounds.
+pub const TILE_MIN_TOKENS: usize = 3;
+
 /// Eight rows of a group × the first `n` (1..=[`TOKENS`]) tokens of a tile (`out[t][k]`,
 /// `t < n`; `out[n..]` is left as it is): a short tile costs its own tokens, not
 /// [`TOKENS`] (a speculative verification pass has 2–9 tokens).
 type TokensFn =
     unsafe fn(DType, &Group, &[&QuantizedActs; TOKENS], &mut [[f32; GROUP]; TOKENS], usize);
 /// Eight rows of a group × a tile's first `n` tokens (`out[t][k]`, `t < n`).
-type TileFn = unsafe fn(DType, &Group, &TileView, &mut [[f32; GROUP]; TILE], usize);
+type TileFn = unsafe fn(DType, &Group, &TileView, &mut [[f32; GROUP]; TILE], usize, bool);
 /// Float rows `r0..r0 + out.len()` (of `cols` values, as bytes) × `x`.
 type FloatFn = unsafe fn(&[u8], usize, usize, &[f32], &mut [f32], bool);
 /// One whole row × `T` tokens' Q8_K super-blocks.
@@ -511,11 +520,24 @@ impl Kernels {
     /// `out[t][k] = row (8g + k) · tile token t` for every token of the tile: as
     /// [`Kernels::group_tokens`] (bit for bit the one-token values); the `avx512vnni`
     /// variant's interleaved types read the tile's interleaved copy (no cross-lane
-    /// reduction: each `vpdpbusd` lane sums one row × one token).
-    pub fn group_tile(&self, p: &Packed, g: usize, tile: &ActsTile, out: &mut [[f32; GROUP]]) {
+    /// reduction: each `vpdpbusd` lane sums one row × one token), except a tile of fewer than
+    /// [`TILE_MIN_TOKENS`] tokens, which goes through the multi-token kernel.
+    ///
+    /// `last`: this is the last tile that meets group `g` before the next group; the kernel
+    /// then asks for the next group's lines as it goes (with more tiles to come, the group
+    /// stays in cache between them and a prefetch in each would only repeat itself: a
+    /// 2,000-token SmolLM2 prefill ran 1–3% slower with one in every tile).
+    pub fn group_tile(
+        &self,
+        p: &Packed,
+        g: usize,
+        tile: &ActsTile,
+        out: &mut [[f32; GROUP]],
+        last: bool,
+    ) {
         assert_eq!(out.len(), tile.len(), "one output row per token");
         let (_, _, tile_fn) = self.blocks(p);
-        let Some(tile_fn) = tile_fn else {
+        let Some(tile_fn) = tile_fn.filter(|_| tile.len() >= TILE_MIN_TOKENS) else {
             return self.group_tokens(p, g, tile.tokens(), out);
         };
         let grp = p.group(g);
@@ -524,7 +546,7 @@ impl Kernels {
         let mut buf = [[0.0f32; GROUP]; TILE];
         // SAFETY: as in `group_dot`; the tile holds `grp.nb` blocks of every token
         // (asserted above; its arrays are sized by `ActsTile::new`).
-        unsafe { tile_fn(self.dtype, &grp, &view, &mut buf, tile.len()) };
+        unsafe { tile_fn(self.dtype, &grp, &view, &mut buf, tile.len(), last) };
         let n = out.len();
         out.copy_from_slice(&buf[..n]);
     }

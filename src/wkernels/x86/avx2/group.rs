@@ -263,8 +263,13 @@ unsafe fn group_tokens_body<const T: usize>(
         // SAFETY: block `b` of `g.qs` and of every `a.q` is in bounds (asserts above).
         unsafe {
             let qp = g.qs.as_ptr().add(b * qsb);
+            // As the one-token kernel ([`prefetch_next_group_l2`]): forced AVX2 on the Zen 4
+            // host, a SmolLM2 pass of 2 tokens 16.0 → 9.6 ms, of 4 tokens 25.5 → 14.5
+            // (plain step 6.7–7.1 ms; `cargo bench --bench speculate`, 2 rounds).
             if g.stream {
                 prefetch_ahead(dtype, g, qp, b, qsb);
+            } else {
+                prefetch_next_group_l2(dtype, g, qp, b, qsb);
             }
             let v = unpack_avx2(dtype, qp);
             let sc = scales8(dtype, g, b);
