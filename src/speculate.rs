@@ -47,8 +47,11 @@ const MIN_NGRAM: usize = 2;
 /// `k + 1` tokens costs about `1 + COST_PER_DRAFT · k` steps (the weights are read once; each
 /// extra token adds its integer dot products, attention and a row of the LM head).
 /// `cargo bench --bench speculate` on a 2-core AVX2 host, 1 thread: SmolLM2 Q4_1 ≈ 0.25–0.33,
-/// Gemma 3 270M Q4_K_M ≈ 0.5 (its 262,144-row head is computed per token). One constant,
-/// not a timing, keeps the draft lengths, and so a seeded sampled run, reproducible.
+/// Gemma 3 270M Q4_K_M ≈ 0.5 (its 262,144-row head is computed per token); on the Zen 4
+/// host (AVX-512 VNNI) since the multi-token kernels prefetch (docs/eval/speculate.md),
+/// for 1 / 2 / 4 / 8 drafts: SmolLM2 0.24 / 0.29 / 0.33 / 0.26, Gemma 0.12 / 0.19 / 0.31 /
+/// 0.28. One constant, not a timing, keeps the draft lengths, and so a seeded sampled
+/// run, reproducible.
 const COST_PER_DRAFT: f64 = 0.3;
 /// Drafting is off for good when even drafts that are always accepted could not gain this
 /// much (`(K + 1) / (1 + cost · K)` below it): a draft model whose step costs about as much
