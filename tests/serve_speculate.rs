@@ -330,6 +330,59 @@ fn the_request_field_overrides_the_default_and_bad_values_are_refused() {
     assert!(err.contains("--speculate"), "{err}");
 }
 
+/// `--speculate-max-batch 1`: a request alone drafts (drafts accepted) and answers the
+/// plain text; three prompts at once, with drafts and without, answer the same texts
+/// (drafts only in the steps that decode one sequence); after the batch, a request alone
+/// drafts again at once (no back-off was started by the batch). `0` is refused naming the
+/// flag.
+#[test]
+fn a_batch_limit_drafts_alone_and_keeps_the_text() {
+    let srv = Server::start(&["--speculate", "ngram", "--speculate-max-batch", "1"]);
+    let body = |prompt: &str, spec: bool| {
+        let mut b = json!({"prompt": prompt, "max_tokens": 32, "temperature": 0,
+            "ignore_eos": true, "cache_prompt": false});
+        if !spec {
+            b["speculate"] = json!(false);
+        }
+        b
+    };
+    let alone = outcome(&post_ok(&srv, body(PROMPTS[0], true)));
+    assert!(accepted(&srv) > 0.0, "a request alone drafts");
+    assert_eq!(alone, outcome(&post_ok(&srv, body(PROMPTS[0], false))));
+    std::thread::scope(|sc| {
+        let runs: Vec<_> = PROMPTS
+            .iter()
+            .flat_map(|p| [(p, true), (p, false)])
+            .map(|(p, spec)| {
+                let srv = &srv;
+                sc.spawn(move || outcome(&post_ok(srv, body(p, spec))))
+            })
+            .collect();
+        let got: Vec<_> = runs.into_iter().map(|h| h.join().unwrap()).collect();
+        for (i, pair) in got.chunks(2).enumerate() {
+            assert_eq!(pair[0], pair[1], "prompt {:?}", PROMPTS[i]);
+        }
+    });
+    let before = accepted(&srv);
+    post_ok(&srv, body(PROMPTS[2], true));
+    assert!(accepted(&srv) > before, "alone again, drafts at once");
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tinygpt-cpu"))
+        .args([
+            "serve",
+            "--speculate",
+            "ngram",
+            "--speculate-max-batch",
+            "0",
+        ])
+        .args(["--port", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--speculate-max-batch"), "{err}");
+}
+
 /// SmolLM2 (skipped without it), the flagship int4 sink + window cache: chat requests
 /// that pay (rewrite a paragraph, quote) batched with drafts and without give the same
 /// replies, and drafts are accepted.

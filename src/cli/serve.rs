@@ -47,6 +47,14 @@ pub struct ServeArgs {
     /// §3.3).
     #[arg(long, value_name = "ngram[:K]")]
     pub speculate: Option<String>,
+    /// A speculating sequence drafts only in steps where at most N sequences are decoding
+    /// (default: in every step). A batch already reads each weight once for several
+    /// tokens, which is what drafts buy: drafts in a batch add little and lengthen the
+    /// step (docs/eval/speculate.md, "In serve": 4 SmolLM2 streams, inter-token p99
+    /// 30–49 ms with drafts in every step, 11–16 ms with N = 1, the same tok/s). Like
+    /// vLLM's speculative-disable-by-batch-size.
+    #[arg(long = "speculate-max-batch", value_name = "N")]
+    pub speculate_max_batch: Option<usize>,
     /// Weight dtype in memory: as stored (native), or converted at load.
     #[arg(long = "weights-dtype", value_enum)]
     pub weights_dtype: Option<WeightsArg>,
@@ -258,6 +266,9 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         .as_deref()
         .map(|s| crate::speculate::SpecConfig::parse(s, "--speculate"))
         .transpose()?;
+    if a.speculate_max_batch == Some(0) {
+        return Err(Error::flag("--speculate-max-batch", "must be at least 1, got 0").into());
+    }
     let files = open_model(&a.model)?;
     crate::kv_cache::validate(&kv, &files.config)?;
     let wdtype = match a.weights_dtype {
@@ -292,6 +303,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         model_name: model_name.clone(),
         prefill_tokens_per_step: PREFILL_TOKENS_PER_STEP,
         speculate,
+        speculate_max_batch: a.speculate_max_batch.unwrap_or(usize::MAX),
         limits,
         access,
         tls: tls.clone(),

@@ -91,6 +91,9 @@ pub struct ServerConfig {
     /// Speculative decoding a request gets unless it sets `speculate` (`--speculate`;
     /// `None`: off).
     pub speculate: Option<crate::speculate::SpecConfig>,
+    /// Most sequences decoding in a step in which a sequence still drafts
+    /// (`--speculate-max-batch`, at least 1; `usize::MAX` without it).
+    pub speculate_max_batch: usize,
     /// Connection, request and drain limits.
     pub limits: Limits,
     /// Who may call the server.

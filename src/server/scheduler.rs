@@ -320,9 +320,15 @@ fn forward(
         *take = prompt_left.min(budget);
         budget -= *take;
     }
+    // `--speculate-max-batch`: no drafts in a step that decodes more sequences.
+    let decoding = seqs
+        .iter()
+        .filter(|s| s.prefilled == s.job.prompt_ids.len())
+        .count();
+    let may_draft = decoding <= shared.cfg.speculate_max_batch;
     for s in seqs.iter_mut() {
         if s.prefilled == s.job.prompt_ids.len() {
-            plan_pass(s, &mut budget);
+            plan_pass(s, &mut budget, may_draft);
         }
     }
     let mut ran: Vec<(usize, usize)> = Vec::new();
@@ -370,10 +376,12 @@ fn forward(
 /// now (within the tokens `max_tokens` leaves after the next one, and within `budget`, the
 /// step's prefill budget, which its drafted rows use up), as this step's pass
 /// `[next, draft…]`; its rows are held, under the hold already running (the prompt
-/// cache's) or a hold of their own. Nothing for a plain step.
-fn plan_pass(s: &mut Seq, budget: &mut usize) {
+/// cache's) or a hold of their own. Nothing for a plain step, and nothing (the
+/// [`Speculator`] not consulted, so no back-off starts) when `may_draft` is false: the
+/// step decodes more sequences than `--speculate-max-batch`.
+fn plan_pass(s: &mut Seq, budget: &mut usize, may_draft: bool) {
     s.pass.clear();
-    let Some(spec) = s.spec.as_mut() else {
+    let Some(spec) = s.spec.as_mut().filter(|_| may_draft) else {
         return;
     };
     let left = s.job.max_tokens.saturating_sub(s.generated.len() + 1);
