@@ -332,9 +332,10 @@ fn the_request_field_overrides_the_default_and_bad_values_are_refused() {
 
 /// `--speculate-max-batch 1`: a request alone drafts (drafts accepted) and answers the
 /// plain text; three prompts at once, with drafts and without, answer the same texts
-/// (drafts only in the steps that decode one sequence); after the batch, a request alone
-/// drafts again at once (no back-off was started by the batch). `0` is refused naming the
-/// flag.
+/// (drafts only in the steps that decode one sequence). `0` is refused naming the flag.
+/// (That a batched step leaves a sequence's drafting state untouched holds by
+/// construction, `plan_pass` not consulting its `Speculator`; a later request has a
+/// `Speculator` of its own, so this test could not see it.)
 #[test]
 fn a_batch_limit_drafts_alone_and_keeps_the_text() {
     let srv = Server::start(&["--speculate", "ngram", "--speculate-max-batch", "1"]);
@@ -363,9 +364,6 @@ fn a_batch_limit_drafts_alone_and_keeps_the_text() {
             assert_eq!(pair[0], pair[1], "prompt {:?}", PROMPTS[i]);
         }
     });
-    let before = accepted(&srv);
-    post_ok(&srv, body(PROMPTS[2], true));
-    assert!(accepted(&srv) > before, "alone again, drafts at once");
 
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tinygpt-cpu"))
         .args([
