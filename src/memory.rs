@@ -161,21 +161,40 @@ pub fn release_free_memory() -> bool {
 #[cfg(test)]
 mod tests {
     /// The block model is glibc's: its own `malloc_usable_size` is the chunk less the
-    /// 8-byte header, for every size below the mmap threshold.
+    /// 8-byte header, for every size below the mmap threshold. A free chunk up to 31 bytes
+    /// larger (a remainder below glibc's 32-byte minimum is not split off) can be handed
+    /// out instead when other threads' frees left one in a bin (seen under qemu aarch64,
+    /// 416 for 400); so up to eight blocks are kept live at once, each within that slack,
+    /// and the smallest is the model's.
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     #[test]
     fn heap_block_bytes_is_glibcs_chunk() {
         assert_eq!(super::heap_block_bytes(0), 0);
         for n in (1..=4096).chain([10_000, 30_001, 65_536, 100_003]) {
-            // SAFETY: a plain malloc/free pair; the pointer is only measured.
-            let usable = unsafe {
-                let p = libc::malloc(n);
-                assert!(!p.is_null());
-                let u = libc::malloc_usable_size(p);
-                libc::free(p);
-                u
+            let want = super::heap_block_bytes(n);
+            // SAFETY: plain malloc/free pairs; the pointers are only measured.
+            let chunks: Vec<usize> = unsafe {
+                let mut live = Vec::new();
+                let mut sizes = Vec::new();
+                for _ in 0..8 {
+                    let p = libc::malloc(n);
+                    assert!(!p.is_null());
+                    sizes.push(libc::malloc_usable_size(p) + 8);
+                    live.push(p);
+                    if sizes.last() == Some(&want) {
+                        break;
+                    }
+                }
+                for p in live {
+                    libc::free(p);
+                }
+                sizes
             };
-            assert_eq!(super::heap_block_bytes(n), usable + 8, "{n} bytes");
+            assert!(
+                chunks.iter().all(|&c| c >= want && c < want + 32),
+                "{n} bytes: {chunks:?} vs {want}"
+            );
+            assert_eq!(chunks.iter().min(), Some(&want), "{n} bytes: {chunks:?}");
         }
     }
 }
